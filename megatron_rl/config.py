@@ -1,0 +1,284 @@
+"""One typed configuration tree for a run.
+
+Every setting a run uses lives here, in nested dataclasses, loaded from a YAML recipe plus
+command-line overrides (`section.key=value`). Loading validates everything that can be checked
+without starting processes: unknown keys (with a suggestion), wrong types, out-of-range values and
+parallel layouts Megatron-Core trains wrongly. Errors name the file and the dotted key, so a bad
+recipe fails in milliseconds instead of after model construction.
+
+Checks that need the world size (does the layout divide the number of ranks?) live in
+`ParallelConfig.validate_world_size`, called by the platform layer at start-up, and by the launcher
+before a job is submitted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or inconsistent; the message says which and why."""
+
+
+Precision = Literal["fp32", "bf16"]
+Fp8Recipe = Literal["delayed", "current", "blockwise", "mxfp8"]
+Device = Literal["auto", "cpu", "cuda"]
+Dispatcher = Literal["alltoall", "allgather"]
+
+
+@dataclass
+class ModelConfig:
+    # A Hugging Face config.json (file or directory holding one), or the name of a preset shipped
+    # with the package (see megatron_rl/model/presets/).
+    hf_config: str = "tiny-qwen3-moe"
+    precision: Precision = "fp32"
+    # FP8 is applied through Transformer Engine on Hopper; refused on CPU before the model is built.
+    fp8_recipe: Fp8Recipe | None = None
+    # Megatron pads the embedding rows to a multiple of this times TP; the padding never enters
+    # the softmax of our logprobs (it is masked), and the bridge trims it on export.
+    make_vocab_size_divisible_by: int = 128
+    moe_token_dispatcher: Dispatcher = "alltoall"
+    # RL on verifiable rewards usually trains without the load-balancing loss; set > 0 to add it.
+    moe_aux_loss_coeff: float = 0.0
+    # "auto": Transformer Engine layers when TE and CUDA are present, local layers otherwise.
+    layer_spec: Literal["auto", "local", "transformer_engine"] = "auto"
+
+    def validate(self, where: str) -> None:
+        if self.make_vocab_size_divisible_by < 1:
+            raise ConfigError(f"{where}.make_vocab_size_divisible_by must be >= 1")
+        if self.moe_aux_loss_coeff < 0:
+            raise ConfigError(f"{where}.moe_aux_loss_coeff must be >= 0")
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1  # tensor parallel
+    pp: int = 1  # pipeline parallel
+    ep: int = 1  # expert parallel
+    etp: int | None = None  # expert tensor parallel; None means "same as tp"
+    cp: int = 1  # context parallel
+    # None = on whenever tp > 1 (Megatron requires it for MoE with TP, and it saves activations).
+    sequence_parallel: bool | None = None
+    distributed_optimizer: bool = True
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def uses_sequence_parallel(self) -> bool:
+        return self.tp > 1 if self.sequence_parallel is None else self.sequence_parallel
+
+    def validate(self, where: str) -> None:
+        for name in ("tp", "pp", "ep", "cp"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
+        if self.etp is not None and self.etp < 1:
+            raise ConfigError(f"{where}.etp must be >= 1 (or null for 'same as tp'), got {self.etp}")
+        if self.sequence_parallel is False and self.tp > 1:
+            # Megatron-Core's MoE layers refuse TP without sequence parallelism, and for dense
+            # models it only costs memory; keep one supported path.
+            raise ConfigError(
+                f"{where}.sequence_parallel=false with tp={self.tp} is not supported: "
+                "leave it unset (on when tp > 1)"
+            )
+
+    def validate_for_model(self, where: str, *, num_experts: int | None) -> None:
+        """Layout checks that depend on the model (MoE or dense)."""
+        if num_experts:
+            if self.tp > 1 and self.ep == 1 and self.expert_tp == 1:
+                # Measured: the expert weights are then replicated across the TP group but their
+                # gradients are never reduced over it, so TP ranks drift apart.
+                raise ConfigError(
+                    f"{where}: tp={self.tp} with ep=1 and etp=1 trains MoE experts wrongly "
+                    "(expert gradients are not reduced across the tensor-parallel group). "
+                    f"Use etp={self.tp} (expert tensor parallel) or ep>1."
+                )
+            if num_experts % self.ep:
+                raise ConfigError(
+                    f"{where}.ep={self.ep} must divide the number of experts ({num_experts})"
+                )
+        elif self.ep > 1 or (self.etp is not None and self.etp != self.tp):
+            raise ConfigError(f"{where}: ep/etp are only meaningful for MoE models (this one is dense)")
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // (self.tp * self.pp * self.cp)
+
+    def validate_world_size(self, world_size: int, where: str = "parallel") -> None:
+        dense_block = self.tp * self.pp * self.cp
+        if world_size % dense_block:
+            raise ConfigError(
+                f"{where}: world size {world_size} is not divisible by tp*pp*cp = "
+                f"{self.tp}*{self.pp}*{self.cp} = {dense_block}"
+            )
+        expert_block = self.expert_tp * self.ep * self.pp
+        if world_size % expert_block:
+            raise ConfigError(
+                f"{where}: world size {world_size} is not divisible by etp*ep*pp = "
+                f"{self.expert_tp}*{self.ep}*{self.pp} = {expert_block}"
+            )
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+    def validate(self, where: str) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"{where}.lr must be > 0, got {self.lr}")
+        if not 0 <= self.adam_beta1 < 1 or not 0 <= self.adam_beta2 < 1:
+            raise ConfigError(f"{where}.adam_beta1/adam_beta2 must be in [0, 1)")
+        if self.clip_grad < 0:
+            raise ConfigError(f"{where}.clip_grad must be >= 0 (0 disables clipping)")
+
+
+@dataclass
+class RunConfig:
+    """The root of the tree."""
+
+    seed: int = 1234
+    device: Device = "auto"
+    output_dir: str = "runs/default"
+    # Tokens per packed micro-batch when computing logprobs or training.
+    micro_batch_tokens: int = 4096
+    # Chunk of tokens for the vocab-parallel logprob/entropy kernel (bounds fp32 memory).
+    logprob_chunk_tokens: int = 1024
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+
+    def validate(self, where: str = "config") -> RunConfig:
+        if self.micro_batch_tokens < 1:
+            raise ConfigError(f"{where}: micro_batch_tokens must be >= 1")
+        if self.logprob_chunk_tokens < 1:
+            raise ConfigError(f"{where}: logprob_chunk_tokens must be >= 1")
+        self.model.validate(f"{where}: model")
+        self.parallel.validate(f"{where}: parallel")
+        self.optimizer.validate(f"{where}: optimizer")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading: YAML + dotted overrides -> dataclasses, with errors that name the file and the key.
+# ---------------------------------------------------------------------------------------------
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Build a validated RunConfig from an optional YAML file and `a.b=value` overrides."""
+    raw: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping, got {type(loaded).__name__}")
+        raw = loaded
+    for item in overrides or []:
+        _apply_override(raw, item)
+    config = _build(RunConfig, raw, source=source, prefix="")
+    return config.validate(source)
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value")
+    dotted, text = item.split("=", 1)
+    keys = dotted.strip().split(".")
+    node = raw
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {key} is not a section")
+    node[keys[-1]] = yaml.safe_load(text) if text.strip() else None
+
+
+def _build(cls: type, raw: Any, source: str, prefix: str) -> Any:
+    where = f"{source}: {prefix.rstrip('.') or 'top level'}"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping for {cls.__name__}, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in raw if k not in fields]
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(str(key), list(fields), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(fields)}"
+        raise ConfigError(f"{source}: unknown key '{prefix}{key}'{hint}")
+    values = {}
+    for name, value in raw.items():
+        values[name] = _coerce(hints[name], value, source, f"{prefix}{name}")
+    return cls(**values)
+
+
+def _coerce(hint: Any, value: Any, source: str, key: str) -> Any:
+    where = f"{source}: {key}"
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value if value is not None else {}, source, f"{key}.")
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(option, value, source, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {value!r} fits none of {hint}")
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, allowed))}")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads exponents without a dot (3e-6) as strings; accept them as numbers.
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported config type {hint}")  # a bug in this module, not input
+
+
+def to_dict(config: RunConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)

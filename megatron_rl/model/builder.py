@@ -1,0 +1,211 @@
+"""Build the Megatron-Core policy (`GPTModel`) described by a Hugging Face config.
+
+    arch = parse_hf_config(*load_hf_config(config.model.hf_config))
+    tconfig = transformer_config(arch, config, device)
+    model = build_gpt_model(arch, tconfig, config.model, use_te=...)
+
+The layer spec is Transformer Engine's when TE and CUDA are both present (fused attention that
+handles packed `thd` batches, TE linears, FP8), and the local spec otherwise, with our
+`VarlenDotProductAttention` in place of the local attention so packed batches work on CPU too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+from megatron_rl.config import ConfigError, ModelConfig, RunConfig
+from megatron_rl.model.hf_config import ArchitectureSpec
+
+# Our recipe names -> TransformerConfig.fp8_recipe. "current" is tensor-wise current scaling.
+FP8_RECIPES = {"delayed": "delayed", "current": "tensorwise", "blockwise": "blockwise", "mxfp8": "mxfp8"}
+# Oldest compute capability for each recipe (Hopper = 9.0; MXFP8 needs Blackwell = 10.0).
+FP8_MIN_CAPABILITY = {"delayed": (8, 9), "current": (8, 9), "blockwise": (9, 0), "mxfp8": (10, 0)}
+
+
+def transformer_engine_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
+
+
+def use_transformer_engine(model: ModelConfig, device: torch.device) -> bool:
+    if model.layer_spec == "local":
+        return False
+    available = device.type == "cuda" and transformer_engine_available()
+    if model.layer_spec == "transformer_engine" and not available:
+        raise ConfigError(
+            "model.layer_spec=transformer_engine needs CUDA and the transformer-engine package "
+            "(install the 'gpu' extra); use layer_spec: auto or local on this machine"
+        )
+    return available
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's rule: pad to a multiple of divisible_by * tp so every TP shard is equal."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def check_fp8(model: ModelConfig, device: torch.device, use_te: bool) -> None:
+    recipe = model.fp8_recipe
+    if recipe is None:
+        return
+    if device.type != "cuda" or not use_te:
+        raise ConfigError(
+            f"model.fp8_recipe={recipe!r} needs Transformer Engine on a CUDA GPU (Hopper or newer); "
+            f"this run uses {device.type} with the {'TE' if use_te else 'local'} layer spec. "
+            "Remove fp8_recipe for CPU runs."
+        )
+    if model.precision != "bf16":
+        raise ConfigError(f"model.fp8_recipe={recipe!r} requires model.precision: bf16 (got {model.precision})")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_MIN_CAPABILITY[recipe]:
+        need = ".".join(map(str, FP8_MIN_CAPABILITY[recipe]))
+        raise ConfigError(
+            f"model.fp8_recipe={recipe!r} needs compute capability >= {need}; "
+            f"this GPU ({torch.cuda.get_device_name(device)}) is {capability[0]}.{capability[1]}"
+        )
+
+
+def transformer_config(arch: ArchitectureSpec, config: RunConfig, device: torch.device, use_te: bool):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parallel = config.parallel
+    parallel.validate_for_model("parallel", num_experts=arch.num_experts)
+    _check_divisibility(arch, config)
+    check_fp8(config.model, device, use_te)
+    bf16 = config.model.precision == "bf16"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    moe: dict = {}
+    if arch.is_moe:
+        moe = dict(
+            num_moe_experts=arch.num_experts,
+            moe_router_topk=arch.moe_top_k,
+            moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+            moe_layer_freq=[1 if sparse else 0 for sparse in arch.moe_layer_pattern],
+            # HF: softmax over all experts, top-k, then renormalize if norm_topk_prob. Megatron
+            # without pre_softmax takes top-k logits then softmaxes them: the same numbers as
+            # renormalizing; pre_softmax keeps the un-renormalized top-k probabilities.
+            moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+            moe_router_dtype="fp32",
+            moe_token_dispatcher_type=config.model.moe_token_dispatcher,
+            moe_router_load_balancing_type="aux_loss" if config.model.moe_aux_loss_coeff > 0 else "none",
+            moe_aux_loss_coeff=config.model.moe_aux_loss_coeff,
+            moe_grouped_gemm=use_te,
+            moe_permute_fusion=False,
+        )
+    else:
+        # Megatron validates the dispatcher even for dense models; its default (allgather)
+        # refuses variable_seq_lengths.
+        moe = dict(moe_token_dispatcher_type="alltoall")
+    if arch.is_moe and parallel.pp > 1 and config.model.moe_token_dispatcher == "allgather":
+        raise ConfigError(
+            "model.moe_token_dispatcher=allgather cannot run with parallel.pp > 1 (Megatron-Core "
+            "needs fixed sequence lengths for it, and packed micro-batches vary); use alltoall"
+        )
+    fp8: dict = {}
+    if config.model.fp8_recipe is not None:
+        fp8 = dict(
+            fp8="hybrid" if config.model.fp8_recipe == "delayed" else "e4m3",
+            fp8_recipe=FP8_RECIPES[config.model.fp8_recipe],
+        )
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_key_value_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=arch.attention_dropout,
+        init_method_std=arch.initializer_range,
+        # Fused kernels are CUDA-only; the unfused paths compute the same function.
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.expert_tp,
+        context_parallel_size=parallel.cp,
+        sequence_parallel=parallel.uses_sequence_parallel,
+        # Packed micro-batches have different lengths; pipeline stages must exchange shapes.
+        variable_seq_lengths=parallel.pp > 1,
+        # Our loss is already divided by the whole step's normalizer (see model/policy.py), so
+        # Megatron must neither divide by the micro-batch count nor average over DP.
+        calculate_per_token_loss=True,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=bf16,
+        use_cpu_initialization=device.type == "cpu",
+        **moe,
+        **fp8,
+    )
+
+
+def _check_divisibility(arch: ArchitectureSpec, config: RunConfig) -> None:
+    p = config.parallel
+    checks = [
+        ("num_attention_heads", arch.num_attention_heads, "tp", p.tp),
+        ("num_key_value_heads", arch.num_key_value_heads, "tp", p.tp),
+        ("num_hidden_layers", arch.num_layers, "pp", p.pp),
+        ("intermediate_size", arch.ffn_hidden_size, "tp", p.tp),
+    ]
+    if arch.is_moe:
+        checks.append(("moe_intermediate_size", arch.moe_ffn_hidden_size, "etp", p.expert_tp))
+    for key, value, axis, size in checks:
+        if value % size:
+            raise ConfigError(
+                f"model {key}={value} is not divisible by parallel.{axis}={size}; choose a layout that divides it"
+            )
+
+
+def layer_spec(tconfig, use_te: bool):
+    """The decoder block spec for this model (dense and MoE layers as the pattern says)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from megatron_rl.model.varlen_attention import VarlenDotProductAttention
+
+    block = get_gpt_decoder_block_spec(tconfig, use_transformer_engine=use_te, normalization="RMSNorm")
+    if not use_te:
+        for spec in block.layer_specs:
+            spec.submodules.self_attention.submodules.core_attention = VarlenDotProductAttention
+    return block
+
+
+def build_gpt_model(arch: ArchitectureSpec, tconfig, model: ModelConfig, use_te: bool, vp_stage=None):
+    """One pipeline stage of the policy (this rank's layers; embedding/head where they belong)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    gpt = GPTModel(
+        config=tconfig,
+        transformer_layer_spec=layer_spec(tconfig, use_te),
+        vocab_size=padded_vocab_size(
+            arch.vocab_size, model.make_vocab_size_divisible_by, tconfig.tensor_model_parallel_size
+        ),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,  # keep logits vocab-sharded: logprobs never gather the vocabulary
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=arch.rope_theta,
+        rotary_percent=1.0,
+    )
+    return gpt
+
+
+def describe(arch: ArchitectureSpec) -> dict:
+    return dataclasses.asdict(arch)

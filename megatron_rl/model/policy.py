@@ -1,0 +1,233 @@
+"""The trainable policy: a Megatron-Core GPTModel with DDP, the Megatron optimizer and schedule.
+
+Two operations, both over packed micro-batches and any TP/PP/EP/DP layout:
+
+    policy.logprobs(batches)            -> per-position logprobs (and entropy), no grad
+    policy.train_step(batches, loss_fn) -> one optimizer step; returns loss and grad norm
+
+`loss_fn(logprobs, entropy, batch)` returns this micro-batch's share of the step loss, already
+divided by a normalizer taken over the WHOLE step (every micro-batch on every DP rank). That is
+why Megatron is configured with `calculate_per_token_loss=True` and a finalize function without
+token scaling: the schedule then neither divides by the number of micro-batches nor averages
+gradients over DP, and summing micro-batch gradients gives exactly the full-batch gradient.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config import RunConfig
+from megatron_rl.model.builder import build_gpt_model, transformer_config, use_transformer_engine
+from megatron_rl.model.hf_config import ArchitectureSpec, load_hf_config, parse_hf_config
+from megatron_rl.model.logprobs import vocab_parallel_logprobs_entropy
+from megatron_rl.model.packing import PackedBatch, pack
+from megatron_rl.platform.runtime import Runtime
+
+LossFn = Callable[[torch.Tensor, torch.Tensor | None, PackedBatch], tuple[torch.Tensor, dict]]
+
+
+@dataclass
+class StepResult:
+    loss: float  # the step loss summed over micro-batches and DP ranks
+    grad_norm: float
+    updated: bool
+
+
+class Policy:
+    def __init__(self, config: RunConfig, runtime: Runtime):
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.config = config
+        self.runtime = runtime
+        raw, where = load_hf_config(config.model.hf_config)
+        self.arch: ArchitectureSpec = parse_hf_config(raw, where)
+        self.use_te = use_transformer_engine(config.model, runtime.device)
+        self.tconfig = transformer_config(self.arch, config, runtime.device, self.use_te)
+        model = build_gpt_model(self.arch, self.tconfig, config.model, self.use_te)
+        if runtime.device.type == "cuda":
+            model = model.cuda(runtime.device)
+        self.model = DistributedDataParallel(
+            config=self.tconfig,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                overlap_grad_reduce=False,
+                use_distributed_optimizer=config.parallel.distributed_optimizer,
+                check_for_nan_in_grad=True,
+            ),
+            module=model,
+        )
+        self.tconfig.finalize_model_grads_func = _finalize_without_token_scaling
+        opt = config.optimizer
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=opt.lr,
+                min_lr=opt.min_lr,
+                weight_decay=opt.weight_decay,
+                adam_beta1=opt.adam_beta1,
+                adam_beta2=opt.adam_beta2,
+                adam_eps=opt.adam_eps,
+                clip_grad=opt.clip_grad,
+                bf16=config.model.precision == "bf16",
+                params_dtype=self.tconfig.params_dtype,
+                use_distributed_optimizer=config.parallel.distributed_optimizer,
+            ),
+            [self.model],
+        )
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.is_last_stage = parallel_state.is_pipeline_last_stage()
+        # Sequence parallelism splits the packed row evenly over TP ranks.
+        self.pad_to_multiple = config.parallel.tp if config.parallel.uses_sequence_parallel else 1
+
+    @property
+    def module(self):
+        """The bare GPTModel (for state dicts and checkpoints)."""
+        return self.model.module
+
+    # ------------------------------------------------------------------------------------------
+
+    def logprobs(self, batches: list[PackedBatch], with_entropy: bool = True) -> list[dict[str, torch.Tensor]]:
+        """Per-position logprobs of `labels` (and entropy) for each micro-batch, fp32, no grad.
+
+        Returned on the last pipeline stage (an empty list elsewhere); identical on its TP ranks.
+        """
+        self.model.eval()
+        with torch.no_grad():
+            outputs = self._run(batches, forward_only=True, loss_fn=None, with_entropy=with_entropy)
+        self.model.train()
+        return outputs if self.is_last_stage else []
+
+    def train_step(self, batches: list[PackedBatch], loss_fn: LossFn) -> StepResult:
+        """One optimizer step over all the micro-batches (gradients accumulate across them)."""
+        loss = self.forward_backward(batches, loss_fn)
+        return self.optimizer_step(loss)
+
+    def forward_backward(self, batches: list[PackedBatch], loss_fn: LossFn) -> float:
+        """Accumulate gradients of the step loss; returns the loss summed over micro-batches and DP."""
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run(batches, forward_only=False, loss_fn=loss_fn, with_entropy=True)
+        local = torch.tensor(sum(float(o["loss"]) for o in outputs) if self.is_last_stage else 0.0)
+        dist.all_reduce(local)  # DP ranks hold disjoint shares; other stages add 0
+        return float(local) / (self.config.parallel.tp * self.config.parallel.cp)  # TP/CP ranks hold copies
+
+    def optimizer_step(self, loss: float) -> StepResult:
+        updated, grad_norm, _ = self.optimizer.step()
+        return StepResult(loss=loss, grad_norm=float(grad_norm or 0.0), updated=bool(updated))
+
+    # ------------------------------------------------------------------------------------------
+
+    def save_model(self, directory: str) -> None:
+        """Model weights as a Megatron `torch_dist` checkpoint (loadable at any layout)."""
+        from megatron.core import dist_checkpointing
+
+        os.makedirs(directory, exist_ok=True)
+        dist_checkpointing.save(self.module.sharded_state_dict(), directory)
+
+    def load_model(self, directory: str) -> None:
+        from megatron.core import dist_checkpointing
+
+        with torch.no_grad():
+            state = dist_checkpointing.load(self.module.sharded_state_dict(), directory)
+            self.module.load_state_dict(state)
+        # The optimizer keeps fp32 main copies (bf16) or shard views; refresh them from the model.
+        self.optimizer.reload_model_params()
+
+    # ------------------------------------------------------------------------------------------
+
+    def _run(self, batches, forward_only: bool, loss_fn: LossFn | None, with_entropy: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        device = self.runtime.device
+        real = len(batches)
+        batches = [b.to(device) for b in self._equalize_microbatch_count(batches)]
+        for batch in batches:
+            if batch.num_tokens % self.pad_to_multiple:
+                raise ValueError(
+                    f"a packed micro-batch has {batch.num_tokens} tokens; with sequence parallelism it "
+                    f"must be a multiple of tp={self.pad_to_multiple} (pack with pad_to_multiple)"
+                )
+
+        def forward_step(data_iterator, model):
+            batch = next(data_iterator)
+            output = model(
+                input_ids=batch.input_ids,
+                position_ids=batch.position_ids,
+                attention_mask=None,
+                packed_seq_params=batch.packed_seq_params(),
+            )
+            return output, partial(self._loss, batch, loss_fn, with_entropy)
+
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(batches),
+            model=[self.model],
+            num_microbatches=len(batches),
+            seq_length=max(b.num_tokens for b in batches),
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+        return outputs[:real]
+
+    def _equalize_microbatch_count(self, batches: list[PackedBatch]) -> list[PackedBatch]:
+        """Pad with empty micro-batches so every DP rank runs the same number.
+
+        Expert parallelism exchanges tokens between DP ranks inside every MoE layer, so all of
+        them must run the same number of forward/backward passes even when their samples packed
+        into different numbers of micro-batches. An empty micro-batch is `pad_to_multiple`
+        padding tokens with a zero loss mask: it adds nothing to the loss or the gradient.
+        """
+        count = torch.tensor(len(batches))
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
+        missing = int(count) - len(batches)
+        if missing == 0:
+            return batches
+        filler = pack([[0] * self.pad_to_multiple], [self.pad_to_multiple], sample_ids=[])
+        filler.loss_mask.zero_()
+        filler.spans = []
+        return list(batches) + [filler] * missing
+
+    def _loss(self, batch: PackedBatch, loss_fn: LossFn | None, with_entropy: bool, logits: torch.Tensor):
+        # logits: [1, T, V_local], vocab-sharded across TP (never gathered).
+        vocab_local = logits.shape[-1]
+        logprobs, entropy = vocab_parallel_logprobs_entropy(
+            logits[0],
+            batch.labels[0],
+            vocab_start=self.runtime.tp_rank * vocab_local,
+            vocab_size=self.arch.vocab_size,
+            group=self.tp_group,
+            chunk_tokens=self.config.logprob_chunk_tokens,
+            compute_entropy=with_entropy,
+        )
+        num_tokens = batch.loss_mask.sum().to(torch.int)
+        if loss_fn is None:
+            report = {"logprobs": logprobs.detach(), "entropy": None if entropy is None else entropy.detach()}
+            return logprobs.sum() * 0.0, num_tokens, report
+        loss, metrics = loss_fn(logprobs, entropy, batch)
+        return loss, num_tokens, {"loss": loss.detach(), **metrics}
+
+
+def _finalize_without_token_scaling(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
+    from megatron.core.distributed import finalize_model_grads
+
+    # Reduce grads over DP (sum), embeddings across stages and SP norms across TP, but do not
+    # divide by a token count: the loss was normalized over the whole step already.
+    return finalize_model_grads(model, num_tokens=None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+
+
+def global_token_count(batches: list[PackedBatch], dp_group=None) -> torch.Tensor:
+    """Response tokens in the whole optimizer step: all micro-batches, all-reduced over DP once."""
+    total = torch.tensor(float(sum(b.loss_mask.sum().item() for b in batches)), dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(total, group=dp_group)
+    return total

@@ -1,0 +1,247 @@
+"""Make Megatron-Core run on CPU with gloo. Activated only when the device is CPU.
+
+Megatron-Core assumes CUDA in places that have nothing to do with the math: it allocates with
+`device="cuda"` or `device=torch.cuda.current_device()`, asserts `param.type() ==
+'torch.cuda.FloatTensor'`, keeps its RNG tracker in CUDA generators, orders work with CUDA
+streams/events, and uses collectives gloo lacks. Each item below names the Megatron-Core 0.16.1
+behaviour it redirects (measured list: `docs/architecture.md`, "CPU compatibility layer"):
+
+ 1. RNG tracker state lives in the CPU generator (`torch.cuda.{get,set}_rng_state`, `manual_seed`
+    and `tensor_parallel.random._{get,set}_cuda_rng_state`).
+ 2. `torch.cuda.current_device()` returns "cpu" (~110 call sites pass it as `device=`), and
+    literal `device="cuda"`, `.cuda()` and `.to("cuda")` are redirected to CPU by a
+    `TorchFunctionMode` (a mode is the only way to reach literals inside Megatron's function
+    bodies without editing them).
+ 3. CUDA streams/events/synchronize become no-ops (CPU work is already ordered).
+ 4. `moe_utils.te_general_gemm` is defined as None when TE is absent (0.16.1 NameError).
+ 5. See 2.
+ 6. `Tensor.type()` (no argument) reports the CUDA type name, so the optimizer's and grad
+    clipping's dtype asserts accept CPU parameters.
+ 7. `WrappedTorchNorm` accepts sequence parallelism (MoE + TP requires it) and tags its params
+    `.sequence_parallel = True` so their gradients are all-reduced across TP, as TE's norm does.
+ 8. The alltoall dispatcher's split sizes become numpy arrays (only CUDA tensors were converted).
+ 9. Uneven all-gather / reduce-scatter (expert TP > 1) are rebuilt from even gloo collectives.
+
+Everything here is process-wide by necessity (Megatron's own calls are), idempotent, and never
+runs when the device is CUDA: `activate()` refuses to run if CUDA is available and in use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+_lock = threading.Lock()
+_active_mode: TorchFunctionMode | None = None  # the one mode instance, entered for the process
+
+
+def is_active() -> bool:
+    return _active_mode is not None
+
+
+def activate() -> None:
+    """Install every redirection. Call before building any Megatron-Core object."""
+    global _active_mode
+    with _lock:
+        if _active_mode is not None:
+            return
+        if torch.cuda.is_available():
+            raise RuntimeError(
+                "the CPU compatibility layer must not be activated on a machine with CUDA; "
+                "set device: cpu only where no GPU is in use"
+            )
+        _patch_torch_cuda()
+        _patch_megatron()
+        mode = _CudaToCpuMode()
+        mode.__enter__()  # stays entered for the life of the process: Megatron is CPU-bound now
+        _active_mode = mode
+
+
+# ----------------------------------------------------------------------------------------------
+# 2, 5, 6: CUDA device arguments, .cuda(), .type()
+# ----------------------------------------------------------------------------------------------
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # An int device means "cuda:<int>" to torch; Megatron passes torch.cuda.current_device().
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+_CPU = torch.device("cpu")
+_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.record_stream:
+            return None
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _TYPE_NAMES.get(name, name)
+        if func is torch.Tensor.to:
+            args = tuple(_CPU if _is_cuda_device(a) else a for a in args)
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = dict(kwargs, device=_CPU)
+        return func(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# 1, 3: RNG in the CPU generator; streams/events as no-ops
+# ----------------------------------------------------------------------------------------------
+
+
+class _NoOpStream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NoOpEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _NoOpEvent(_NoOpStream):
+    def record(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def elapsed_time(self, *args, **kwargs):
+        return 0.0
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    # "cpu", not an int: torch reads an int device as cuda:<int>, and this value is also used
+    # inside autograd backward functions, where the function mode below is not active (a mode
+    # is switched off while its own handler runs, e.g. around torch.autograd.backward). The only
+    # call sites needing an int are NCCL-only and CUDA-graph paths that never run on CPU.
+    cuda.current_device = lambda: "cpu"
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    # Seed the CPU generator directly: torch.manual_seed itself calls torch.cuda.manual_seed_all,
+    # which stays the original (a no-op without CUDA).
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.Stream = _NoOpStream
+    cuda.Event = _NoOpEvent
+    cuda.current_stream = lambda *a, **k: _NoOpStream()
+    cuda.default_stream = lambda *a, **k: _NoOpStream()
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.synchronize = lambda *a, **k: None
+    cuda.empty_cache = lambda: None
+
+
+def _patch_megatron() -> None:
+    from megatron.core.tensor_parallel import mappings, random
+    from megatron.core.transformer import torch_norm
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    # 1: the tracker keeps named CPU generator states.
+    random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+    # 4
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    # 7
+    torch_norm.WrappedTorchNorm.__new__ = _wrapped_torch_norm_new(torch_norm.WrappedTorchNorm.__new__)
+
+    # 8: token_dispatcher imported the function by name, so patch it there.
+    token_dispatcher.maybe_move_tensor_to_cpu = _maybe_move_tensor_to_cpu
+
+    # 9: mappings' autograd functions look these up as module globals at call time.
+    mappings._gather_along_first_dim = _gather_along_first_dim(mappings._gather_along_first_dim)
+    mappings._reduce_scatter_along_first_dim = _reduce_scatter_along_first_dim(
+        mappings._reduce_scatter_along_first_dim
+    )
+
+
+def _wrapped_torch_norm_new(original_new):
+    @functools.wraps(original_new)
+    def new(cls, config, hidden_size, *args, **kwargs):
+        # The upstream assert only reflects that torch's norm has no SP-aware grad reduction;
+        # tagging the params makes finalize_model_grads all-reduce them across TP, which is
+        # exactly what the TE norm does on GPU.
+        sequence_parallel = config.sequence_parallel
+        config.sequence_parallel = False
+        try:
+            norm = original_new(cls, config, hidden_size, *args, **kwargs)
+        finally:
+            config.sequence_parallel = sequence_parallel
+        if sequence_parallel:
+            for param in norm.parameters():
+                param.sequence_parallel = True
+        return norm
+
+    return new
+
+
+def _maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
+def _gather_along_first_dim(original):
+    @functools.wraps(original)
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        # gloo has no uneven all_gather: pad every rank's rows to the largest, gather evenly,
+        # then drop the padding.
+        sizes = [int(s) for s in output_split_sizes]
+        largest = max(sizes)
+        padded = input_.new_zeros((largest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        gathered = torch.empty(
+            (largest * group.size(), *input_.shape[1:]), dtype=input_.dtype, device=input_.device
+        )
+        dist.all_gather_into_tensor(gathered, padded.contiguous(), group=group)
+        pieces = [gathered[r * largest : r * largest + n] for r, n in enumerate(sizes)]
+        return torch.cat(pieces, dim=0)
+
+    return gather
+
+
+def _reduce_scatter_along_first_dim(original):
+    @functools.wraps(original)
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        # gloo has no list reduce_scatter: all-reduce the whole tensor and keep our rows. This
+        # moves world_size times more bytes than a true reduce-scatter; fine for CPU tests.
+        sizes = [int(s) for s in input_split_sizes]
+        start = sum(sizes[: group.rank()])
+        reduced = input_.contiguous().clone()
+        dist.all_reduce(reduced, group=group)
+        return reduced[start : start + sizes[group.rank()]].contiguous()
+
+    return reduce_scatter

@@ -1,0 +1,156 @@
+"""One rank of a parity run, started by torchrun (or as a single process for the reference).
+
+Every layout runs the same script on the same data with the same starting weights:
+  1. weights: the reference saves its freshly initialised model as `torch_dist`; layouts load it
+     (Megatron reshards on load, independently of our code);
+  2. per-token logprobs of every sample's response tokens (written per sample id);
+  3. the gradient of one step, written as a `torch_dist` checkpoint of the model's sharded state
+     dict with the gradients in place of the weights, so Megatron's own sharding metadata (fused
+     QKV, SwiGLU halves, expert ids, pipeline layer offsets) turns every layout into full tensors;
+  4. the loss of 3 optimizer steps.
+The test (test_parity.py) compares these files with the reference's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config import load_config
+from megatron_rl.model.packing import pack_by_token_budget
+from megatron_rl.model.policy import Policy, global_token_count
+from megatron_rl.platform import start_runtime
+
+NUM_SAMPLES = 12
+TOKEN_BUDGET = 96
+
+
+def make_samples(vocab_size: int):
+    generator = torch.Generator().manual_seed(1234)
+    samples, prompts = [], []
+    for _ in range(NUM_SAMPLES):
+        length = int(torch.randint(8, 48, (1,), generator=generator))
+        prompt = int(torch.randint(2, length - 2, (1,), generator=generator))
+        samples.append(torch.randint(0, vocab_size, (length,), generator=generator).tolist())
+        prompts.append(prompt)
+    return samples, prompts
+
+
+def gather_distributed_optimizer_grads(ddp) -> None:
+    """With the distributed optimizer each DP rank holds only its shard of the reduced gradient.
+
+    Zero the other shards and all-reduce, so every rank holds the full reduced gradient (test only).
+    """
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    for bucket_group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
+        group = bucket_group.intra_distributed_optimizer_instance_group
+        size, rank = group.size(), group.rank()
+        if size == 1:
+            continue
+        for bucket in bucket_group.buckets:
+            for index, shard in enumerate(shard_buffer(bucket.grad_data, size)):
+                if index != rank:
+                    shard.zero_()
+            dist.all_reduce(bucket.grad_data, group=group)
+
+
+def save_grads(policy: Policy, directory: Path) -> None:
+    from megatron.core import dist_checkpointing
+
+    params = [p for p in policy.module.parameters()]
+    saved = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for param in params:
+            param.copy_(param.main_grad.to(param.dtype))
+    directory.mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(policy.module.sharded_state_dict(), str(directory))
+    with torch.no_grad():
+        for param, value in zip(params, saved):
+            param.copy_(value)
+    # Megatron reassembles the global (layout-independent) tensors from the checkpoint.
+    from megatron.core.dist_checkpointing.serialization import load_plain_tensors
+
+    full = {k: v for k, v in load_plain_tensors(str(directory)).items() if torch.is_tensor(v)}
+    if dist.get_rank() == 0:
+        torch.save(full, directory.parent / "grads.pt")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--weights", required=True)
+    parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--override", action="append", default=[])
+    args = parser.parse_args()
+    out = Path(args.out)
+
+    config = load_config(None, ["device=cpu", "optimizer.lr=0.001", "optimizer.clip_grad=0.0", *args.override])
+    runtime = start_runtime(config)
+    policy = Policy(config, runtime)
+    if args.reference:
+        policy.save_model(args.weights)
+    else:
+        policy.load_model(args.weights)
+
+    samples, prompts = make_samples(policy.arch.vocab_size)
+    mine = list(range(runtime.dp_rank, NUM_SAMPLES, runtime.dp_size))  # this DP rank's samples
+    batches = pack_by_token_budget(
+        [samples[i] for i in mine], [prompts[i] for i in mine], TOKEN_BUDGET, policy.pad_to_multiple
+    )
+    for batch in batches:
+        batch.sample_ids = [mine[i] for i in batch.sample_ids]
+
+    # 2. logprobs (last pipeline stage, TP rank 0 writes; DP ranks write their own samples)
+    outputs = policy.logprobs(batches)
+    if outputs and runtime.tp_rank == 0:
+        per_sample = {}
+        for batch, output in zip(batches, outputs):
+            for sample_id, lp, ent in zip(
+                batch.sample_ids, batch.response_values(output["logprobs"]), batch.response_values(output["entropy"])
+            ):
+                per_sample[sample_id] = {"logprobs": lp.clone(), "entropy": ent.clone()}
+        torch.save(per_sample, out / f"logprobs_rank{runtime.rank}.pt")
+
+    # 3 and 4: token-mean NLL normalized over the whole step (all micro-batches, all DP ranks)
+    normalizer = global_token_count(batches, policy.dp_group)
+
+    def loss_fn(logprobs, entropy, batch):
+        return -(logprobs * batch.loss_mask[0]).sum() / normalizer, {}
+
+    losses, grad_norms = [], []
+    for step in range(3):
+        loss = policy.forward_backward(batches, loss_fn)
+        if step == 0:
+            if config.parallel.distributed_optimizer:
+                gather_distributed_optimizer_grads(policy.model)
+            save_grads(policy, out / "grads")
+        result = policy.optimizer_step(loss)
+        losses.append(result.loss)
+        grad_norms.append(result.grad_norm)
+    if runtime.rank == 0:
+        from megatron.core import parallel_state as ps
+
+        layout = {
+            "world": dist.get_world_size(),
+            "tp": ps.get_tensor_model_parallel_world_size(),
+            "pp": ps.get_pipeline_model_parallel_world_size(),
+            "ep": ps.get_expert_model_parallel_world_size(),
+            "etp": ps.get_expert_tensor_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size(),
+            "distributed_optimizer": config.parallel.distributed_optimizer,
+            "precision": config.model.precision,
+        }
+        (out / "losses.json").write_text(json.dumps({"loss": losses, "grad_norm": grad_norms, "layout": layout}))
+    dist.barrier()
+    runtime.shutdown()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
