@@ -52,7 +52,7 @@ def run_smoke(config: RunConfig, steps: int = 5, num_samples: int = 16) -> list[
             )
         samples, prompts = synthetic_samples(arch.vocab_size, num_samples, config.seed, runtime.dp_rank, runtime.dp_size)
         batches = pack_by_token_budget(samples, prompts, config.micro_batch_tokens, policy.pad_to_multiple)
-        normalizer = global_token_count(batches, policy.dp_group)
+        normalizer = float(global_token_count(batches, policy.dp_group, runtime.device))
 
         def loss_fn(logprobs, entropy, batch):
             mask = batch.loss_mask[0]

@@ -207,5 +207,24 @@ def build_gpt_model(arch: ArchitectureSpec, tconfig, model: ModelConfig, use_te:
     return gpt
 
 
-def describe(arch: ArchitectureSpec) -> dict:
-    return dataclasses.asdict(arch)
+@dataclasses.dataclass
+class BuiltModel:
+    raw_hf_config: dict  # the config.json as given (written back by conversion tools)
+    arch: ArchitectureSpec
+    tconfig: object  # megatron TransformerConfig
+    module: object  # this rank's GPTModel stage, on the runtime's device
+    use_te: bool
+
+
+def build_model(config: RunConfig, device: torch.device) -> BuiltModel:
+    """This rank's stage of the model described by config.model (parallel state must be up)."""
+    from megatron_rl.model.hf_config import load_hf_config, parse_hf_config
+
+    raw, where = load_hf_config(config.model.hf_config)
+    arch = parse_hf_config(raw, where)
+    use_te = use_transformer_engine(config.model, device)
+    tconfig = transformer_config(arch, config, device, use_te)
+    module = build_gpt_model(arch, tconfig, config.model, use_te)
+    if device.type == "cuda":
+        module = module.cuda(device)
+    return BuiltModel(raw, arch, tconfig, module, use_te)

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import RunConfig
-from megatron_rl.model.builder import build_gpt_model, transformer_config, use_transformer_engine
-from megatron_rl.model.hf_config import ArchitectureSpec, load_hf_config, parse_hf_config
+from megatron_rl.model.builder import build_model
+from megatron_rl.model.hf_config import ArchitectureSpec
 from megatron_rl.model.logprobs import vocab_parallel_logprobs_entropy
 from megatron_rl.model.packing import PackedBatch, pack
 from megatron_rl.platform.runtime import Runtime
@@ -47,13 +47,12 @@ class Policy:
 
         self.config = config
         self.runtime = runtime
-        raw, where = load_hf_config(config.model.hf_config)
-        self.arch: ArchitectureSpec = parse_hf_config(raw, where)
-        self.use_te = use_transformer_engine(config.model, runtime.device)
-        self.tconfig = transformer_config(self.arch, config, runtime.device, self.use_te)
-        model = build_gpt_model(self.arch, self.tconfig, config.model, self.use_te)
-        if runtime.device.type == "cuda":
-            model = model.cuda(runtime.device)
+        built = build_model(config, runtime.device)
+        self.raw_hf_config = built.raw_hf_config
+        self.arch: ArchitectureSpec = built.arch
+        self.use_te = built.use_te
+        self.tconfig = built.tconfig
+        model = built.module
         self.model = DistributedDataParallel(
             config=self.tconfig,
             ddp_config=DistributedDataParallelConfig(
@@ -117,7 +116,9 @@ class Policy:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._run(batches, forward_only=False, loss_fn=loss_fn, with_entropy=True)
-        local = torch.tensor(sum(float(o["loss"]) for o in outputs) if self.is_last_stage else 0.0)
+        local = torch.tensor(
+            sum(float(o["loss"]) for o in outputs) if self.is_last_stage else 0.0, device=self.runtime.device
+        )
         dist.all_reduce(local)  # DP ranks hold disjoint shares; other stages add 0
         return float(local) / (self.config.parallel.tp * self.config.parallel.cp)  # TP/CP ranks hold copies
 
@@ -187,7 +188,7 @@ class Policy:
         into different numbers of micro-batches. An empty micro-batch is `pad_to_multiple`
         padding tokens with a zero loss mask: it adds nothing to the loss or the gradient.
         """
-        count = torch.tensor(len(batches))
+        count = torch.tensor(len(batches), device=self.runtime.device)  # NCCL reduces only GPU tensors
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
         missing = int(count) - len(batches)
         if missing == 0:
@@ -225,9 +226,12 @@ def _finalize_without_token_scaling(model, num_tokens=None, pg_collection=None, 
     return finalize_model_grads(model, num_tokens=None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
 
 
-def global_token_count(batches: list[PackedBatch], dp_group=None) -> torch.Tensor:
-    """Response tokens in the whole optimizer step: all micro-batches, all-reduced over DP once."""
-    total = torch.tensor(float(sum(b.loss_mask.sum().item() for b in batches)), dtype=torch.float64)
+def global_token_count(batches: list[PackedBatch], dp_group=None, device: torch.device | None = None) -> torch.Tensor:
+    """Response tokens in the whole optimizer step: all micro-batches, all-reduced over DP once.
+
+    `device` must be the training device under NCCL (it reduces only GPU tensors).
+    """
+    total = torch.tensor(float(sum(b.loss_mask.sum().item() for b in batches)), dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(total, group=dp_group)
     return total

@@ -118,7 +118,7 @@ def main() -> None:
         torch.save(per_sample, out / f"logprobs_rank{runtime.rank}.pt")
 
     # 3 and 4: token-mean NLL normalized over the whole step (all micro-batches, all DP ranks)
-    normalizer = global_token_count(batches, policy.dp_group)
+    normalizer = float(global_token_count(batches, policy.dp_group, runtime.device))
 
     def loss_fn(logprobs, entropy, batch):
         return -(logprobs * batch.loss_mask[0]).sum() / normalizer, {}

@@ -90,7 +90,7 @@ def check_layout(directory: Path, nproc: int, expected: dict) -> None:
     assert {k: reported[k] for k in expected} == expected, reported
 
 
-def compare(reference_dir: Path, layout_dir: Path, precision: str) -> dict[str, float]:
+def compare(reference_dir: Path, layout_dir: Path) -> dict[str, float]:
     ref_lp, got_lp = read_logprobs(reference_dir), read_logprobs(layout_dir)
     assert sorted(got_lp) == sorted(ref_lp), "the layout did not return every sample"
     lp_diff = max((got_lp[i]["logprobs"] - ref_lp[i]["logprobs"]).abs().max().item() for i in ref_lp)
@@ -110,14 +110,19 @@ def compare(reference_dir: Path, layout_dir: Path, precision: str) -> dict[str, 
     return dict(logprobs=lp_diff, entropy=ent_diff, grad=grad_diff, grad_rel=grad_rel, loss=loss_diff)
 
 
+def run_layout(reference: Path, name: str, precision: str) -> dict[str, float]:
+    nproc, overrides, layout = LAYOUTS[name]
+    out = reference / f"{name}_{precision}"
+    run_worker(out, reference / f"weights_{precision}", nproc, overrides + [f"model.precision={precision}"])
+    check_layout(out, nproc, dict(layout, precision=precision))
+    diffs = compare(reference / f"ref_{precision}", out)
+    print(name, precision, diffs)
+    return diffs
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process_fp32(reference, name):
-    nproc, overrides, layout = LAYOUTS[name]
-    out = reference / f"{name}_fp32"
-    run_worker(out, reference / "weights_fp32", nproc, overrides + ["model.precision=fp32"])
-    check_layout(out, nproc, layout)
-    diffs = compare(reference / "ref_fp32", out, "fp32")
-    print(name, diffs)
+    diffs = run_layout(reference, name, "fp32")
     assert diffs["logprobs"] <= FP32_TOL, diffs
     assert diffs["entropy"] <= FP32_TOL, diffs
     assert diffs["grad"] <= FP32_TOL, diffs
@@ -126,12 +131,7 @@ def test_layout_matches_single_process_fp32(reference, name):
 
 @pytest.mark.parametrize("name", ["tp2_ep2_etp2"])
 def test_layout_matches_single_process_bf16(reference, name):
-    nproc, overrides, layout = LAYOUTS[name]
-    out = reference / f"{name}_bf16"
-    run_worker(out, reference / "weights_bf16", nproc, overrides + ["model.precision=bf16"])
-    check_layout(out, nproc, layout)
-    diffs = compare(reference / "ref_bf16", out, "bf16")
-    print(name, "bf16", diffs)
+    diffs = run_layout(reference, name, "bf16")
     assert diffs["logprobs"] <= BF16_LOGPROB_TOL, diffs
     assert diffs["grad_rel"] <= BF16_GRAD_REL_TOL, diffs
     assert diffs["loss"] <= BF16_LOSS_TOL, diffs

@@ -1,0 +1,330 @@
+"""The policy-gradient loss of one micro-batch: surrogate, regularizers, metrics.
+
+``policy_loss`` returns this micro-batch's share of the optimizer step's loss, already divided
+by counts of the whole step (``StepNormalizer``), because the training step sums micro-batch
+gradients over micro-batches and DP ranks without any further scaling. Summing the returned
+losses (and gradients) over every micro-batch and rank gives exactly the full-batch loss and
+gradient, for every aggregation mode and ratio level.
+
+Per valid token (sample i, position t), with A the advantage and r the importance ratio:
+
+* PPO clipped surrogate (Schulman et al. 2017, arXiv:1707.06347 Eq. 7) with decoupled
+  eps_low/eps_high (DAPO clip-higher, arXiv:2503.14476 §3.1)::
+
+      l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))
+
+  and, with dual clip (Ye et al. 2020, arXiv:1912.09729 §4.2), ``l = min(l, -c A)`` where A < 0.
+* CISPO (MiniMax-M1, arXiv:2506.13585 §3.1, Eq. 4): ``l = -sg(clip(r, 1-eps_low, 1+eps_high)) A log pi``.
+* Ratio: token ``r_t = exp(logp_t - logp_old_t)``; sequence (GSPO, arXiv:2507.18071 Eq. 7)
+  ``s_i = exp(mean_t (logp - logp_old))`` over the sample's valid tokens; sequence_token
+  (GSPO-token, Eq. 13) ``exp(logp_t - sg(logp_t) + sg(log s_i))``.
+* Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
+  You Off-Policy RL Training"; IcePop for the mask mode): ``l *= w`` with
+  ``w = pi_old / pi_rollout`` (token, or product over the sample), truncated or masked.
+* KL to the reference (DeepSeekMath arXiv:2402.03300 Eq. 3-4): ``+ kl_coef * KL_t``.
+* Entropy bonus: ``- entropy_coef * H_t``.
+
+Each term is aggregated with the same per-token weights (``aggregation.token_weights``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.algorithms._checks import check_float, check_mask, check_same_shape
+from megatron_rl.algorithms.aggregation import token_weights
+from megatron_rl.algorithms.config import PolicyLossConfig
+from megatron_rl.algorithms.kl import kl_penalty
+from megatron_rl.algorithms.normalization import StepNormalizer, compute_step_normalizer, sequence_lengths
+
+__all__ = ["policy_loss"]
+
+
+def _cp_world(cp_group) -> int:
+    return dist.get_world_size(cp_group) if cp_group is not None else 1
+
+
+def _sum_over_cp(x: torch.Tensor, cp_group, differentiable: bool) -> torch.Tensor:
+    """Sum per-sample partial sums over context-parallel ranks (each holds a slice of the sample)."""
+    if _cp_world(cp_group) <= 1:
+        return x
+    if differentiable:
+        from torch.distributed.nn.functional import all_reduce as autograd_all_reduce
+
+        # Backward of a SUM all-reduce is a SUM all-reduce of the gradients: every rank's
+        # loss depends on every rank's tokens through the sequence mean.
+        return autograd_all_reduce(x, group=cp_group)
+    x = x.clone()
+    dist.all_reduce(x, group=cp_group)
+    return x
+
+
+def _masked_max(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    if x.numel() == 0:
+        return torch.tensor(float("-inf"), dtype=torch.float64, device=x.device)
+    return x.detach().double().masked_fill(~valid, float("-inf")).max()
+
+
+def _masked_min(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    if x.numel() == 0:
+        return torch.tensor(float("inf"), dtype=torch.float64, device=x.device)
+    return x.detach().double().masked_fill(~valid, float("inf")).min()
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    config: PolicyLossConfig | None = None,
+    *,
+    normalizer: StepNormalizer | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    cp_group=None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss of one micro-batch (its share of the step loss) and its combinable metrics.
+
+    Args:
+        logprobs: ``[batch, seq]`` log pi_theta of the sampled tokens (differentiable).
+        old_logprobs: ``[batch, seq]`` log pi_old (the policy that the ratio is taken against;
+            on-policy: ``logprobs.detach()``). Treated as a constant.
+        advantages: ``[batch]`` per-sample or ``[batch, seq]`` per-token advantages (constant).
+        mask: ``[batch, seq]`` bool or 0/1, True on response tokens that enter the loss. Rows
+            are whole samples: a sample is never split across micro-batches (under context
+            parallelism, across CP ranks only, with ``cp_group`` given).
+        config: ``PolicyLossConfig`` (None = defaults).
+        normalizer: the step's ``StepNormalizer`` from ``compute_step_normalizer`` over every
+            micro-batch and rank of the step. None = this call is the whole step (counts from
+            ``mask``, communication only over ``cp_group``).
+        ref_logprobs: ``[batch, seq]`` reference-policy logprobs (needed when kl_coef > 0; if
+            given with kl_coef == 0 the KL is only reported).
+        rollout_logprobs: ``[batch, seq]`` logprobs reported by the rollout engine (needed for
+            TIS; if given, train/rollout mismatch metrics are reported either way).
+        entropy: ``[batch, seq]`` per-token entropy (needed when entropy_coef != 0; reported if
+            given). Differentiable.
+        cp_group: context-parallel group when each CP rank holds a slice of every sample's
+            tokens; per-sample sums (lengths, GSPO log-ratio, sequence TIS) are all-reduced
+            over it. None = samples are whole on this rank.
+
+    Returns:
+        ``(loss, metrics)``: ``loss`` is a 0-d tensor in float32 (float64 if ``logprobs`` is
+        float64), differentiable w.r.t. ``logprobs`` (and ``entropy``); sum it over
+        micro-batches and ranks, with no further scaling. ``metrics`` maps names to detached
+        0-d float64 tensors that are sums / maxima / minima over this micro-batch (the key
+        suffix says which, see ``metrics.reduce_metrics``); combine a step's dicts with
+        ``reduce_metrics(list_of_dicts, group=dp_group)``.
+
+    Raises:
+        ValueError: on bad shapes/dtypes/masks, a normalizer for another ``loss_agg_mode``, a
+            missing input the config needs, or (``on_nonfinite="raise"``) NaN/inf at a valid
+            token of any input, naming the tensor and the count.
+    """
+    cfg = PolicyLossConfig() if config is None else config
+    if not isinstance(cfg, PolicyLossConfig):
+        raise ValueError(f"config must be a PolicyLossConfig, got {type(cfg).__name__}")
+
+    # ---------------------------------------------------------------- validation
+    check_float(logprobs, "logprobs", dim=2)
+    check_float(old_logprobs, "old_logprobs")
+    check_same_shape(old_logprobs, logprobs, "old_logprobs", "logprobs")
+    m = check_mask(mask)
+    check_same_shape(m, logprobs, "mask", "logprobs")
+    check_float(advantages, "advantages", dim=(1, 2))
+    batch = logprobs.shape[0]
+    if advantages.dim() == 1 and advantages.shape[0] != batch:
+        raise ValueError(f"per-sample advantages have {advantages.shape[0]} entries but logprobs has {batch} rows")
+    if advantages.dim() == 2:
+        check_same_shape(advantages, logprobs, "advantages", "logprobs")
+    optional = {"ref_logprobs": ref_logprobs, "rollout_logprobs": rollout_logprobs, "entropy": entropy}
+    for name, t in optional.items():
+        if t is not None:
+            check_float(t, name)
+            check_same_shape(t, logprobs, name, "logprobs")
+    if cfg.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef={cfg.kl_coef} > 0 needs ref_logprobs")
+    if cfg.entropy_coef != 0 and entropy is None:
+        raise ValueError(f"entropy_coef={cfg.entropy_coef} != 0 needs entropy")
+    if cfg.tis_level is not None and rollout_logprobs is None:
+        raise ValueError(f"tis_level={cfg.tis_level!r} needs rollout_logprobs")
+
+    if normalizer is None:
+        normalizer = compute_step_normalizer([m], cfg.loss_agg_mode, cfg.l_norm, group=cp_group, cp_group=cp_group)
+    elif not isinstance(normalizer, StepNormalizer):
+        raise ValueError(f"normalizer must be a StepNormalizer or None, got {type(normalizer).__name__}")
+    if normalizer.loss_agg_mode != cfg.loss_agg_mode:
+        raise ValueError(
+            f"normalizer was computed for loss_agg_mode={normalizer.loss_agg_mode!r} but the config "
+            f"uses {cfg.loss_agg_mode!r}"
+        )
+    if cfg.l_norm is not None and normalizer.l_norm != cfg.l_norm:
+        raise ValueError(f"normalizer.l_norm={normalizer.l_norm} differs from config l_norm={cfg.l_norm}")
+
+    # ---------------------------------------------------------------- inputs in the compute dtype
+    dt = torch.float64 if logprobs.dtype == torch.float64 else torch.float32
+    zero = torch.zeros((), dtype=dt, device=logprobs.device)
+    lp = logprobs.to(dt)
+    old = old_logprobs.detach().to(dt)
+    adv = advantages.detach().to(dt)
+    adv = adv.unsqueeze(-1).expand_as(lp) if adv.dim() == 1 else adv
+    extra = {k: (v.to(dt) if k == "entropy" else v.detach().to(dt)) for k, v in optional.items() if v is not None}
+
+    # ---------------------------------------------------------------- non-finite inputs
+    named = {"logprobs": lp, "old_logprobs": old, "advantages": adv, **extra}
+    finite = {k: torch.isfinite(v.detach()) for k, v in named.items()}
+    bad_any = m & ~torch.stack(list(finite.values())).all(0)
+    seq_len = sequence_lengths(m, cp_group).to(dt)  # |o_i| over the full mask (all CP slices)
+    if cfg.on_nonfinite == "raise":
+        # One host sync for every check: non-finite counts and counts vs. the normalizer.
+        counts = torch.stack([(m & ~f).sum() for f in finite.values()] + [m.sum(), (seq_len > 0).sum()]).tolist()
+        bad = {k: int(c) for k, c in zip(finite, counts) if c}
+        if bad:
+            detail = ", ".join(f"{k}: {c}" for k, c in bad.items())
+            raise ValueError(f"non-finite values (NaN/inf) at valid tokens: {detail}")
+        if counts[-2] > normalizer.num_tokens or counts[-1] > normalizer.num_sequences:
+            raise ValueError(
+                f"this micro-batch has {int(counts[-2])} tokens / {int(counts[-1])} sequences but the "
+                f"normalizer counts {normalizer.num_tokens:g} / {normalizer.num_sequences:g} for the whole "
+                f"step: it was computed from other masks"
+            )
+        valid = m
+    else:
+        valid = m & ~bad_any
+
+    def clean(x: torch.Tensor) -> torch.Tensor:
+        # Zero every invalid position BEFORE any arithmetic: NaN/inf in padding must neither
+        # reach the loss nor the gradient (where() sends zero gradient to the unselected side).
+        return torch.where(valid, x, zero)
+
+    lp_c, old_c, adv_c = clean(lp), clean(old), clean(adv)
+
+    # ---------------------------------------------------------------- importance ratio
+    tok_log_ratio = lp_c - old_c
+    if cfg.ratio_level == "token":
+        log_ratio = tok_log_ratio
+    else:
+        seq_sum = _sum_over_cp(tok_log_ratio.sum(-1), cp_group, differentiable=True)
+        seq_log_ratio = seq_sum / seq_len.clamp(min=1.0)
+        if cfg.ratio_level == "sequence":
+            log_ratio = seq_log_ratio.unsqueeze(-1).expand_as(lp_c)
+        else:  # sequence_token: value s_i, gradient d/dlogp_t = s_i
+            log_ratio = lp_c - lp_c.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    if cfg.log_ratio_clamp is not None:
+        log_ratio = log_ratio.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+    ratio = torch.exp(log_ratio)
+
+    # ---------------------------------------------------------------- surrogate
+    lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+    dual_active = None
+    if cfg.policy_loss_type == "ppo":
+        unclipped = -adv_c * ratio
+        clipped = -adv_c * ratio.clamp(lo, hi)
+        pg = torch.maximum(unclipped, clipped)
+        clip_high = valid & (adv_c > 0) & (ratio > hi)
+        clip_low = valid & (adv_c < 0) & (ratio < lo)
+        if cfg.dual_clip_c is not None:
+            cap = -adv_c * cfg.dual_clip_c
+            negative = adv_c < 0
+            dual_active = valid & negative & (cap < pg)
+            pg = torch.where(negative, torch.minimum(pg, cap), pg)
+    else:  # cispo
+        weight = ratio.clamp(min=lo, max=hi).detach()
+        pg = -weight * adv_c * lp_c
+        clip_high = valid & (ratio > hi)
+        clip_low = valid & (ratio < lo)
+
+    # ---------------------------------------------------------------- truncated importance sampling
+    tis_stats = None
+    if rollout_logprobs is not None:
+        roll_c = clean(extra["rollout_logprobs"])
+        train_vs_rollout = old_c - roll_c  # log(pi_old_train / pi_rollout) per token
+    if cfg.tis_level is not None:
+        if cfg.tis_level == "token":
+            log_w = train_vs_rollout
+        else:
+            log_w = _sum_over_cp(train_vs_rollout.sum(-1), cp_group, differentiable=False)
+            log_w = log_w.unsqueeze(-1).expand_as(lp_c)
+        log_hi = math.log(cfg.tis_upper)
+        log_lo = math.log(cfg.tis_lower) if cfg.tis_lower is not None else -math.inf
+        outside = (log_w > log_hi) | (log_w < log_lo)
+        if cfg.tis_mode == "truncate":
+            w = torch.exp(log_w.clamp(min=log_lo, max=log_hi))
+            truncated, rejected = valid & outside, torch.zeros_like(valid)
+        else:
+            w = torch.where(outside, zero, torch.exp(log_w.clamp(max=log_hi)))
+            truncated, rejected = torch.zeros_like(valid), valid & outside
+        pg = pg * w
+        tis_stats = (w, truncated, rejected)
+
+    # ---------------------------------------------------------------- aggregation and regularizers
+    weights = token_weights(valid, seq_len, normalizer, dt)
+    pg_loss = (pg * weights).sum()
+    loss = pg_loss
+    kl_tok = kl_loss = ent_loss = None
+    if ref_logprobs is not None:
+        kl_tok = kl_penalty(lp_c, clean(extra["ref_logprobs"]), cfg.kl_loss_type,
+                            input_clamp=cfg.kl_input_clamp, output_clamp=cfg.kl_output_clamp)
+        kl_loss = (kl_tok * weights).sum()
+        if cfg.kl_coef > 0:
+            loss = loss + cfg.kl_coef * kl_loss
+    if entropy is not None:
+        ent_c = clean(extra["entropy"])
+        ent_loss = (ent_c * weights).sum()
+        if cfg.entropy_coef != 0:
+            loss = loss - cfg.entropy_coef * ent_loss
+
+    # ---------------------------------------------------------------- metrics (combinable)
+    vf = valid.to(torch.float64)
+
+    def tok_sum(x: torch.Tensor) -> torch.Tensor:
+        return (x.detach().to(torch.float64) * vf).sum()
+
+    def count(flags: torch.Tensor) -> torch.Tensor:
+        return (flags & valid).sum().to(torch.float64)
+
+    def d(x: torch.Tensor) -> torch.Tensor:
+        return x.detach().to(torch.float64)
+
+    cp_rank = dist.get_rank(cp_group) if _cp_world(cp_group) > 1 else 0
+    metrics: dict[str, torch.Tensor] = {
+        "count/tokens/sum": vf.sum(),
+        "count/sequences/sum": ((seq_len > 0).sum() if cp_rank == 0 else torch.zeros((), device=vf.device)).to(torch.float64),
+        "check/nonfinite_tokens/sum": bad_any.sum().to(torch.float64),
+        "actor/loss/sum": d(loss),
+        "actor/pg_loss/sum": d(pg_loss),
+        "actor/clip_frac/tok_sum": count(clip_low | clip_high),
+        "actor/clip_frac_low/tok_sum": count(clip_low),
+        "actor/clip_frac_high/tok_sum": count(clip_high),
+        "actor/ratio_mean/tok_sum": tok_sum(ratio),
+        "actor/ratio_max/max": _masked_max(ratio, valid),
+        "actor/ratio_min/min": _masked_min(ratio, valid),
+        "actor/ppo_kl/tok_sum": tok_sum(-tok_log_ratio),  # k1 estimate of KL(pi_old || pi)
+    }
+    if dual_active is not None:
+        metrics["actor/clip_frac_dual/tok_sum"] = count(dual_active)
+    if kl_tok is not None:
+        metrics["actor/kl/tok_sum"] = tok_sum(kl_tok)
+        metrics["actor/kl_loss/sum"] = d(kl_loss)
+    if ent_loss is not None:
+        metrics["actor/entropy/tok_sum"] = tok_sum(ent_c)
+        metrics["actor/entropy_loss/sum"] = d(ent_loss)
+    if tis_stats is not None:
+        w, truncated, rejected = tis_stats
+        metrics["tis/weight_mean/tok_sum"] = tok_sum(w)
+        metrics["tis/weight_max/max"] = _masked_max(w, valid)
+        metrics["tis/weight_min/min"] = _masked_min(w, valid)
+        metrics["tis/truncated_frac/tok_sum"] = count(truncated)
+        metrics["tis/masked_frac/tok_sum"] = count(rejected)
+    if rollout_logprobs is not None:
+        diff = train_vs_rollout.detach()
+        metrics["mismatch/logp_abs_diff_mean/tok_sum"] = tok_sum(diff.abs())
+        metrics["mismatch/logp_abs_diff_max/max"] = _masked_max(diff.abs(), valid)
+        # k3 estimate of KL(pi_rollout || pi_train) from tokens sampled by the rollout engine:
+        # with r = pi_train / pi_rollout = exp(diff), KL ~ (r - 1) - log r (always >= 0).
+        bounded = diff.clamp(-20.0, 20.0)
+        metrics["mismatch/kl/tok_sum"] = tok_sum(torch.expm1(bounded) - bounded)
+    return loss, metrics

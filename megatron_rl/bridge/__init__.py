@@ -1,0 +1,15 @@
+"""Megatron <-> Hugging Face weights: the only place that knows HF tensor names and fused layouts.
+
+Used by the conversion tools (tools/convert_*.py, `megatron-rl convert`) and, every RL step,
+by weight sync to rollout engines:
+
+    load_hf_weights(module, arch, hf_dir)                  # HF safetensors -> sharded model
+    for bucket in export_hf_weights(module, arch): ...     # sharded model -> (hf_name, tensor)
+    owned_hf_names(module, arch)                           # what this rank's export yields
+"""
+
+from megatron_rl.bridge.export import export_hf_weights, owned_hf_names
+from megatron_rl.bridge.importer import CheckpointMismatch, load_hf_weights
+from megatron_rl.bridge.mappings import expand, rules_for
+
+__all__ = ["CheckpointMismatch", "expand", "export_hf_weights", "load_hf_weights", "owned_hf_names", "rules_for"]

@@ -1,0 +1,71 @@
+"""Write an HF checkpoint directory (safetensors shards, index, config, tokenizer) from a live
+sharded model. Each pipeline stage's leader writes its own shard files; rank 0 names them
+`model-0000i-of-0000N.safetensors`, writes the index and the config.
+
+Called inside an AtomicDirectory, so a failed export leaves no partial output.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from megatron_rl.bridge.export import export_hf_weights
+from megatron_rl.model.hf_config import ArchitectureSpec
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json",
+)
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def copy_tokenizer_files(source: str | Path | None, target: str | Path) -> list[str]:
+    if source is None:
+        return []
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copy2(Path(source) / name, Path(target) / name)
+            copied.append(name)
+    return copied
+
+
+def write_hf_checkpoint(
+    module, arch: ArchitectureSpec, raw_config: dict, staging: Path, *,
+    template_dir: str | Path | None = None, bucket_bytes: int = 2 << 30, dtype: torch.dtype | None = None,
+) -> None:
+    from megatron.core import parallel_state as ps
+
+    stage = ps.get_pipeline_model_parallel_rank()
+    parts = []  # (file name, [tensor names], bytes)
+    for number, bucket in enumerate(export_hf_weights(module, arch, bucket_bytes=bucket_bytes, dtype=dtype)):
+        file = f"part-stage{stage:03d}-{number:05d}.safetensors"
+        save_file({name: tensor.contiguous() for name, tensor in bucket}, str(staging / file), metadata={"format": "pt"})
+        parts.append((file, [name for name, _ in bucket], sum(t.numel() * t.element_size() for _, t in bucket)))
+    everyone = [parts]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, parts)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    ordered = sorted((p for rank_parts in everyone for p in rank_parts), key=lambda p: p[0])
+    weight_map, total = {}, 0
+    for index, (file, names, size) in enumerate(ordered, start=1):
+        final = f"model-{index:05d}-of-{len(ordered):05d}.safetensors"
+        (staging / file).rename(staging / final)
+        weight_map.update({name: final for name in names})
+        total += size
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    config = dict(raw_config)
+    if dtype is not None:
+        # transformers 5 writes "dtype", 4.x "torch_dtype": keep the spelling the config uses.
+        config["dtype" if "dtype" in config else "torch_dtype"] = DTYPE_NAMES[dtype]
+    (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    copy_tokenizer_files(template_dir, staging)

@@ -1,0 +1,70 @@
+"""Where each local parameter of a (sharded) Megatron model sits in the full model.
+
+Megatron names layers per pipeline stage from 0 and experts per EP rank from 0. The global
+names come from each layer's `layer_number` (1-based, global) and each MoE layer's
+`local_expert_indices`. Tensor-parallel splitting comes from the attributes Megatron puts on
+every parameter (`tensor_model_parallel`, `partition_dim`); expert parameters (`allreduce` is
+False) are split over the expert-tensor-parallel group instead of the TP group.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Placement:
+    local_name: str
+    global_name: str
+    param: torch.Tensor
+    is_expert: bool
+    local_expert: int | None  # index among this rank's experts (same on every EP rank)
+    tp_dim: int | None  # dimension split over the (expert-)TP group, None if replicated
+    tp_group: object | None
+    ep_group: object | None
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+
+
+def placements(module) -> list[Placement]:
+    """One Placement per parameter of this rank's model chunk, in a rank-independent order."""
+    from megatron.core import parallel_state
+
+    layers = module.decoder.layers if hasattr(module, "decoder") else []
+    layer_global = {index: layer.layer_number - 1 for index, layer in enumerate(layers)}
+    out = []
+    for name, param in module.named_parameters():
+        global_name = name
+        local_expert = None
+        layer_match = _LAYER.match(name)
+        if layer_match:
+            local_layer = int(layer_match.group(1))
+            global_name = _LAYER.sub(f"decoder.layers.{layer_global[local_layer]}.", global_name, count=1)
+            expert_match = _EXPERT.search(name)
+            if expert_match:
+                local_expert = int(expert_match.group(1))
+                experts = layers[local_layer].mlp.local_expert_indices
+                global_name = _EXPERT.sub(f".mlp.experts.local_experts.{experts[local_expert]}.", global_name, count=1)
+        is_expert = not getattr(param, "allreduce", True)
+        split = getattr(param, "tensor_model_parallel", False)
+        tp_group = (
+            parallel_state.get_expert_tensor_parallel_group() if is_expert else parallel_state.get_tensor_model_parallel_group()
+        )
+        out.append(
+            Placement(
+                local_name=name,
+                global_name=global_name,
+                param=param,
+                is_expert=is_expert,
+                local_expert=local_expert,
+                tp_dim=getattr(param, "partition_dim", None) if split and tp_group.size() > 1 else None,
+                tp_group=tp_group,
+                ep_group=parallel_state.get_expert_model_parallel_group() if is_expert else None,
+            )
+        )
+    return out
