@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -41,35 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from megatron_rl.model.logprobs import naive_logprobs_entropy, vocab_parallel_logprobs_entropy  # noqa: E402
+from peak_memory import PeakMemory  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MiB = 1024 * 1024
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-class PeakMemory:
-    """Peak RSS above the moment of ``start()``, in bytes (see module docstring)."""
-
-    def start(self) -> None:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.method = "VmHWM after clear_refs"
-            self.base = _status_kib("VmRSS")
-        except OSError:
-            self.method = "ru_maxrss"
-            self.base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-
-    def peak_bytes(self) -> int:
-        now = _status_kib("VmHWM") if self.method != "ru_maxrss" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return max(0, now - self.base) * 1024
 
 
 def worker(args) -> None:

@@ -3,6 +3,7 @@
     megatron-rl train [--config FILE] [--output-dir DIR] [key=value ...]
     megatron-rl smoke [--config FILE] [--steps N] [key=value ...]
     megatron-rl inspect-model [--config FILE] [key=value ...]
+    megatron-rl convert {hf-to-megatron,megatron-to-hf} ...   (see tools/convert_*.py)
 
 Settings come from one YAML recipe plus `section.key=value` overrides (see megatron_rl/config.py).
 Multi-rank runs: start the same command under torchrun (or srun); the layout comes from the
@@ -36,10 +37,16 @@ def _parser() -> argparse.ArgumentParser:
     smoke.add_argument("--steps", type=int, default=5)
     inspect = commands.add_parser("inspect-model", help="print the architecture a config builds")
     common(inspect)
+    commands.add_parser("convert", help="HF <-> Megatron checkpoint conversion (see tools/)", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "convert":
+        from megatron_rl import convert
+
+        return convert.main(argv[1:])
     args = _parser().parse_args(argv)
     overrides = list(args.overrides)
     if getattr(args, "output_dir", None):

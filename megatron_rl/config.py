@@ -45,6 +45,9 @@ class ModelConfig:
     # Megatron pads the embedding rows to a multiple of this times TP; the padding never enters
     # the softmax of our logprobs (it is masked), and the bridge trims it on export.
     make_vocab_size_divisible_by: int = 128
+    # Embedding rows including padding. None = Megatron's rule above. Checkpoints record theirs
+    # and loading reuses it, so a checkpoint saved at one TP size loads at another.
+    padded_vocab_size: int | None = None
     moe_token_dispatcher: Dispatcher = "alltoall"
     # RL on verifiable rewards usually trains without the load-balancing loss; set > 0 to add it.
     moe_aux_loss_coeff: float = 0.0
@@ -54,6 +57,8 @@ class ModelConfig:
     def validate(self, where: str) -> None:
         if self.make_vocab_size_divisible_by < 1:
             raise ConfigError(f"{where}.make_vocab_size_divisible_by must be >= 1")
+        if self.padded_vocab_size is not None and self.padded_vocab_size < 1:
+            raise ConfigError(f"{where}.padded_vocab_size must be >= 1")
         if self.moe_aux_loss_coeff < 0:
             raise ConfigError(f"{where}.moe_aux_loss_coeff must be >= 0")
 

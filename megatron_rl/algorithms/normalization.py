@@ -129,7 +129,7 @@ def compute_step_normalizer(
     local_max = float(row_lengths.max()) if row_lengths.numel() else 0.0
 
     stats = torch.tensor([local_tokens, local_seqs, local_max], dtype=torch.float64, device=dev)
-    if False:
+    if group is not None and _world(group) > 1:
         gathered = [torch.empty_like(stats) for _ in range(_world(group))]
         dist.all_gather(gathered, stats, group=group)
         table = torch.stack(gathered)

@@ -47,16 +47,30 @@ def _cp_world(cp_group) -> int:
     return dist.get_world_size(cp_group) if cp_group is not None else 1
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Differentiable SUM all-reduce: the backward of a sum over ranks is again a sum over ranks
+    (every rank's loss depends on every rank's tokens through the per-sample sum)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def _sum_over_cp(x: torch.Tensor, cp_group, differentiable: bool) -> torch.Tensor:
     """Sum per-sample partial sums over context-parallel ranks (each holds a slice of the sample)."""
     if _cp_world(cp_group) <= 1:
         return x
     if differentiable:
-        from torch.distributed.nn.functional import all_reduce as autograd_all_reduce
-
-        # Backward of a SUM all-reduce is a SUM all-reduce of the gradients: every rank's
-        # loss depends on every rank's tokens through the sequence mean.
-        return autograd_all_reduce(x, group=cp_group)
+        return _AllReduceSum.apply(x, cp_group)
     x = x.clone()
     dist.all_reduce(x, group=cp_group)
     return x

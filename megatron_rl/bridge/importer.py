@@ -20,13 +20,14 @@ from safetensors import safe_open
 from megatron_rl.bridge.layouts import merge, piece_rows
 from megatron_rl.bridge.mappings import expand
 from megatron_rl.bridge.placement import Placement, placements
+from megatron_rl.config import ConfigError
 from megatron_rl.model.hf_config import ArchitectureSpec
 
 # Tensors some checkpoints carry that are not parameters of the model.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class CheckpointMismatch(ValueError):
+class CheckpointMismatch(ConfigError):
     """The HF checkpoint does not fit the model: names the tensors and shapes involved."""
 
 

@@ -30,6 +30,23 @@ class Placement:
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
+# Transformer Engine's layer spec names the same tensors differently: norms are fused into the
+# following linear, and grouped experts are one module with weight0..weightN-1. Canonical names
+# are the local spec's, which the mapping tables use. (Checked on names only: TE modules cannot
+# be built without CUDA; see tests/unit/test_bridge_names.py.)
+_TE_NAMES = [
+    (re.compile(r"\.self_attention\.linear_qkv\.layer_norm_weight$"), ".input_layernorm.weight"),
+    (re.compile(r"\.mlp\.linear_fc1\.layer_norm_weight$"), ".pre_mlp_layernorm.weight"),
+    (re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$"), r".mlp.experts.local_experts.\2.\1.weight"),
+]
+
+
+def canonical_name(name: str) -> str:
+    """The local-spec name of a parameter named by either layer spec."""
+    for pattern, replacement in _TE_NAMES:
+        name = pattern.sub(replacement, name)
+    return name
+
 
 def placements(module) -> list[Placement]:
     """One Placement per parameter of this rank's model chunk, in a rank-independent order."""
@@ -39,6 +56,7 @@ def placements(module) -> list[Placement]:
     layer_global = {index: layer.layer_number - 1 for index, layer in enumerate(layers)}
     out = []
     for name, param in module.named_parameters():
+        name = canonical_name(name)
         global_name = name
         local_expert = None
         layer_match = _LAYER.match(name)

@@ -48,6 +48,20 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+def model_vocab_rows(arch: ArchitectureSpec, model: ModelConfig, tp: int) -> int:
+    """Embedding rows to build: a recorded padded size if given (it must split over TP), else the rule."""
+    if model.padded_vocab_size is None:
+        return padded_vocab_size(arch.vocab_size, model.make_vocab_size_divisible_by, tp)
+    rows = model.padded_vocab_size
+    if rows < arch.vocab_size or rows % tp:
+        raise ConfigError(
+            f"model.padded_vocab_size={rows} must be >= the vocabulary ({arch.vocab_size}) and divisible by "
+            f"parallel.tp={tp}; this checkpoint cannot be loaded at tp={tp} without re-padding "
+            "(convert it through HF: tools/convert_megatron_to_hf.py then tools/convert_hf_to_megatron.py)"
+        )
+    return rows
+
+
 def check_fp8(model: ModelConfig, device: torch.device, use_te: bool) -> None:
     recipe = model.fp8_recipe
     if recipe is None:
@@ -74,7 +88,7 @@ def transformer_config(arch: ArchitectureSpec, config: RunConfig, device: torch.
 
     parallel = config.parallel
     parallel.validate_for_model("parallel", num_experts=arch.num_experts)
-    _check_divisibility(arch, config)
+    check_divisibility(arch, config)
     check_fp8(config.model, device, use_te)
     bf16 = config.model.precision == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -154,7 +168,7 @@ def transformer_config(arch: ArchitectureSpec, config: RunConfig, device: torch.
     )
 
 
-def _check_divisibility(arch: ArchitectureSpec, config: RunConfig) -> None:
+def check_divisibility(arch: ArchitectureSpec, config: RunConfig) -> None:
     p = config.parallel
     checks = [
         ("num_attention_heads", arch.num_attention_heads, "tp", p.tp),
@@ -192,9 +206,7 @@ def build_gpt_model(arch: ArchitectureSpec, tconfig, model: ModelConfig, use_te:
     gpt = GPTModel(
         config=tconfig,
         transformer_layer_spec=layer_spec(tconfig, use_te),
-        vocab_size=padded_vocab_size(
-            arch.vocab_size, model.make_vocab_size_divisible_by, tconfig.tensor_model_parallel_size
-        ),
+        vocab_size=model_vocab_rows(arch, model, tconfig.tensor_model_parallel_size),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.atomic_dir import AtomicDirectory
-from megatron_rl.bridge import load_hf_weights
+from megatron_rl.bridge import export_hf_weights, load_hf_weights, owned_hf_names
 from megatron_rl.bridge.hf_checkpoint import write_hf_checkpoint
 from megatron_rl.config import load_config
 from megatron_rl.model.builder import build_model
@@ -74,6 +74,12 @@ def main() -> None:
         normalizer = float(global_token_count(batches, policy.dp_group, runtime.device))
         for _ in range(2):
             policy.train_step(batches, lambda lp, ent, b: (-(lp * b.loss_mask[0]).sum() / normalizer, {}))
+
+    # Weight sync relies on owned_hf_names: it must list exactly what this rank's export yields.
+    yielded = [name for bucket in export_hf_weights(module, arch, bucket_bytes=1 << 16) for name, _ in bucket]
+    owned = owned_hf_names(module, arch)
+    assert sorted(yielded) == sorted(owned), (sorted(set(yielded) ^ set(owned)))[:5]
+    assert len(yielded) == len(set(yielded)), "a name was exported twice"
 
     with AtomicDirectory(out / "hf") as staging:
         write_hf_checkpoint(module, arch, raw, staging, template_dir=args.hf, bucket_bytes=64 << 10)

@@ -181,3 +181,12 @@ def test_bad_checkpoints_are_refused_by_name(models, tmp_path, edit, message):
 def test_safetensors_metadata_names_are_checkpoint_format(models):
     with safe_open(str(next(models["qwen3_moe"].glob("*.safetensors"))), "pt") as handle:
         assert "model.layers.0.mlp.experts.3.gate_proj.weight" in handle.keys()
+
+
+def test_benchmark_quick_runs():
+    """benchmarks/bridge_export.py --quick must keep working (it is not part of the suite otherwise)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bridge_export.py"), "--quick"],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ratio export/memcpy throughput" in result.stdout and "ratio import/memcpy throughput" in result.stdout

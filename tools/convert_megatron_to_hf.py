@@ -1,0 +1,16 @@
+#!/usr/bin/env python
+"""Megatron torch_dist checkpoint (written by megatron-rl) -> HF safetensors directory.
+
+    python tools/convert_megatron_to_hf.py --ckpt DIR --out DIR [--hf-template DIR] [--tp N ...] [--force]
+
+The result loads with transformers.AutoModelForCausalLM.from_pretrained. The checkpoint may have
+been saved at any layout; --tp/--pp/--ep choose the layout used to read it (default: one process).
+Same as `megatron-rl convert megatron-to-hf ...`.
+"""
+
+import sys
+
+from megatron_rl.convert import main
+
+if __name__ == "__main__":
+    sys.exit(main(["megatron-to-hf", *sys.argv[1:]]))
