@@ -44,13 +44,13 @@ def _split(key: str) -> tuple[str, str]:
     raise ValueError(f"metric key {key!r} has no combine suffix (one of {METRIC_SUFFIXES})")
 
 
-def _value(v) -> float | torch.Tensor:
+def _value(v, device) -> torch.Tensor:
     if torch.is_tensor(v):
         if v.numel() != 1:
             raise ValueError(f"metric values must be scalars, got shape {tuple(v.shape)}")
-        return v.detach().reshape(()).to(torch.float64)
+        return v.detach().reshape(()).to(device=device, dtype=torch.float64)
     if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return float(v)
+        return torch.tensor(float(v), dtype=torch.float64, device=device)
     raise ValueError(f"metric values must be numbers or 0-d tensors, got {type(v).__name__}")
 
 
@@ -77,27 +77,28 @@ def reduce_metrics(
         metric_dicts = [metric_dicts]
     keys = sorted({k for md in metric_dicts for k in md})
     kinds = {k: _split(k) for k in keys}
-    local: dict[str, float | torch.Tensor] = {}
+    names: dict[str, str] = {}
+    for k, (name, _) in kinds.items():
+        if name in names:
+            raise ValueError(f"metric keys {names[name]!r} and {k!r} both map to {name!r}")
+        names[name] = k
+    if device is None:
+        tensors = (v for md in metric_dicts for v in md.values() if torch.is_tensor(v))
+        device = next((v.device for v in tensors), torch.device("cpu"))
+    # Combine this rank's micro-batches, then pack one vector for the collective: sums as they
+    # are, maxima as they are, minima negated, so every entry reduces with either sum or max.
+    columns = []
     for k in keys:
         suffix = kinds[k][1]
-        vals = [_value(md[k]) for md in metric_dicts if k in md]
-        acc = vals[0]
-        for v in vals[1:]:
-            if suffix in _SUM_KINDS:
-                acc = acc + v
-            elif suffix == "/max":
-                acc = torch.maximum(torch.as_tensor(acc, dtype=torch.float64), torch.as_tensor(v, dtype=torch.float64))
-            else:
-                acc = torch.minimum(torch.as_tensor(acc, dtype=torch.float64), torch.as_tensor(v, dtype=torch.float64))
-        local[k] = acc
-    if device is None:
-        device = next((v.device for v in local.values() if torch.is_tensor(v)), torch.device("cpu"))
-    # Pack: sums as they are, max as they are, min negated -> every entry reduces with sum or max.
-    checksum = float(zlib.crc32("\n".join(keys).encode()))
-    packed = torch.stack(
-        [torch.as_tensor(-local[k] if kinds[k][1] == "/min" else local[k], dtype=torch.float64).to(device) for k in keys]
-        + [torch.tensor(checksum, dtype=torch.float64, device=device)]
-    ) if keys else torch.tensor([checksum], dtype=torch.float64, device=device)
+        vals = torch.stack([_value(md[k], device) for md in metric_dicts if k in md])
+        if suffix in _SUM_KINDS:
+            columns.append(vals.sum())
+        elif suffix == "/max":
+            columns.append(vals.max())
+        else:
+            columns.append(-vals.min())
+    checksum = float(zlib.crc32("\n".join(keys).encode()))  # same keys on every rank?
+    packed = torch.stack(columns + [torch.tensor(checksum, dtype=torch.float64, device=device)])
     world = dist.get_world_size(group) if group is not None else 1
     if world > 1:
         gathered = [torch.empty_like(packed) for _ in range(world)]
@@ -159,9 +160,11 @@ def length_bias_metrics(
     ``count/mixed_groups``.
     """
     if not torch.is_tensor(rewards) or rewards.dim() not in (1, 2):
-        raise ValueError(f"rewards must be [groups, G] or [batch], got {getattr(rewards, 'shape', type(rewards).__name__)}")
+        got = getattr(rewards, "shape", type(rewards).__name__)
+        raise ValueError(f"rewards must be [groups, G] or [batch], got {got}")
     if not torch.is_tensor(lengths) or tuple(lengths.shape) != tuple(rewards.shape):
-        raise ValueError(f"lengths shape {tuple(getattr(lengths, 'shape', ()))} must equal rewards shape {tuple(rewards.shape)}")
+        got = tuple(getattr(lengths, "shape", ()))
+        raise ValueError(f"lengths shape {got} must equal rewards shape {tuple(rewards.shape)}")
     finite_number(correct_threshold, "correct_threshold")
     r = rewards.detach().to(torch.float64)
     n = lengths.detach().to(torch.float64)

@@ -303,10 +303,12 @@ def policy_loss(
     def d(x: torch.Tensor) -> torch.Tensor:
         return x.detach().to(torch.float64)
 
+    # Under CP every rank sees every sample: count sequences on CP rank 0 only.
     cp_rank = dist.get_rank(cp_group) if _cp_world(cp_group) > 1 else 0
+    n_seqs = (seq_len > 0).sum().to(torch.float64) * (1.0 if cp_rank == 0 else 0.0)
     metrics: dict[str, torch.Tensor] = {
         "count/tokens/sum": vf.sum(),
-        "count/sequences/sum": ((seq_len > 0).sum() if cp_rank == 0 else torch.zeros((), device=vf.device)).to(torch.float64),
+        "count/sequences/sum": n_seqs,
         "check/nonfinite_tokens/sum": bad_any.sum().to(torch.float64),
         "actor/loss/sum": d(loss),
         "actor/pg_loss/sum": d(pg_loss),

@@ -69,7 +69,9 @@ class Recipe:
 
     def __post_init__(self):
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage_estimator must be one of {ADVANTAGE_ESTIMATORS}, got {self.advantage_estimator!r}")
+            raise ValueError(
+                f"advantage_estimator must be one of {ADVANTAGE_ESTIMATORS}, got {self.advantage_estimator!r}"
+            )
         if self.advantage_std not in STD_ESTIMATORS:
             raise ValueError(f"advantage_std must be one of {STD_ESTIMATORS}, got {self.advantage_std!r}")
         if (self.overlong_max_length is None) != (self.overlong_buffer_length is None):

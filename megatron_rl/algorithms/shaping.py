@@ -30,7 +30,8 @@ __all__ = [
 
 def _check_lengths(lengths, name: str = "lengths") -> torch.Tensor:
     if not torch.is_tensor(lengths) or lengths.is_complex() or lengths.dtype == torch.bool:
-        raise ValueError(f"{name} must be a real tensor of token counts, got {getattr(lengths, 'dtype', type(lengths).__name__)}")
+        got = getattr(lengths, "dtype", type(lengths).__name__)
+        raise ValueError(f"{name} must be a real tensor of token counts, got {got}")
     if lengths.numel() and bool((lengths < 0).any()):
         raise ValueError(f"{name} must be >= 0, found {lengths.min().item()}")
     return lengths

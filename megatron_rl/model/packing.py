@@ -49,10 +49,14 @@ class PackedBatch:
             max_seqlen_kv=self.max_seqlen,
         )
 
+    def response_segments(self) -> list[tuple[int, int]]:
+        """(begin, end) positions whose next-token logprobs score each sample's response."""
+        return [(start + prompt - 1, start + length - 1) for start, prompt, length in self.spans]
+
     def response_values(self, values: torch.Tensor) -> list[torch.Tensor]:
         """Split a per-position tensor [T] (or [1, T]) into one tensor per sample, response tokens only."""
         flat = values.reshape(-1)
-        return [flat[start + prompt - 1 : start + length - 1] for start, prompt, length in self.spans]
+        return [flat[begin:end] for begin, end in self.response_segments()]
 
 
 def pack(

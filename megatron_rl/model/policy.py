@@ -136,6 +136,11 @@ class Policy:
         dist_checkpointing.save(self.module.sharded_state_dict(), directory)
 
     def load_model(self, directory: str) -> None:
+        """Load weights saved by save_model, at this or any other layout.
+
+        The embedding's padded row count must match (it depends on TP unless
+        model.padded_vocab_size pins it); Megatron names the tensor if it does not.
+        """
         from megatron.core import dist_checkpointing
 
         with torch.no_grad():
@@ -149,6 +154,8 @@ class Policy:
     def _run(self, batches, forward_only: bool, loss_fn: LossFn | None, with_entropy: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        if not batches:
+            raise ValueError("no micro-batches to run: pack at least one sample")
         device = self.runtime.device
         real = len(batches)
         batches = [b.to(device) for b in self._equalize_microbatch_count(batches)]

@@ -81,12 +81,51 @@ def save_grads(policy: Policy, directory: Path) -> None:
         torch.save(full, directory.parent / "grads.pt")
 
 
+def recipe_loss(name: str, policy: Policy, batches, first_logprobs):
+    """A GRPO-family loss from megatron_rl.algorithms on the packed micro-batches.
+
+    Old logprobs are the policy's own before the first step (so later steps have ratios != 1 and
+    clipping engages); advantages come from fixed per-group rewards.
+    """
+    from megatron_rl.algorithms import compute_advantages, compute_step_normalizer, policy_loss, recipe, segments_to_padded
+
+    setting = recipe(name, kl_coef=0.0) if name == "grpo" else recipe(name)
+    rewards = torch.Generator().manual_seed(7)
+    rewards = torch.randint(0, 2, (NUM_SAMPLES // 4, 4), generator=rewards).double()
+    rewards[0] = torch.tensor([1.0, 0.0, 0.0, 1.0])  # at least one group with spread
+    advantages = compute_advantages(rewards, estimator=setting.advantage_estimator).reshape(-1).float()
+    old = {}  # sample id -> old logprobs of its response (last pipeline stage only)
+    for batch, output in zip(batches, first_logprobs):
+        for sample_id, values in zip(batch.sample_ids, batch.response_values(output["logprobs"])):
+            old[sample_id] = values.detach()
+    masks = [segments_to_padded(batch.loss_mask[0], batch.response_segments())[1] for batch in batches]
+    normalizer = compute_step_normalizer(masks, setting.loss.loss_agg_mode, group=policy.dp_group)
+
+    def loss_fn(logprobs, entropy, batch):
+        segments = batch.response_segments()
+        current, mask = segments_to_padded(logprobs, segments)
+        old_padded = _pad_like(current, [old[i] for i in batch.sample_ids])
+        loss, _ = policy_loss(current, old_padded, advantages[batch.sample_ids], mask, setting.loss, normalizer=normalizer)
+        return loss, {}
+
+    return loss_fn
+
+
+def _pad_like(reference: torch.Tensor, rows: list[torch.Tensor]) -> torch.Tensor:
+    """Rows zero-padded to the [n, width] layout of `reference`."""
+    padded = torch.zeros_like(reference)
+    for index, row in enumerate(rows):
+        padded[index, : row.numel()] = row
+    return padded
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--weights", required=True)
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--override", action="append", default=[])
+    parser.add_argument("--recipe", default=None, help="a megatron_rl.algorithms recipe instead of plain NLL")
     args = parser.parse_args()
     out = Path(args.out)
 
@@ -117,11 +156,14 @@ def main() -> None:
                 per_sample[sample_id] = {"logprobs": lp.clone(), "entropy": ent.clone()}
         torch.save(per_sample, out / f"logprobs_rank{runtime.rank}.pt")
 
-    # 3 and 4: token-mean NLL normalized over the whole step (all micro-batches, all DP ranks)
-    normalizer = float(global_token_count(batches, policy.dp_group, runtime.device))
+    # 3 and 4: the loss, normalized over the whole step (all micro-batches, all DP ranks)
+    if args.recipe is None:
+        normalizer = float(global_token_count(batches, policy.dp_group, runtime.device))
 
-    def loss_fn(logprobs, entropy, batch):
-        return -(logprobs * batch.loss_mask[0]).sum() / normalizer, {}
+        def loss_fn(logprobs, entropy, batch):
+            return -(logprobs * batch.loss_mask[0]).sum() / normalizer, {}
+    else:
+        loss_fn = recipe_loss(args.recipe, policy, batches, outputs)
 
     losses, grad_norms = [], []
     for step in range(3):
