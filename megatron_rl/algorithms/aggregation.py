@@ -25,10 +25,10 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.algorithms._checks import check_mask
+from megatron_rl.algorithms.normalization import LOSS_AGG_MODES, compute_step_normalizer
 
 __all__ = ["LOSS_AGG_MODES", "token_weights", "agg_loss"]
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
 
 
 def _inv(x: float) -> float:
@@ -79,7 +79,6 @@ def agg_loss(
     ``normalizer=None`` treats this call as the whole step (counts from ``mask``, no
     communication). Positions outside ``mask`` are ignored even if they hold NaN/inf.
     """
-    from megatron_rl.algorithms.normalization import compute_step_normalizer
 
     m = check_mask(mask)
     if tuple(values.shape) != tuple(m.shape):

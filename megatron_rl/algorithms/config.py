@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from megatron_rl.algorithms._checks import finite_number
-from megatron_rl.algorithms.aggregation import LOSS_AGG_MODES
+from megatron_rl.algorithms.normalization import LOSS_AGG_MODES
 from megatron_rl.algorithms.kl import canonical_kl_type
 
 __all__ = ["PolicyLossConfig", "resolve_aliases", "POLICY_LOSS_TYPES", "RATIO_LEVELS", "TIS_LEVELS", "TIS_MODES"]
