@@ -24,8 +24,7 @@ def segments_to_padded(
     Args:
         values: ``[T]`` or ``[1, T]`` per-position values of one packed micro-batch.
         segments: ``(begin, end)`` position ranges, one per sample, e.g. the scored response
-            positions ``(start + prompt_length - 1, start + length - 1)`` of each
-            ``PackedBatch.spans`` entry ``(start, prompt_length, length)``.
+            positions of a packed micro-batch, ``PackedBatch.response_segments()``.
 
     Returns:
         ``(padded, mask)``: ``[n, max_len]`` values (0 at padding) and the bool mask of real

@@ -52,8 +52,9 @@ def activate() -> None:
             return
         if torch.cuda.is_available():
             raise RuntimeError(
-                "the CPU compatibility layer must not be activated on a machine with CUDA; "
-                "set device: cpu only where no GPU is in use"
+                "device: cpu was chosen on a machine with CUDA; the CPU compatibility layer would "
+                "redirect Megatron-Core's CUDA calls process-wide. Use device: auto (or cuda) here; "
+                "device: cpu is for machines without a GPU."
             )
         _patch_torch_cuda()
         _patch_megatron()

@@ -65,6 +65,6 @@ def test_cpu_layer_refuses_a_cuda_machine_mocked(monkeypatch):
     from megatron_rl.platform import cpu_compat
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(RuntimeError, match="must not be activated on a machine with CUDA"):
+    with pytest.raises(RuntimeError, match="device: cpu was chosen on a machine with CUDA"):
         cpu_compat.activate()
     assert not cpu_compat.is_active()
