@@ -80,7 +80,7 @@ def _quiet_known_upstream_warnings() -> None:
     # Expected on CPU, or marked as known in Megatron-Core's own source; they bury real output.
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*not installed.*")
     warnings.filterwarnings("ignore", message=".*The .grad attribute of a Tensor that is not a leaf.*")
-    warnings.filterwarnings("ignore", message=".*is deprecated. Please use .*_single instead.*", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*is deprecated. Please use .*_single.*", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
 
 
