@@ -18,6 +18,7 @@ import math
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from megatron_rl.atomic_dir import AtomicDirectory, refuse_existing
@@ -94,24 +95,38 @@ def _relaunch_if_needed(world: int, script: str, argv: list[str]) -> bool:
     sys.exit(subprocess.call(command, env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))))
 
 
-def hf_to_megatron(argv: list[str]) -> None:
-    args = hf_to_megatron_parser().parse_args(argv)
-    raw, _ = load_hf_config(args.hf_dir)  # a clear error for a missing or unsupported config
-    config = _config(args.hf_dir, args, args.precision or _precision_of(raw))
+def _preflight(config: RunConfig, args, command: str, argv: list[str]) -> None:
+    """Everything checkable without processes; then re-launch under torchrun if ranks are needed."""
     _validate(config)
     refuse_existing(args.out, args.force)
-    _relaunch_if_needed(world_size_for(config), "hf-to-megatron", argv)
+    _relaunch_if_needed(world_size_for(config), command, argv)
 
-    from megatron.core import dist_checkpointing
 
-    from megatron_rl.bridge import load_hf_weights
-    from megatron_rl.bridge.hf_checkpoint import copy_tokenizer_files
+@contextmanager
+def _model_on_this_rank(config: RunConfig):
+    """(runtime, built model) for this rank; the runtime is shut down however the block ends."""
     from megatron_rl.model.builder import build_model
     from megatron_rl.platform import start_runtime
 
     runtime = start_runtime(config)
     try:
-        built = build_model(config, runtime.device)
+        yield runtime, build_model(config, runtime.device)
+    finally:
+        runtime.shutdown()
+
+
+def hf_to_megatron(argv: list[str]) -> None:
+    args = hf_to_megatron_parser().parse_args(argv)
+    raw, _ = load_hf_config(args.hf_dir)  # a clear error for a missing or unsupported config
+    config = _config(args.hf_dir, args, args.precision or _precision_of(raw))
+    _preflight(config, args, "hf-to-megatron", argv)
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.bridge import load_hf_weights
+    from megatron_rl.bridge.hf_checkpoint import copy_tokenizer_files
+
+    with _model_on_this_rank(config) as (runtime, built):
         load_hf_weights(built.module, built.arch, args.hf_dir)
         with AtomicDirectory(args.out, force=args.force) as staging:
             dist_checkpointing.save(built.module.sharded_state_dict(), str(staging))
@@ -129,8 +144,6 @@ def hf_to_megatron(argv: list[str]) -> None:
                 (staging / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
         if runtime.is_main:
             print(f"wrote {args.out} ({built.arch.architecture}, tp={args.tp} pp={args.pp} ep={args.ep})")
-    finally:
-        runtime.shutdown()
 
 
 def read_metadata(ckpt: str | Path) -> dict:
@@ -148,20 +161,14 @@ def megatron_to_hf(argv: list[str]) -> None:
     metadata = read_metadata(args.ckpt)
     hf_config = str(Path(args.ckpt) / "hf_config")
     config = _config(hf_config, args, metadata["precision"], [f"model.padded_vocab_size={metadata['padded_vocab_size']}"])
-    _validate(config)
-    refuse_existing(args.out, args.force)
-    _relaunch_if_needed(world_size_for(config), "megatron-to-hf", argv)
+    _preflight(config, args, "megatron-to-hf", argv)
 
     import torch
     from megatron.core import dist_checkpointing
 
     from megatron_rl.bridge.hf_checkpoint import write_hf_checkpoint
-    from megatron_rl.model.builder import build_model
-    from megatron_rl.platform import start_runtime
 
-    runtime = start_runtime(config)
-    try:
-        built = build_model(config, runtime.device)
+    with _model_on_this_rank(config) as (runtime, built):
         with torch.no_grad():
             state = dist_checkpointing.load(built.module.sharded_state_dict(), args.ckpt)
             built.module.load_state_dict(state)
@@ -170,8 +177,6 @@ def megatron_to_hf(argv: list[str]) -> None:
                                 template_dir=args.hf_template or hf_config)
         if runtime.is_main:
             print(f"wrote {args.out} ({built.arch.architecture})")
-    finally:
-        runtime.shutdown()
 
 
 COMMANDS = {"hf-to-megatron": hf_to_megatron, "megatron-to-hf": megatron_to_hf}
