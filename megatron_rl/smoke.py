@@ -17,7 +17,8 @@ import torch
 
 from megatron_rl.config import RunConfig
 from megatron_rl.model.packing import pack_by_token_budget
-from megatron_rl.model.policy import Policy, global_token_count
+from megatron_rl.algorithms import compute_step_normalizer
+from megatron_rl.model.policy import Policy
 from megatron_rl.platform import start_runtime
 
 
@@ -52,7 +53,7 @@ def run_smoke(config: RunConfig, steps: int = 5, num_samples: int = 16) -> list[
             )
         samples, prompts = synthetic_samples(arch.vocab_size, num_samples, config.seed, runtime.dp_rank, runtime.dp_size)
         batches = pack_by_token_budget(samples, prompts, config.micro_batch_tokens, policy.pad_to_multiple)
-        normalizer = float(global_token_count(batches, policy.dp_group, runtime.device))
+        normalizer = compute_step_normalizer([b.loss_mask for b in batches], group=policy.dp_group, device=runtime.device).num_tokens
 
         def loss_fn(logprobs, entropy, batch):
             mask = batch.loss_mask[0]

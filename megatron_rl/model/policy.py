@@ -6,7 +6,8 @@ Two operations, both over packed micro-batches and any TP/PP/EP/DP layout:
     policy.train_step(batches, loss_fn) -> one optimizer step; returns loss and grad norm
 
 `loss_fn(logprobs, entropy, batch)` returns this micro-batch's share of the step loss, already
-divided by a normalizer taken over the WHOLE step (every micro-batch on every DP rank). That is
+divided by a normalizer taken over the WHOLE step (every micro-batch on every DP rank; see
+`megatron_rl.algorithms.compute_step_normalizer`). That is
 why Megatron is configured with `calculate_per_token_loss=True` and a finalize function without
 token scaling: the schedule then neither divides by the number of micro-batches nor averages
 gradients over DP, and summing micro-batch gradients gives exactly the full-batch gradient.
@@ -231,14 +232,3 @@ def _finalize_without_token_scaling(model, num_tokens=None, pg_collection=None, 
     # Reduce grads over DP (sum), embeddings across stages and SP norms across TP, but do not
     # divide by a token count: the loss was normalized over the whole step already.
     return finalize_model_grads(model, num_tokens=None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
-
-
-def global_token_count(batches: list[PackedBatch], dp_group=None, device: torch.device | None = None) -> torch.Tensor:
-    """Response tokens in the whole optimizer step: all micro-batches, all-reduced over DP once.
-
-    `device` must be the training device under NCCL (it reduces only GPU tensors).
-    """
-    total = torch.tensor(float(sum(b.loss_mask.sum().item() for b in batches)), dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(total, group=dp_group)
-    return total

@@ -62,7 +62,8 @@ def main() -> None:
         module, arch, raw = built.module, built.arch, built.raw_hf_config
         load_hf_weights(module, arch, args.hf)
     else:
-        from megatron_rl.model.policy import Policy, global_token_count
+        from megatron_rl.algorithms import compute_step_normalizer
+        from megatron_rl.model.policy import Policy
 
         policy = Policy(config, runtime)
         module, arch, raw = policy.module, policy.arch, policy.raw_hf_config
@@ -71,7 +72,7 @@ def main() -> None:
         generator = torch.Generator().manual_seed(0)
         samples = [torch.randint(0, arch.vocab_size, (n,), generator=generator).tolist() for n in (20, 31, 9)]
         batches = pack_by_token_budget(samples, [3, 5, 2], 64, pad)
-        normalizer = float(global_token_count(batches, policy.dp_group, runtime.device))
+        normalizer = compute_step_normalizer([b.loss_mask for b in batches], group=policy.dp_group, device=runtime.device).num_tokens
         for _ in range(2):
             policy.train_step(batches, lambda lp, ent, b: (-(lp * b.loss_mask[0]).sum() / normalizer, {}))
 

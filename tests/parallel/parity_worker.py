@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from megatron_rl.config import load_config
 from megatron_rl.model.packing import pack_by_token_budget
-from megatron_rl.model.policy import Policy, global_token_count
+from megatron_rl.algorithms import compute_step_normalizer
+from megatron_rl.model.policy import Policy
 from megatron_rl.platform import start_runtime
 
 NUM_SAMPLES = 12
@@ -158,7 +159,7 @@ def main() -> None:
 
     # 3 and 4: the loss, normalized over the whole step (all micro-batches, all DP ranks)
     if args.recipe is None:
-        normalizer = float(global_token_count(batches, policy.dp_group, runtime.device))
+        normalizer = compute_step_normalizer([b.loss_mask for b in batches], group=policy.dp_group, device=runtime.device).num_tokens
 
         def loss_fn(logprobs, entropy, batch):
             return -(logprobs * batch.loss_mask[0]).sum() / normalizer, {}

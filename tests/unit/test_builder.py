@@ -18,7 +18,7 @@ def test_fp8_is_refused_on_cpu_with_a_clear_message(recipe):
     assert f"model.fp8_recipe='{recipe}'" in message and "Transformer Engine" in message and "cpu" in message
 
 
-def test_fp8_refusal_happens_before_building(tmp_path):
+def test_fp8_refusal_happens_before_building():
     config = load_config(None, ["model.fp8_recipe=blockwise", "model.precision=bf16"])
     arch = parse_hf_config(*load_hf_config(config.model.hf_config))
     with pytest.raises(ConfigError, match="fp8_recipe"):
