@@ -152,6 +152,54 @@ class OptimizerConfig:
 
 
 @dataclass
+class RolloutConfig:
+    """The rollout engine: where it runs, how weights reach it, and how requests are bounded."""
+
+    engine: Literal["vllm", "sglang"] = "vllm"
+    # colocated: an engine inside the trainer processes, its tensor parallelism spanning the
+    # trainer's ranks (vLLM only; the default on CPU). server: OpenAI-compatible HTTP servers,
+    # started by us on this node (server_urls empty) or already running elsewhere.
+    mode: Literal["colocated", "server"] = "colocated"
+    server_urls: list[str] = field(default_factory=list)
+    num_servers: int = 1  # servers to start when server_urls is empty
+    # Engine dtype; "auto" follows model.precision (fp32 -> float32, bf16 -> bfloat16).
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    max_model_len: int = 1024
+    gpu_memory_utilization: float = 0.5
+    cpu_kv_cache_gib: float = 1.0
+    # How weights travel after each step. auto: same-process stream when colocated, NCCL broadcast
+    # to servers on GPU, safetensors files on a shared filesystem to servers on CPU.
+    weight_transport: Literal["auto", "stream", "files", "nccl"] = "auto"
+    weight_bucket_mb: int = 512
+    # Where the files transport stages buckets; must be visible to the servers. None = OUTPUT_DIR/.weights
+    staging_dir: str | None = None
+    startup_timeout_s: float = 600.0
+    request_timeout_s: float = 900.0
+    max_retries: int = 2  # per request, for transient HTTP failures; then the engine is reported dead
+
+    def validate(self, where: str) -> None:
+        if self.engine == "sglang" and self.mode == "colocated":
+            raise ConfigError(f"{where}.mode=colocated is vLLM only; SGLang runs as servers (mode: server)")
+        if self.weight_transport == "stream" and self.mode == "server":
+            raise ConfigError(f"{where}.weight_transport=stream needs mode=colocated; servers take files or nccl")
+        if self.weight_transport in ("files", "nccl") and self.mode == "colocated":
+            raise ConfigError(f"{where}.weight_transport={self.weight_transport} is for servers; colocated engines use stream")
+        for name in ("num_servers", "max_model_len", "weight_bucket_mb"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_retries < 0:
+            raise ConfigError(f"{where}.max_retries must be >= 0")
+        for name in ("startup_timeout_s", "request_timeout_s", "cpu_kv_cache_gib"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{where}.{name} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"{where}.gpu_memory_utilization must be in (0, 1]")
+        for url in self.server_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"{where}.server_urls: {url!r} must start with http:// or https://")
+
+
+@dataclass
 class RunConfig:
     """The root of the tree."""
 
@@ -165,6 +213,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
     def validate(self, where: str = "config") -> RunConfig:
         if self.micro_batch_tokens < 1:
@@ -174,6 +223,7 @@ class RunConfig:
         self.model.validate(f"{where}: model")
         self.parallel.validate(f"{where}: parallel")
         self.optimizer.validate(f"{where}: optimizer")
+        self.rollout.validate(f"{where}: rollout")
         return self
 
 
@@ -278,6 +328,11 @@ def _coerce(hint: Any, value: Any, source: str, key: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         return float(value)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(item, element, source, f"{key}[{index}]") for index, element in enumerate(value)]
     if hint is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")

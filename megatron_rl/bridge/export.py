@@ -5,7 +5,9 @@
 
 Every rank must iterate the generator (it takes part in the gathers), but only each pipeline
 stage's leader (the stage's rank with TP, DP, EP and expert-TP rank 0) receives tensors; the
-others get empty buckets. Stages work independently (no cross-stage traffic), so each stage's
+others get no buckets. With `every_rank=True` every rank of the stage receives the same buckets
+at the same points (the gathers leave full tensors everywhere anyway), which is what a rollout
+engine sharded across the trainer's ranks needs. Stages work independently (no cross-stage traffic), so each stage's
 leader yields exactly the names of the layers it holds: `owned_hf_names` lists them without
 communication, so weight sync knows which rank sends what.
 
@@ -36,10 +38,11 @@ def is_stage_leader() -> bool:
 
 
 def export_hf_weights(
-    module, arch: ArchitectureSpec, *, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None
+    module, arch: ArchitectureSpec, *, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None,
+    every_rank: bool = False,
 ) -> Iterator[Bucket]:
     table = {name: (hf, layout) for name, hf, layout in expand(arch)}
-    leader = is_stage_leader()
+    receives = every_rank or is_stage_leader()
     bucket: Bucket = []
     size = 0
     for placement in placements(module):
@@ -48,7 +51,7 @@ def export_hf_weights(
                 continue  # the tied copy on the last stage; the embedding is exported instead
             raise KeyError(f"Megatron parameter {placement.global_name} has no HF mapping for {arch.architecture}")
         for hf_name, tensor in _assemble(placement, table, arch):
-            if not leader:
+            if not receives:
                 continue
             tensor = tensor if dtype is None else tensor.to(dtype)
             bucket.append((hf_name, tensor))

@@ -1,0 +1,131 @@
+"""The one interface the trainer sees for every rollout engine.
+
+    engine.generate(prompts, SamplingParams(n=8, max_tokens=512, seed=step_seed), timeout_s=600)
+        -> one list per prompt, n Samples each, in prompt order and sample order
+    engine.update_weights(stream)   # (hf_name, tensor) pairs from the bridge, the whole model
+    engine.pause(); engine.resume(); engine.health(); engine.shutdown()
+
+Engines differ in where they run (inside the trainer processes, behind HTTP) and in how weights
+travel; the trainer never branches on which one it holds. Errors an engine raises are
+`EngineError` subclasses and name the engine, so a dead server among eight is identifiable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Literal, Protocol, runtime_checkable
+
+import torch
+
+FinishReason = Literal["stop", "length"]
+WeightStream = Iterable[tuple[str, torch.Tensor]]
+
+
+class EngineError(RuntimeError):
+    """A rollout engine failed; the message starts with the engine's name."""
+
+
+class EngineTimeout(EngineError):
+    """A request did not finish within its timeout (after any retries)."""
+
+
+class EngineUnavailable(EngineError):
+    """The engine is dead or unreachable (process exited, connection refused, health check failed)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1  # samples per prompt (the GRPO group size)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()  # stop strings (need the engine's tokenizer)
+    stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS
+    # Base seed of the request. Prompt i gets its own seed derived from (seed, i), so results do
+    # not depend on how prompts are split across engines or batched, and a resumed run that
+    # replays the same seed regenerates the same samples.
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    def prompt_seed(self, prompt_index: int) -> int | None:
+        """The seed of prompt `prompt_index` in the request (stable across processes and splits)."""
+        if self.seed is None:
+            return None
+        digest = hashlib.blake2b(f"{self.seed}:{prompt_index}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") & 0x7FFF_FFFF
+
+    def for_prompt(self, prompt_index: int) -> SamplingParams:
+        return replace(self, seed=self.prompt_seed(prompt_index))
+
+
+@dataclass
+class Sample:
+    """One generated response. `logprobs[t]` is the engine's log-probability of `response_token_ids[t]`."""
+
+    prompt_index: int  # position of the prompt in the generate() call
+    sample_index: int  # 0..n-1 within the prompt's group
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    # Engine-specific additions carried on the same object (e.g. "routed_experts").
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if len(self.logprobs) != len(self.response_token_ids):
+            raise ValueError(
+                f"sample {self.prompt_index}/{self.sample_index}: {len(self.logprobs)} logprobs for "
+                f"{len(self.response_token_ids)} response tokens"
+            )
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    name: str
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, timeout_s: float | None = None
+    ) -> list[list[Sample]]:
+        """n samples per prompt, grouped by prompt, in prompt order then sample order."""
+
+    def update_weights(self, weights: WeightStream) -> int:
+        """Load a full set of HF-named weights; returns the number of tensors loaded.
+
+        Afterwards every cached prefix is dropped, so no request reuses KV computed with the old
+        weights."""
+
+    def pause(self) -> None:
+        """Stop accepting generation (in-flight requests finish) and release what it can for training."""
+
+    def resume(self) -> None:
+        ...
+
+    def health(self) -> None:
+        """Return if the engine serves requests; raise EngineUnavailable naming it otherwise."""
+
+    def shutdown(self) -> None:
+        """Release the engine (idempotent)."""
+
+
+def check_grouping(name: str, prompts: list[list[int]], params: SamplingParams, groups: list[list[Sample]]) -> None:
+    """Engines call this on their result: a wrong count or order would silently misalign rewards."""
+    if len(groups) != len(prompts):
+        raise EngineError(f"{name}: returned {len(groups)} groups for {len(prompts)} prompts")
+    for index, group in enumerate(groups):
+        if len(group) != params.n:
+            raise EngineError(f"{name}: prompt {index} got {len(group)} samples, asked for {params.n}")
+        for position, sample in enumerate(group):
+            if sample.prompt_index != index or sample.sample_index != position:
+                raise EngineError(f"{name}: sample out of order at prompt {index}, position {position}")

@@ -1,0 +1,136 @@
+"""vLLM inside the trainer's own processes (colocated; the default on CPU).
+
+Every trainer rank builds one vLLM engine with `distributed_executor_backend="external_launcher"`:
+vLLM then joins the trainer's existing torch.distributed world and shards the model with tensor
+parallelism across all ranks (vLLM's TP size = trainer world size). Generation is SPMD: every rank
+calls `generate` with the same prompts and gets the same samples. Measured on the CPU build: the
+plain single-process engine ("uni") hangs inside a torchrun world of 2 (vLLM builds its groups
+over the whole existing world), and vLLM data parallelism with MoE is not implemented on CPU, so
+the shared-world TP engine is the one colocated layout that works everywhere.
+
+Weights travel by reference: every rank passes the full HF-named stream (see
+`megatron_rl.rollout.weight_sync`) to its own worker, which keeps its TP slice.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from megatron_rl.rollout.protocol import (
+    EngineError,
+    EngineUnavailable,
+    Sample,
+    SamplingParams,
+    WeightStream,
+    check_grouping,
+)
+from megatron_rl.rollout.vllm_common import samples_from_request_output, to_vllm_sampling, vllm_environment
+from megatron_rl.rollout.vllm_worker import WORKER_EXTENSION
+
+
+class VllmColocatedEngine:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: str = "float32",
+        max_model_len: int = 1024,
+        seed: int = 0,
+        cache_dir: str | Path = ".cache",
+        cpu_kv_cache_gib: float = 1.0,
+        gpu_memory_utilization: float = 0.5,
+        load_format: str = "auto",
+        name: str = "vllm-colocated",
+    ):
+        """`load_format="dummy"` starts from random weights (no checkpoint on disk needed); the
+        caller must then push weights before generating, as the trainer does at start-up."""
+        self.name = name
+        on_cpu = not torch.cuda.is_available()
+        os.environ.update(vllm_environment(cache_dir, on_cpu=on_cpu, kv_cache_gib=cpu_kv_cache_gib))
+        # The engine core must live in this process: a child process could not share the
+        # trainer's world, and tensors could not be passed by reference.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        world = torch.distributed.get_world_size() if distributed else 1
+        started = time.perf_counter()
+        self._llm = LLM(
+            model=str(model_dir),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            tensor_parallel_size=world,
+            distributed_executor_backend="external_launcher" if distributed else "uni",
+            enforce_eager=on_cpu,  # CUDA graphs on GPU; nothing to capture on CPU
+            gpu_memory_utilization=gpu_memory_utilization,
+            load_format=load_format,
+            worker_extension_cls=WORKER_EXTENSION,
+        )
+        self.startup_s = time.perf_counter() - started
+        self._paused = False
+        self._closed = False
+        self.weights_loaded = load_format != "dummy"
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, timeout_s: float | None = None) -> list[list[Sample]]:
+        """`timeout_s` is not enforceable here: the engine runs on this thread (an SPMD step on every
+        rank); a hang is bounded by the trainer's collective timeout instead."""
+        self._check_usable()
+        from vllm.inputs import TokensPrompt
+
+        outputs = self._llm.generate(
+            [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts],
+            [to_vllm_sampling(params, index) for index in range(len(prompts))],
+            use_tqdm=False,
+        )
+        groups = [samples_from_request_output(self.name, index, prompt, output)
+                  for index, (prompt, output) in enumerate(zip(prompts, outputs))]
+        check_grouping(self.name, prompts, params, groups)
+        return groups
+
+    def update_weights(self, weights: WeightStream) -> int:
+        if self._closed:
+            raise EngineUnavailable(f"{self.name}: engine was shut down")
+        (count,) = self._llm.collective_rpc("update_weights_from_stream", args=(weights,))
+        # Cached prefixes hold KV computed with the old weights.
+        self._llm.reset_prefix_cache()
+        if count == 0:
+            raise EngineError(f"{self.name}: weight update received no tensors")
+        self.weights_loaded = True
+        return count
+
+    def fingerprint(self) -> dict:
+        return self._llm.collective_rpc("weights_fingerprint")[0]
+
+    def pause(self) -> None:
+        # vLLM's sleep mode (which frees KV cache and weights for training) exists on GPU only;
+        # generation here is synchronous, so pausing means refusing generate until resume.
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+
+    def health(self) -> None:
+        if self._closed:
+            raise EngineUnavailable(f"{self.name}: engine was shut down")
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        engine = getattr(self._llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        del self._llm
+
+    def _check_usable(self) -> None:
+        self.health()
+        if self._paused:
+            raise EngineError(f"{self.name}: generate called while paused; call resume() first")
+        if not self.weights_loaded:
+            raise EngineError(f"{self.name}: started with dummy weights and none were pushed yet")

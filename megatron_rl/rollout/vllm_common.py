@@ -1,0 +1,64 @@
+"""What both vLLM engines (colocated and server) share: environment, sampling and output conversion."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.rollout.protocol import EngineError, Sample, SamplingParams
+
+
+def vllm_environment(cache_dir: str | Path, *, on_cpu: bool, kv_cache_gib: float) -> dict[str, str]:
+    """Environment variables vLLM reads at import/start; measured settings for the CPU build.
+
+    Existing values win, so a user can override any of them."""
+    env = {"VLLM_CACHE_ROOT": str(Path(cache_dir) / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(Path(cache_dir) / "inductor")}
+    if on_cpu:
+        env.update(
+            VLLM_CPU_KVCACHE_SPACE=str(max(1, int(kv_cache_gib))),
+            # vLLM would bind its OpenMP threads to cores the trainer ranks also use.
+            VLLM_CPU_OMP_THREADS_BIND="nobind",
+            # The cold compile of the logprob kernel costs 10-20 s and changes nothing we read.
+            TORCH_COMPILE_DISABLE="1",
+        )
+    return {key: os.environ.get(key, value) for key, value in env.items()}
+
+
+def to_vllm_sampling(params: SamplingParams, prompt_index: int):
+    from vllm import SamplingParams as VllmSamplingParams
+
+    return VllmSamplingParams(
+        n=params.n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        max_tokens=params.max_tokens,
+        stop=list(params.stop) or None,
+        stop_token_ids=list(params.stop_token_ids) or None,
+        seed=params.prompt_seed(prompt_index),
+        logprobs=0,  # the sampled token's own logprob only
+    )
+
+
+def finish_reason(engine: str, reason: Any) -> str:
+    if reason in ("stop", "length"):
+        return reason
+    raise EngineError(f"{engine}: request ended with finish reason {reason!r} (aborted or failed)")
+
+
+def samples_from_request_output(engine: str, prompt_index: int, prompt: list[int], output) -> list[Sample]:
+    """vLLM RequestOutput -> Samples in sample order (vLLM's `index` field, not arrival order)."""
+    completions = sorted(output.outputs, key=lambda completion: completion.index)
+    samples = []
+    for position, completion in enumerate(completions):
+        token_ids = list(completion.token_ids)
+        logprobs = [entry[token].logprob for token, entry in zip(token_ids, completion.logprobs or [])]
+        samples.append(Sample(
+            prompt_index=prompt_index,
+            sample_index=position,
+            prompt_token_ids=list(prompt),
+            response_token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=finish_reason(engine, completion.finish_reason),
+        ))
+    return samples
