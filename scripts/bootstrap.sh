@@ -24,7 +24,9 @@ rm -rf "$VENV"
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 # torch first and exactly: a bare or newer requirement would pull a multi-GB CUDA build.
 "${PIP[@]}" "torch==2.13.0"
-"${PIP[@]}" -r "$ROOT/requirements/cpu.lock"
+# --no-deps: the lock is complete, and it deliberately leaves out packages some dependencies
+# declare but that must not be installed here (see scripts/lock.sh).
+"${PIP[@]}" --no-deps -r "$ROOT/requirements/cpu.lock"
 "${PIP[@]}" --no-deps -e "$ROOT"
 echo "$HASH" > "$VENV/.megatron-rl-stamp"
 echo "environment: ready"

@@ -46,6 +46,9 @@ class SamplingParams:
     # not depend on how prompts are split across engines or batched, and a resumed run that
     # replays the same seed regenerates the same samples.
     seed: int | None = None
+    # Index of this request's first prompt in a larger request that was split (data-parallel
+    # rollout), so every prompt keeps the seed it would have had unsplit.
+    seed_offset: int = 0
 
     def __post_init__(self):
         if self.n < 1:
@@ -63,11 +66,12 @@ class SamplingParams:
         """The seed of prompt `prompt_index` in the request (stable across processes and splits)."""
         if self.seed is None:
             return None
-        digest = hashlib.blake2b(f"{self.seed}:{prompt_index}".encode(), digest_size=8).digest()
+        digest = hashlib.blake2b(f"{self.seed}:{prompt_index + self.seed_offset}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little") & 0x7FFF_FFFF
 
-    def for_prompt(self, prompt_index: int) -> SamplingParams:
-        return replace(self, seed=self.prompt_seed(prompt_index))
+    def offset(self, start: int) -> SamplingParams:
+        """The parameters for the slice of prompts starting at global index `start`."""
+        return replace(self, seed_offset=self.seed_offset + start)
 
 
 @dataclass

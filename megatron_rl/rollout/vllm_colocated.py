@@ -122,10 +122,17 @@ class VllmColocatedEngine:
         if self._closed:
             return
         self._closed = True
-        engine = getattr(self._llm, "llm_engine", None)
-        core = getattr(engine, "engine_core", None)
-        if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
+        # Not vLLM's own engine-core shutdown: it ends with cleanup_dist_env_and_memory, which
+        # destroys torch's default process group, i.e. the trainer's world. vLLM also registers
+        # that shutdown to run when the engine is garbage collected, so detach it, then release
+        # the worker's model, KV cache and scheduler ourselves. vLLM's subgroups of the world
+        # live until the process ends (destroying them would pass None, the default group, for
+        # a world-sized group).
+        client = self._llm.llm_engine.engine_core
+        client._finalizer.detach()  # private, but the only handle on that registered shutdown
+        core = client.engine_core
+        core.model_executor.shutdown()
+        core.scheduler.shutdown()
         del self._llm
 
     def _check_usable(self) -> None:

@@ -88,9 +88,12 @@ class WeightSyncWorker:
     # ---- internals ----------------------------------------------------------------------------
 
     def _reload(self, weights: Iterator[tuple[str, torch.Tensor]]) -> int:
+        model = self.model_runner.get_model()
+        tied = _tied_parameters(model)
         counted = _Counted(weights)
         self.model_runner.reload_weights(weights_iterator=counted, is_checkpoint_format=True)
-        _repack_cpu_moe(self.model_runner.get_model())
+        _retie(model, tied)
+        _repack_cpu_moe(model)
         return counted.count
 
 
@@ -111,6 +114,36 @@ def _read_safetensors(paths: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(path, framework="pt") as handle:
             for name in handle.keys():
                 yield name, handle.get_tensor(name)
+
+
+def _tied_parameters(model: torch.nn.Module) -> list[list[str]]:
+    """Groups of parameter names that share storage (tied input/output embeddings)."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(param.data_ptr(), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _retie(model: torch.nn.Module, tied: list[list[str]]) -> None:
+    """Bring tied weights back in line after a reload.
+
+    Measured on vLLM's CPU build with a tied-embedding Qwen3: the checkpoint carries only
+    `embed_tokens`; the reload finds nothing for `lm_head` and skips its post-load processing,
+    so the output layer's packed GEMM copy (made from the weight at load time) keeps the previous
+    weights and logprobs are off by ~0.2 with no error. The first name of each group is the one
+    the checkpoint loads (HF tied models store the input embedding): its values go to the others,
+    and their modules redo their post-load processing."""
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    for names in tied:
+        source = parameters[names[0]]
+        for name in names[1:]:
+            target = parameters[name]
+            if target.data_ptr() != source.data_ptr():
+                target.data.copy_(source.data)
+            module = model.get_submodule(name.rpartition(".")[0])
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(module)
 
 
 def _repack_cpu_moe(model: torch.nn.Module) -> int:
