@@ -141,10 +141,21 @@ class OptimizerConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
+    # Learning-rate schedule over optimizer steps: linear warm-up, then constant or a decay to
+    # min_lr over lr_decay_steps (None = the run's total optimizer steps).
+    lr_warmup_steps: int = 0
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    lr_decay_steps: int | None = None
 
     def validate(self, where: str) -> None:
         if self.lr <= 0:
             raise ConfigError(f"{where}.lr must be > 0, got {self.lr}")
+        if self.lr_warmup_steps < 0:
+            raise ConfigError(f"{where}.lr_warmup_steps must be >= 0")
+        if self.lr_decay_steps is not None and self.lr_decay_steps <= self.lr_warmup_steps:
+            raise ConfigError(f"{where}.lr_decay_steps must be > lr_warmup_steps ({self.lr_warmup_steps})")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"{where}.min_lr ({self.min_lr}) must be <= lr ({self.lr})")
         if not 0 <= self.adam_beta1 < 1 or not 0 <= self.adam_beta2 < 1:
             raise ConfigError(f"{where}.adam_beta1/adam_beta2 must be in [0, 1)")
         if self.clip_grad < 0:

@@ -41,7 +41,8 @@ class StepResult:
 
 
 class Policy:
-    def __init__(self, config: RunConfig, runtime: Runtime):
+    def __init__(self, config: RunConfig, runtime: Runtime, total_steps: int = 1):
+        """`total_steps`: optimizer steps the run will take (the LR decay horizon by default)."""
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -82,6 +83,7 @@ class Policy:
             ),
             [self.model],
         )
+        self.scheduler = _lr_scheduler(self.optimizer, opt, total_steps=total_steps)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
@@ -125,7 +127,13 @@ class Policy:
 
     def optimizer_step(self, loss: float) -> StepResult:
         updated, grad_norm, _ = self.optimizer.step()
+        if updated:
+            self.scheduler.step(1)
         return StepResult(loss=loss, grad_norm=float(grad_norm or 0.0), updated=bool(updated))
+
+    @property
+    def learning_rate(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
 
     # ------------------------------------------------------------------------------------------
 
@@ -149,6 +157,31 @@ class Policy:
             self.module.load_state_dict(state)
         # The optimizer keeps fp32 main copies (bf16) or shard views; refresh them from the model.
         self.optimizer.reload_model_params()
+
+    def save_training_state(self, directory: str) -> dict:
+        """Model and optimizer (moments, fp32 main weights, step) as one `torch_dist` checkpoint.
+
+        The optimizer state is saved "dp_reshardable", so a run can resume at another DP size.
+        Returns the LR scheduler's state, which the caller stores with its own trainer state."""
+        from megatron.core import dist_checkpointing
+
+        os.makedirs(directory, exist_ok=True)
+        dist_checkpointing.save(self._training_sharded_state_dict(is_loading=False), directory)
+        return self.scheduler.state_dict()
+
+    def load_training_state(self, directory: str, scheduler_state: dict) -> None:
+        from megatron.core import dist_checkpointing
+
+        state = dist_checkpointing.load(self._training_sharded_state_dict(is_loading=True), directory)
+        with torch.no_grad():
+            self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(scheduler_state)
+
+    def _training_sharded_state_dict(self, is_loading: bool) -> dict:
+        model = self.module.sharded_state_dict()
+        kwargs = {"sharding_type": "dp_reshardable"} if self.config.parallel.distributed_optimizer else {}
+        return {"model": model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=is_loading, **kwargs)}
 
     # ------------------------------------------------------------------------------------------
 
@@ -224,6 +257,28 @@ class Policy:
             return logprobs.sum() * 0.0, num_tokens, report
         loss, metrics = loss_fn(logprobs, entropy, batch)
         return loss, num_tokens, {"loss": loss.detach(), **metrics}
+
+
+def _lr_scheduler(optimizer, opt, total_steps: int):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay_steps = opt.lr_decay_steps or max(total_steps, opt.lr_warmup_steps + 1)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if opt.lr_warmup_steps else opt.lr,
+        max_lr=opt.lr,
+        min_lr=opt.min_lr,
+        lr_warmup_steps=opt.lr_warmup_steps,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=opt.lr_decay_style,
+        start_wd=opt.weight_decay,
+        end_wd=opt.weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+        # Resume restores the schedule from the checkpoint instead of the config.
+        use_checkpoint_opt_param_scheduler=True,
+        override_opt_param_scheduler=False,
+    )
 
 
 def _finalize_without_token_scaling(model, num_tokens=None, pg_collection=None, force_all_reduce=False):

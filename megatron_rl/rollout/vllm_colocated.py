@@ -44,6 +44,7 @@ class VllmColocatedEngine:
         cpu_kv_cache_gib: float = 1.0,
         gpu_memory_utilization: float = 0.5,
         load_format: str = "auto",
+        local_rank: int = 0,
         name: str = "vllm-colocated",
     ):
         """`load_format="dummy"` starts from random weights (no checkpoint on disk needed); the
@@ -58,6 +59,11 @@ class VllmColocatedEngine:
 
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         world = torch.distributed.get_world_size() if distributed else 1
+        if distributed:
+            # vLLM's external launcher reads the rank from torchrun's variables; a SLURM task or a
+            # single process started by us does not have them.
+            os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
+            os.environ.setdefault("LOCAL_RANK", str(local_rank))
         started = time.perf_counter()
         self._llm = LLM(
             model=str(model_dir),
