@@ -40,8 +40,28 @@ class ModelConfig:
     # with the package (see megatron_rl/model/presets/).
     hf_config: str = "tiny-qwen3-moe"
     precision: Precision = "fp32"
-    # FP8 is applied through Transformer Engine on Hopper; refused on CPU before the model is built.
+    # FP8 training through Transformer Engine (needs precision: bf16 and a CUDA GPU; checked
+    # against the GPU and the TE version before the model is built, see model/fp8.py):
+    #   delayed    per-tensor scales from an amax history (compute capability 8.9+)
+    #   current    per-tensor scales from the current tensor (Megatron: "tensorwise"; 8.9+)
+    #   blockwise  1x128 activation and 128x128 weight tiles, DeepSeek-V3 style (9.0+)
+    #   mxfp8      32-element blocks with power-of-two scales (Blackwell, 10.x)
     fp8_recipe: Fp8Recipe | None = None
+    # Keep the GEMM weights themselves in FP8 and all-gather them in FP8 (saves memory; the
+    # distributed optimizer keeps the fp32 master copy, so it requires parallel.distributed_optimizer).
+    fp8_param: bool = False
+    # Transformer layers kept in BF16 at the start / end of the model while the rest runs in FP8
+    # (the first and last layers are the most sensitive to quantization). Megatron-Core supports
+    # this with every recipe except delayed scaling.
+    fp8_bf16_first_layers: int = 0
+    fp8_bf16_last_layers: int = 0
+    # Grouped-GEMM experts (TE's GroupedLinear: all local experts in one kernel). None = on with
+    # the Transformer Engine layer spec, off with the local spec (which cannot run it).
+    moe_grouped_gemm: bool | None = None
+    # Hand the rollout engine (and HF checkpoint exports) FP8 weights: every linear weight as
+    # float8_e4m3fn with one scale per 128x128 block, in the HF FP8 checkpoint format
+    # (DeepSeek-V3, Qwen3-FP8). Independent of fp8_recipe: a BF16-trained policy can export FP8.
+    export_fp8: bool = False
     # Megatron pads the embedding rows to a multiple of this times TP; the padding never enters
     # the softmax of our logprobs (it is masked), and the bridge trims it on export.
     make_vocab_size_divisible_by: int = 128
@@ -54,6 +74,10 @@ class ModelConfig:
     # "auto": Transformer Engine layers when TE and CUDA are present, local layers otherwise.
     layer_spec: Literal["auto", "local", "transformer_engine"] = "auto"
 
+    @property
+    def fp8_bf16_layers(self) -> bool:
+        return self.fp8_bf16_first_layers > 0 or self.fp8_bf16_last_layers > 0
+
     def validate(self, where: str) -> None:
         if self.make_vocab_size_divisible_by < 1:
             raise ConfigError(f"{where}.make_vocab_size_divisible_by must be >= 1")
@@ -61,6 +85,32 @@ class ModelConfig:
             raise ConfigError(f"{where}.padded_vocab_size must be >= 1")
         if self.moe_aux_loss_coeff < 0:
             raise ConfigError(f"{where}.moe_aux_loss_coeff must be >= 0")
+        self._validate_fp8(where)
+
+    def _validate_fp8(self, where: str) -> None:
+        """FP8 settings that are wrong on any machine (the GPU and TE checks come at build time)."""
+        recipe = self.fp8_recipe
+        if recipe is not None and self.precision != "bf16":
+            # TE's FP8 GEMMs take BF16 inputs and Megatron keeps fp32 master weights only for
+            # bf16/fp16 params; an fp32 model would quantize from fp32 activations nobody tested.
+            raise ConfigError(f"{where}.fp8_recipe={recipe!r} requires precision: bf16 (got {self.precision})")
+        if self.fp8_param and recipe is None:
+            raise ConfigError(f"{where}.fp8_param=true needs an FP8 recipe: set fp8_recipe as well")
+        for key in ("fp8_bf16_first_layers", "fp8_bf16_last_layers"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{where}.{key} must be >= 0, got {getattr(self, key)}")
+        if self.fp8_bf16_layers:
+            if recipe is None:
+                raise ConfigError(
+                    f"{where}.fp8_bf16_first_layers/fp8_bf16_last_layers only apply with fp8_recipe set"
+                )
+            if recipe == "delayed":
+                # Megatron-Core refuses it: leaving and re-entering the FP8 autocast per layer
+                # breaks delayed scaling's amax reduction.
+                raise ConfigError(
+                    f"{where}.fp8_recipe=delayed cannot keep layers in BF16 (fp8_bf16_first_layers/"
+                    "fp8_bf16_last_layers); use fp8_recipe: current or blockwise, or set both to 0"
+                )
 
 
 @dataclass

@@ -23,6 +23,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_rl.bridge.fp8_export import SCALE_SUFFIX, quantized_names
 from megatron_rl.bridge.layouts import split
 from megatron_rl.bridge.mappings import expand
 from megatron_rl.bridge.placement import Placement, placements
@@ -63,10 +64,17 @@ def export_hf_weights(
         yield bucket
 
 
-def owned_hf_names(module, arch: ArchitectureSpec) -> list[str]:
-    """The HF names this rank's export yields (empty unless it leads its pipeline stage)."""
+def owned_hf_names(module, arch: ArchitectureSpec, fp8: bool = False) -> list[str]:
+    """The HF names this rank's export yields (empty unless it leads its pipeline stage).
+
+    `fp8`: the names of an FP8 export (quantize_fp8_blockwise), with each scale after its weight.
+    """
     if not is_stage_leader():
         return []
+    if fp8:
+        quantized = quantized_names(arch)
+        plain = owned_hf_names(module, arch)
+        return [n for name in plain for n in ((name, name + SCALE_SUFFIX) if name in quantized else (name,))]
     table = {name: hf for name, hf, _ in expand(arch)}
     names = []
     for placement in placements(module):
@@ -82,7 +90,7 @@ def owned_hf_names(module, arch: ArchitectureSpec) -> list[str]:
 
 def _assemble(placement: Placement, table, arch: ArchitectureSpec) -> Iterator[tuple[str, torch.Tensor]]:
     hf_names, layout = table[placement.global_name]
-    tensor = placement.param.detach()
+    tensor = _high_precision(placement.param.detach())
     shards = _all_gather(tensor, placement.tp_group) if placement.tp_dim is not None else [tensor]
     dim = placement.tp_dim or 0
     per_shard = [split(layout, shard, arch) for shard in shards]
@@ -110,6 +118,13 @@ def _experts_of(placement: Placement, arch: ArchitectureSpec) -> list[int]:
 def _with_expert(global_name: str, expert: int) -> str:
     head, _, tail = global_name.partition(".mlp.experts.local_experts.")
     return f"{head}.mlp.experts.local_experts.{expert}.{tail.split('.', 1)[1]}"
+
+
+def _high_precision(tensor: torch.Tensor) -> torch.Tensor:
+    """FP8 weights (model.fp8_param) are TE quantized-tensor subclasses: export their values."""
+    if type(tensor) is not torch.Tensor and hasattr(tensor, "dequantize"):
+        return tensor.dequantize()
+    return tensor
 
 
 def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:

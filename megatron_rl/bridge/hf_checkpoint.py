@@ -2,6 +2,9 @@
 sharded model. Each pipeline stage's leader writes its own shard files; rank 0 names them
 `model-0000i-of-0000N.safetensors`, writes the index and the config.
 
+With `fp8=True` the linear weights are written in block-wise FP8 with their scales and the
+config gets the matching `quantization_config` (the HF FP8 checkpoint format; fp8_export.py).
+
 Called inside an AtomicDirectory, so a failed export leaves no partial output.
 """
 
@@ -16,6 +19,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from megatron_rl.bridge.export import export_hf_weights
+from megatron_rl.bridge.fp8_export import fp8_quantization_config, quantize_fp8_blockwise
 from megatron_rl.model.hf_config import ArchitectureSpec
 
 TOKENIZER_FILES = (
@@ -39,12 +43,17 @@ def copy_tokenizer_files(source: str | Path | None, target: str | Path) -> list[
 def write_hf_checkpoint(
     module, arch: ArchitectureSpec, raw_config: dict, staging: Path, *,
     template_dir: str | Path | None = None, bucket_bytes: int = 2 << 30, dtype: torch.dtype | None = None,
+    fp8: bool = False,
 ) -> None:
+    """`fp8`: linear weights in block-wise FP8 with their scales (model.export_fp8; see fp8_export.py)."""
     from megatron.core import parallel_state as ps
 
     stage = ps.get_pipeline_model_parallel_rank()
     parts = []  # (file name, [tensor names], bytes)
-    for number, bucket in enumerate(export_hf_weights(module, arch, bucket_bytes=bucket_bytes, dtype=dtype)):
+    buckets = export_hf_weights(module, arch, bucket_bytes=bucket_bytes, dtype=dtype)
+    if fp8:
+        buckets = quantize_fp8_blockwise(buckets, arch)
+    for number, bucket in enumerate(buckets):
         file = f"part-stage{stage:03d}-{number:05d}.safetensors"
         save_file({name: tensor.contiguous() for name, tensor in bucket}, str(staging / file), metadata={"format": "pt"})
         parts.append((file, [name for name, _ in bucket], sum(t.numel() * t.element_size() for _, t in bucket)))
@@ -67,5 +76,7 @@ def write_hf_checkpoint(
     if dtype is not None:
         # transformers 5 writes "dtype", 4.x "torch_dtype": keep the spelling the config uses.
         config["dtype" if "dtype" in config else "torch_dtype"] = DTYPE_NAMES[dtype]
+    if fp8:
+        config["quantization_config"] = fp8_quantization_config(arch)
     (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     copy_tokenizer_files(template_dir, staging)

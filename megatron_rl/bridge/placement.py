@@ -3,8 +3,14 @@
 Megatron names layers per pipeline stage from 0 and experts per EP rank from 0. The global
 names come from each layer's `layer_number` (1-based, global) and each MoE layer's
 `local_expert_indices`. Tensor-parallel splitting comes from the attributes Megatron puts on
-every parameter (`tensor_model_parallel`, `partition_dim`); expert parameters (`allreduce` is
-False) are split over the expert-tensor-parallel group instead of the TP group.
+every parameter (`tensor_model_parallel`, `partition_dim`), except for expert linears (below).
+Expert parameters, recognized by name, are split over the expert-tensor-parallel group instead
+of the TP group and spread over the expert-parallel group.
+
+Both layer specs are accepted: the local spec (one module per expert) and Transformer Engine's
+(norms fused into the next linear, grouped-GEMM experts as one module with weight0..weightN-1).
+Names are canonicalized to the local spec's, which the mapping tables use, so both layouts
+export exactly the same HF tensors.
 """
 
 from __future__ import annotations
@@ -31,9 +37,10 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 # Transformer Engine's layer spec names the same tensors differently: norms are fused into the
-# following linear, and grouped experts are one module with weight0..weightN-1. Canonical names
-# are the local spec's, which the mapping tables use. (Checked on names only: TE modules cannot
-# be built without CUDA; see tests/unit/test_bridge_names.py.)
+# following linear, and grouped experts are one module with weight0..weightN-1 (TEGroupedMLP,
+# one weight per local expert). TE modules cannot be built without CUDA, so this is checked on
+# names (tests/unit/test_bridge_names.py) and on a local-spec model whose parameters are renamed
+# and re-tagged the way TE names and tags them (tests/bridge/test_grouped_experts.py).
 _TE_NAMES = [
     (re.compile(r"\.self_attention\.linear_qkv\.layer_norm_weight$"), ".input_layernorm.weight"),
     (re.compile(r"\.mlp\.linear_fc1\.layer_norm_weight$"), ".pre_mlp_layernorm.weight"),
@@ -41,11 +48,29 @@ _TE_NAMES = [
 ]
 
 
+# Dimension each expert linear's weight is split along over expert-TP, by role (column-parallel
+# fc1, row-parallel fc2). Not read from `partition_dim`: when Megatron does the expert
+# communication itself (expert-TP > 1 or EP > 1) it builds TE's expert linears, grouped or not,
+# with parallel_mode=None, and TE then tags every weight partition_dim=0, fc2 included.
+_EXPERT_LINEAR = re.compile(r"\.mlp\.experts\.local_experts\.\d+\.(linear_fc[12])\.weight$")
+_EXPERT_TP_DIM = {"linear_fc1": 0, "linear_fc2": 1}
+
+
 def canonical_name(name: str) -> str:
     """The local-spec name of a parameter named by either layer spec."""
     for pattern, replacement in _TE_NAMES:
         name = pattern.sub(replacement, name)
     return name
+
+
+def tp_split_dim(name: str, param: torch.Tensor) -> int | None:
+    """The dimension a parameter (canonical name) is split along over its TP group, or None."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return None
+    expert_linear = _EXPERT_LINEAR.search(name)
+    if expert_linear:
+        return _EXPERT_TP_DIM[expert_linear.group(1)]
+    return getattr(param, "partition_dim", None)
 
 
 def placements(module) -> list[Placement]:
@@ -68,8 +93,10 @@ def placements(module) -> list[Placement]:
                 local_expert = int(expert_match.group(1))
                 experts = layers[local_layer].mlp.local_expert_indices
                 global_name = _EXPERT.sub(f".mlp.experts.local_experts.{experts[local_expert]}.", global_name, count=1)
-        is_expert = not getattr(param, "allreduce", True)
-        split = getattr(param, "tensor_model_parallel", False)
+        # By name, not by `allreduce`: Megatron marks expert weights allreduce=False only when
+        # EP > 1, yet with EP = 1 they are still split over the expert-TP group (etp may differ from tp).
+        is_expert = local_expert is not None
+        split_dim = tp_split_dim(name, param)
         tp_group = (
             parallel_state.get_expert_tensor_parallel_group() if is_expert else parallel_state.get_tensor_model_parallel_group()
         )
@@ -80,7 +107,7 @@ def placements(module) -> list[Placement]:
                 param=param,
                 is_expert=is_expert,
                 local_expert=local_expert,
-                tp_dim=getattr(param, "partition_dim", None) if split and tp_group.size() > 1 else None,
+                tp_dim=split_dim if tp_group.size() > 1 else None,
                 tp_group=tp_group,
                 ep_group=parallel_state.get_expert_model_parallel_group() if is_expert else None,
             )

@@ -5,8 +5,10 @@
     model = build_gpt_model(arch, tconfig, config.model, use_te=...)
 
 The layer spec is Transformer Engine's when TE and CUDA are both present (fused attention that
-handles packed `thd` batches, TE linears, FP8), and the local spec otherwise, with our
-`VarlenDotProductAttention` in place of the local attention so packed batches work on CPU too.
+handles packed `thd` batches, TE linears with fused norms, grouped-GEMM experts, FP8), and the
+local spec otherwise, with our `VarlenDotProductAttention` in place of the local attention so
+packed batches work on CPU too. Both layouts export the same HF names (bridge/placement.py).
+FP8 recipes are checked against the machine in model/fp8.py before anything is built.
 """
 
 from __future__ import annotations
@@ -18,12 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rl.config import ConfigError, ModelConfig, RunConfig
+from megatron_rl.model import fp8
 from megatron_rl.model.hf_config import ArchitectureSpec
-
-# Our recipe names -> TransformerConfig.fp8_recipe. "current" is tensor-wise current scaling.
-FP8_RECIPES = {"delayed": "delayed", "current": "tensorwise", "blockwise": "blockwise", "mxfp8": "mxfp8"}
-# Oldest compute capability for each recipe (Hopper = 9.0; MXFP8 needs Blackwell = 10.0).
-FP8_MIN_CAPABILITY = {"delayed": (8, 9), "current": (8, 9), "blockwise": (9, 0), "mxfp8": (10, 0)}
 
 
 def transformer_engine_available() -> bool:
@@ -40,6 +38,22 @@ def use_transformer_engine(model: ModelConfig, device: torch.device) -> bool:
             "(install the 'gpu' extra); use layer_spec: auto or local on this machine"
         )
     return available
+
+
+def use_grouped_gemm(model: ModelConfig, use_te: bool) -> bool:
+    """Grouped-GEMM experts (TE's TEGroupedMLP) with the TE spec; one expert at a time otherwise.
+
+    The local spec's grouped experts are Megatron's legacy GroupedMLP: it needs the separate
+    grouped_gemm package and fuses all experts into one weight the bridge does not map.
+    """
+    if model.moe_grouped_gemm is None:
+        return use_te
+    if model.moe_grouped_gemm and not use_te:
+        raise ConfigError(
+            "model.moe_grouped_gemm=true needs the Transformer Engine layer spec (CUDA and the "
+            "transformer-engine package); leave it unset (auto) or false with the local spec"
+        )
+    return model.moe_grouped_gemm
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -62,34 +76,25 @@ def model_vocab_rows(arch: ArchitectureSpec, model: ModelConfig, tp: int) -> int
     return rows
 
 
-def check_fp8(model: ModelConfig, device: torch.device, use_te: bool) -> None:
-    recipe = model.fp8_recipe
-    if recipe is None:
-        return
-    if device.type != "cuda" or not use_te:
-        raise ConfigError(
-            f"model.fp8_recipe={recipe!r} needs Transformer Engine on a CUDA GPU (Hopper or newer); "
-            f"this run uses {device.type} with the {'TE' if use_te else 'local'} layer spec. "
-            "Remove fp8_recipe for CPU runs."
-        )
-    if model.precision != "bf16":
-        raise ConfigError(f"model.fp8_recipe={recipe!r} requires model.precision: bf16 (got {model.precision})")
-    capability = torch.cuda.get_device_capability(device)
-    if capability < FP8_MIN_CAPABILITY[recipe]:
-        need = ".".join(map(str, FP8_MIN_CAPABILITY[recipe]))
-        raise ConfigError(
-            f"model.fp8_recipe={recipe!r} needs compute capability >= {need}; "
-            f"this GPU ({torch.cuda.get_device_name(device)}) is {capability[0]}.{capability[1]}"
-        )
+def check_fp8(model: ModelConfig, device: torch.device, use_te: bool, hardware: fp8.Hardware | None = None) -> None:
+    """The FP8 recipe against this machine (see model/fp8.py); nothing without FP8."""
+    if model.fp8_recipe is not None:
+        fp8.check_recipe(model, hardware or fp8.detect_hardware(device), use_te)
 
 
-def transformer_config(arch: ArchitectureSpec, config: RunConfig, device: torch.device, use_te: bool):
+def transformer_config(
+    arch: ArchitectureSpec, config: RunConfig, device: torch.device, use_te: bool, hardware: fp8.Hardware | None = None
+):
+    """`hardware` describes the machine for the FP8 checks (detected from `device` if not given)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     parallel = config.parallel
     parallel.validate_for_model("parallel", num_experts=arch.num_experts)
     check_divisibility(arch, config)
-    check_fp8(config.model, device, use_te)
+    grouped_gemm = arch.is_moe and use_grouped_gemm(config.model, use_te)
+    if config.model.fp8_recipe is not None:
+        hardware = hardware or fp8.detect_hardware(device)
+        fp8.check_fp8(config, arch, hardware, use_te=use_te, grouped_gemm=grouped_gemm)
     bf16 = config.model.precision == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
     moe: dict = {}
@@ -107,7 +112,7 @@ def transformer_config(arch: ArchitectureSpec, config: RunConfig, device: torch.
             moe_token_dispatcher_type=config.model.moe_token_dispatcher,
             moe_router_load_balancing_type="aux_loss" if config.model.moe_aux_loss_coeff > 0 else "none",
             moe_aux_loss_coeff=config.model.moe_aux_loss_coeff,
-            moe_grouped_gemm=use_te,
+            moe_grouped_gemm=grouped_gemm,
             moe_permute_fusion=False,
         )
     else:
@@ -118,12 +123,6 @@ def transformer_config(arch: ArchitectureSpec, config: RunConfig, device: torch.
         raise ConfigError(
             "model.moe_token_dispatcher=allgather cannot run with parallel.pp > 1 (Megatron-Core "
             "needs fixed sequence lengths for it, and packed micro-batches vary); use alltoall"
-        )
-    fp8: dict = {}
-    if config.model.fp8_recipe is not None:
-        fp8 = dict(
-            fp8="hybrid" if config.model.fp8_recipe == "delayed" else "e4m3",
-            fp8_recipe=FP8_RECIPES[config.model.fp8_recipe],
         )
     return TransformerConfig(
         num_layers=arch.num_layers,
@@ -164,7 +163,7 @@ def transformer_config(arch: ArchitectureSpec, config: RunConfig, device: torch.
         bf16=bf16,
         use_cpu_initialization=device.type == "cpu",
         **moe,
-        **fp8,
+        **fp8.transformer_config_fields(config.model),
     )
 
 

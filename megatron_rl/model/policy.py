@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from megatron_rl.config import RunConfig
 from megatron_rl.model.builder import build_model
+from megatron_rl.model.fp8 import micro_batch_multiple
 from megatron_rl.model.hf_config import ArchitectureSpec
 from megatron_rl.model.logprobs import vocab_parallel_logprobs_entropy
 from megatron_rl.model.packing import PackedBatch, pack
@@ -62,6 +63,8 @@ class Policy:
                 overlap_grad_reduce=False,
                 use_distributed_optimizer=config.parallel.distributed_optimizer,
                 check_for_nan_in_grad=True,
+                # FP8 weights (model.fp8_param) are gathered in FP8 after each optimizer step.
+                fp8_param_gather=config.model.fp8_param,
             ),
             module=model,
         )
@@ -80,6 +83,8 @@ class Policy:
                 bf16=config.model.precision == "bf16",
                 params_dtype=self.tconfig.params_dtype,
                 use_distributed_optimizer=config.parallel.distributed_optimizer,
+                # The distributed optimizer re-quantizes FP8 weights per recipe (None without FP8).
+                fp8_recipe=self.tconfig.fp8_recipe if self.tconfig.fp8 else None,
             ),
             [self.model],
         )
@@ -87,8 +92,11 @@ class Policy:
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
-        # Sequence parallelism splits the packed row evenly over TP ranks.
-        self.pad_to_multiple = config.parallel.tp if config.parallel.uses_sequence_parallel else 1
+        # Sequence parallelism splits the packed row evenly over TP ranks; FP8 GEMMs also need
+        # each rank's rows aligned (16, or 32 for MXFP8).
+        self.pad_to_multiple = micro_batch_multiple(
+            config.model, config.parallel.tp if config.parallel.uses_sequence_parallel else 1
+        )
 
     @property
     def module(self):
@@ -196,8 +204,9 @@ class Policy:
         for batch in batches:
             if batch.num_tokens % self.pad_to_multiple:
                 raise ValueError(
-                    f"a packed micro-batch has {batch.num_tokens} tokens; with sequence parallelism it "
-                    f"must be a multiple of tp={self.pad_to_multiple} (pack with pad_to_multiple)"
+                    f"a packed micro-batch has {batch.num_tokens} tokens; it must be a multiple of "
+                    f"{self.pad_to_multiple} (tp with sequence parallelism, times the FP8 alignment): "
+                    "pack with pad_to_multiple=policy.pad_to_multiple"
                 )
 
         def forward_step(data_iterator, model):

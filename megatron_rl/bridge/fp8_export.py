@@ -1,0 +1,122 @@
+"""FP8 weights for the rollout engine: 128x128 block-wise e4m3 quantization of the export stream.
+
+    buckets = export_hf_weights(module, arch)                    # (hf_name, tensor) buckets
+    for bucket in quantize_fp8_blockwise(buckets, arch): ...     # weight sync, or
+    write_hf_checkpoint(..., fp8=True)                           # an HF FP8 checkpoint
+
+The format is the one DeepSeek-V3 and the Qwen3 "-FP8" checkpoints use, which vLLM, SGLang and
+transformers load as "fp8" with block-wise weight scales:
+
+    <module>.weight            float8_e4m3fn, the weight's own shape
+    <module>.weight_scale_inv  float32, [ceil(rows / 128), ceil(cols / 128)]; the weight is
+                               fp8 * weight_scale_inv, block by block (the last block of a
+                               dimension that is not a multiple of 128 is partial)
+    config.json                "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                               "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+                               "modules_to_not_convert": [...]}
+
+Quantized: the linear layers' weights (attention q/k/v/o, dense MLPs, every expert). Kept as
+exported: embeddings, lm_head, norms and router gates, as in those checkpoints, and biases.
+Which HF tensors are linear weights is read from the mapping table's Megatron side (the
+linear_qkv / linear_proj / linear_fc1 / linear_fc2 modules), so no HF name is pattern-matched.
+
+Engines load block-wise FP8 per tensor-parallel shard: vLLM requires every fused piece
+(q/k/v, gate/up) and every TP shard of a linear to be a whole number of 128-row blocks, and
+transformers' dequantize-on-load assumes dimensions that are multiples of 128. Production models
+(hidden 2048+, head_dim 128, expert widths 768+) satisfy this; the tiny test presets do not, so
+their FP8 exports are checked here by dequantizing, not by loading them into an engine.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from megatron_rl.bridge.mappings import expand
+from megatron_rl.model.hf_config import ArchitectureSpec
+
+BLOCK = 128
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+SCALE_SUFFIX = "_scale_inv"  # "q_proj.weight" -> "q_proj.weight_scale_inv"
+# The Megatron modules whose weights are GEMM weights (fused or per expert).
+_LINEAR = re.compile(r"\.(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.weight$")
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+def quantized_names(arch: ArchitectureSpec) -> frozenset[str]:
+    """HF tensor names that an FP8 export quantizes (each gets a `<name>_scale_inv` beside it)."""
+    return frozenset(hf for megatron, hf_names, _ in expand(arch) if _LINEAR.search(megatron) for hf in hf_names)
+
+
+def modules_to_not_convert(arch: ArchitectureSpec) -> list[str]:
+    """HF modules whose weights stay unquantized, for the checkpoint's quantization_config."""
+    quantized = quantized_names(arch)
+    kept = {hf.removesuffix(".weight") for _, hf_names, _ in expand(arch) for hf in hf_names
+            if hf.endswith(".weight") and hf not in quantized}
+    # The output head stays high-precision even when it shares the embedding (no lm_head tensor).
+    return sorted(kept | {"lm_head"})
+
+
+def fp8_quantization_config(arch: ArchitectureSpec, block: int = BLOCK) -> dict:
+    """The `quantization_config` entry of config.json for an FP8 export."""
+    return {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+        "modules_to_not_convert": modules_to_not_convert(arch),
+    }
+
+
+def quantize_blockwise(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 weight_scale_inv) for a 2-D weight, one scale per block.
+
+    Each block's scale maps its largest magnitude to e4m3's largest finite value (448), so no
+    value saturates and the relative rounding error is at most 2^-4 (3 mantissa bits).
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"block-wise FP8 quantizes 2-D weights, got shape {list(weight.shape)}")
+    rows, cols = weight.shape
+    grid = (-(-rows // block), -(-cols // block))
+    padded = F.pad(weight.float(), (0, grid[1] * block - cols, 0, grid[0] * block - rows))
+    blocks = padded.view(grid[0], block, grid[1], block)
+    amax = blocks.abs().amax(dim=(1, 3))
+    # An all-zero block gets the smallest positive scale: its values quantize to exact zeros.
+    scale_inv = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    scaled = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+    quantized = scaled.to(FP8_DTYPE).view(padded.shape)[:rows, :cols].contiguous()
+    return quantized, scale_inv.contiguous()
+
+
+def dequantize_blockwise(
+    quantized: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The weight an engine computes with: fp8 values times their block's scale."""
+    rows, cols = quantized.shape
+    scales = scale_inv.repeat_interleave(block, dim=0)[:rows].repeat_interleave(block, dim=1)[:, :cols]
+    return (quantized.float() * scales).to(dtype)
+
+
+def quantize_fp8_blockwise(
+    buckets: Iterable[Bucket], arch: ArchitectureSpec, block: int = BLOCK
+) -> Iterator[Bucket]:
+    """Wrap an export stream: linear weights become (weight in FP8, weight_scale_inv), the rest passes.
+
+    Buckets keep their boundaries (each shrinks: one byte per weight plus one scale per block),
+    so the memory bound of the export is unchanged.
+    """
+    quantized = quantized_names(arch)
+    for bucket in buckets:
+        out: Bucket = []
+        for name, tensor in bucket:
+            if name in quantized:
+                weight, scale_inv = quantize_blockwise(tensor, block)
+                out += [(name, weight), (name + SCALE_SUFFIX, scale_inv)]
+            else:
+                out.append((name, tensor))
+        yield out
