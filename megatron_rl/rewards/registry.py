@@ -34,16 +34,12 @@ from typing import Any, Mapping
 from megatron_rl.config import ConfigError
 from megatron_rl.rewards.format import make_format_reward
 from megatron_rl.rewards.functions import RewardFunction
-from megatron_rl.rewards.math_answer import math_fast_path, math_reward, prepare_math_verify
+from megatron_rl.rewards.math_answer import math_fast_path, math_reward, math_verify_available, prepare_math_verify
 from megatron_rl.rewards.synthetic import TASKS, make_task, verify_synthetic
 
-__all__ = ["BUILTIN_REWARDS", "resolve_reward", "is_builtin", "absolute_reward_name", "WithParams"]
+__all__ = ["BUILTIN_REWARDS", "resolve_reward", "absolute_reward_name", "WithParams"]
 
 BUILTIN_REWARDS = ("math", "format", "synthetic", *(f"synthetic:{task}" for task in TASKS))
-
-
-def is_builtin(name: str) -> bool:
-    return name in BUILTIN_REWARDS
 
 
 def _check_params(name: str, params: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
@@ -69,6 +65,9 @@ def _math(name: str, params: Mapping[str, Any]) -> RewardFunction:
     for key in params:
         if not isinstance(params[key], bool):
             raise ConfigError(f"reward {name!r}: {key} must be true or false, got {params[key]!r}")
+    if not (params.get("use_math_verify", True) and math_verify_available()):
+        # Without sympy the whole check is the pure-Python fast path: linear, safe inline.
+        return RewardFunction(name, WithParams(math_reward, {**params, "use_math_verify": False}), inline_safe=True)
     fast = functools.partial(math_fast_path, require_boxed=params.get("require_boxed", False))
     # Not inline-safe: the full check may run sympy, which can take unbounded time on adversarial
     # output (e.g. towers of exponents). The fast path decides most samples without a worker.

@@ -134,7 +134,7 @@ def _same_string(candidate: str, answer: str) -> bool:
     return candidate == answer
 
 
-Generator = Callable[[random.Random, TaskConfig], "tuple[str, str]"]
+Generator = Callable[[random.Random, TaskConfig], tuple[str, str]]
 Checker = Callable[[str, str], bool]
 
 TASKS: dict[str, tuple[Generator, Checker]] = {

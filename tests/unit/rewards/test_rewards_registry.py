@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.config import ConfigError
+from megatron_rl.rewards.math_answer import math_verify_available
 from megatron_rl.rewards.registry import BUILTIN_REWARDS, resolve_reward
 
 HERE = Path(__file__).parent
@@ -17,8 +18,11 @@ def test_builtins_resolve_and_declare_isolation():
     assert resolve_reward("synthetic:add").inline_safe
     assert resolve_reward("format").inline_safe
     assert not resolve_reward("format", {"pattern": ".*"}).inline_safe  # regexes can backtrack
-    math = resolve_reward("math")
-    assert not math.inline_safe and math.fast_path is not None and math.prepare is not None
+    if math_verify_available():
+        math = resolve_reward("math")
+        assert not math.inline_safe and math.fast_path is not None and math.prepare is not None
+    pure = resolve_reward("math", {"use_math_verify": False})  # no sympy: pure Python, inline
+    assert pure.inline_safe and pure.fn("q", r"\boxed{\sqrt{2}}", r"\sqrt 2") == 0.0
     assert set(BUILTIN_REWARDS) >= {"math", "format", "synthetic", "synthetic:sort"}
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from megatron_rl.config import ConfigError
 from megatron_rl.rewards.config import RewardConfig, build_scorer
+from megatron_rl.rewards.math_answer import math_verify_available
 from megatron_rl.rewards.scoring import RewardInput, RewardScorer, RewardTerm
 from megatron_rl.rewards.synthetic import make_task
 
@@ -50,6 +51,7 @@ def test_weighted_terms_and_metrics():
     assert metrics["reward/errors"] == 0 and metrics["reward/timeouts"] == 0
 
 
+@pytest.mark.skipif(not math_verify_available(), reason="math-verify is not installed")
 def test_math_fast_path_decides_inline_and_sympy_runs_in_a_worker():
     with RewardScorer([RewardTerm("math")], timeout_s=10, num_workers=1) as scorer:
         result = scorer.score(inputs(r"\boxed{0.5}", "1,000", answer="1/2"))
@@ -149,8 +151,9 @@ def test_scorer_errors():
         RewardScorer([RewardTerm("math"), RewardTerm("no_such_mod:f")])
     with pytest.raises(ConfigError, match="isolation='inline' is only allowed"):
         RewardScorer([RewardTerm("reward_fixtures:exact", isolation="inline")])
-    with pytest.raises(ConfigError, match="isolation='inline' is only allowed"):
-        RewardScorer([RewardTerm("math", isolation="inline")])
+    if math_verify_available():  # sympy can hang; without it the math check is pure Python
+        with pytest.raises(ConfigError, match="isolation='inline' is only allowed"):
+            RewardScorer([RewardTerm("math", isolation="inline")])
     with pytest.raises(ConfigError, match="two terms are named 'math'"):
         RewardScorer([RewardTerm("math"), RewardTerm("math", params={"require_boxed": True})])
     with pytest.raises(ConfigError, match="timeout_s"):
