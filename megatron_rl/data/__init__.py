@@ -1,0 +1,41 @@
+"""Prompt data: datasets (JSONL, Parquet, synthetic tasks), the resumable sampler, chat templates
+and the tiny character tokenizer.
+
+Public API (what the trainer calls):
+
+* ``DataConfig`` and ``load_datasets(config) -> (train, heldout | None)`` of ``PromptRecord``
+  (``prompt``, ``answer``, ``metadata``); ``load_prompts(path, prompt_key=, answer_key=)``;
+  ``synthetic_datasets(task_config, num_train=, num_heldout=, seed=)``; ``prompt_text(prompt)``.
+* ``PromptSampler(num_prompts, batch_size, seed=, shuffle=)``: ``next_batch()``, ``take(n)``,
+  ``state_dict()`` / ``load_state_dict()``.
+* ``encode_prompt(tokenizer, prompt, prompt_format=, system_prompt=)`` (and ``render_prompt``).
+* ``build_char_tokenizer()`` / ``write_char_tokenizer(directory)``: the synthetic tasks' tokenizer.
+
+Importing this package does not import torch or transformers (the tokenizer module imports
+transformers when called).
+"""
+
+from megatron_rl.data.chat import encode_prompt, render_prompt
+from megatron_rl.data.config import DataConfig
+from megatron_rl.data.prompts import (PromptDataset, PromptRecord, get_field, load_datasets, load_prompts,
+                                      prompt_text, synthetic_datasets)
+from megatron_rl.data.sampler import PromptSampler
+from megatron_rl.data.tokenizer import ALPHABET, build_char_tokenizer, save_tokenizer, write_char_tokenizer
+
+__all__ = [
+    "ALPHABET",
+    "DataConfig",
+    "PromptDataset",
+    "PromptRecord",
+    "PromptSampler",
+    "build_char_tokenizer",
+    "encode_prompt",
+    "get_field",
+    "load_datasets",
+    "load_prompts",
+    "prompt_text",
+    "render_prompt",
+    "save_tokenizer",
+    "synthetic_datasets",
+    "write_char_tokenizer",
+]

@@ -1,0 +1,218 @@
+"""Prompt datasets: local JSON Lines / Parquet files, or a synthetic task's train and held-out splits.
+
+A record is a prompt (text, or a list of chat messages ``{"role", "content"}``), an optional
+reference answer, and metadata: every other top-level field of the row, handed to reward
+functions as keyword arguments. Fields named ``prompt``, ``response`` or ``answer`` are never
+metadata (they would collide with the reward function's own arguments).
+
+Every problem with a file is a ConfigError naming the file, the line (JSONL, 1-based) or row
+(Parquet, 0-based index) and the key: a missing field, a value of the wrong type, invalid JSON.
+Files are read whole at start-up, so a bad row fails the run before any model is built.
+Parquet needs ``pyarrow`` (``pip install pyarrow``); JSONL needs nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+from megatron_rl.config import ConfigError
+from megatron_rl.data.config import DataConfig
+from megatron_rl.rewards.synthetic import TaskConfig, make_task
+
+__all__ = [
+    "PromptRecord",
+    "PromptDataset",
+    "load_prompts",
+    "synthetic_datasets",
+    "load_datasets",
+    "prompt_text",
+    "get_field",
+]
+
+Message = Mapping[str, str]
+RESERVED_NAMES = frozenset({"prompt", "response", "answer"})
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    prompt: str | tuple[Message, ...]
+    answer: str | None = None
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+class PromptDataset(Sequence[PromptRecord]):
+    """An immutable, indexable list of records and where they came from (for messages)."""
+
+    def __init__(self, records: Sequence[PromptRecord], source: str):
+        if not records:
+            raise ConfigError(f"{source}: no prompt records")
+        self._records = tuple(records)
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._records[index]
+
+    def __iter__(self) -> Iterator[PromptRecord]:
+        return iter(self._records)
+
+    def select(self, indices: Sequence[int]) -> list[PromptRecord]:
+        return [self._records[i] for i in indices]
+
+    def __repr__(self) -> str:
+        return f"PromptDataset({len(self)} records from {self.source})"
+
+
+def prompt_text(prompt: str | Sequence[Message]) -> str:
+    """The text a reward function sees as ``prompt``: the text, or the last user message."""
+    if isinstance(prompt, str):
+        return prompt
+    users = [message["content"] for message in prompt if message.get("role") == "user"]
+    return users[-1] if users else prompt[-1]["content"]
+
+
+# --------------------------------------------------------------------------- fields
+
+
+def get_field(row: Mapping[str, Any], key: str) -> Any:
+    """``row[key]`` where a dotted key walks nested mappings and lists ("messages.0.content").
+
+    A key present as a whole (a field literally named "a.b") wins over the dotted walk.
+    Raises KeyError with the part that is missing.
+    """
+    if key in row:
+        return row[key]
+    node: Any = row
+    walked: list[str] = []
+    for part in key.split("."):
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+        elif isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            where = f"under '{'.'.join(walked)}'" if walked else "at the top level"
+            keys = f"; it has {', '.join(map(repr, list(node)[:10]))}" if isinstance(node, Mapping) else ""
+            raise KeyError(f"missing key '{part}' {where}{keys}")
+        walked.append(part)
+    return node
+
+
+def _as_prompt(value: Any, where: str) -> str | tuple[Message, ...]:
+    if isinstance(value, str):
+        if not value:
+            raise ConfigError(f"{where}: the prompt is empty")
+        return value
+    if isinstance(value, (list, tuple)) and value:
+        messages = []
+        for i, message in enumerate(value):
+            if not (isinstance(message, Mapping) and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)):
+                raise ConfigError(f"{where}: chat message {i} must be a mapping with string 'role' and 'content'")
+            messages.append({"role": message["role"], "content": message["content"]})
+        return tuple(messages)
+    raise ConfigError(f"{where}: the prompt must be a string or a list of chat messages, got {type(value).__name__}")
+
+
+def _as_answer(value: Any, where: str) -> str:
+    # Numbers are common in math sets (GSM8K-style integer answers); their text is the answer.
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"{where}: the answer must be a string or a number, got {type(value).__name__} {value!r}")
+
+
+def _record(row: Any, where: str, prompt_key: str, answer_key: str | None) -> PromptRecord:
+    if not isinstance(row, Mapping):
+        raise ConfigError(f"{where}: expected an object with fields, got {type(row).__name__}")
+    values = {}
+    for role, key in (("prompt", prompt_key), ("answer", answer_key)):
+        if key is None:
+            continue
+        try:
+            values[role] = get_field(row, key)
+        except KeyError as exc:
+            raise ConfigError(f"{where}: {role} key '{key}': {exc.args[0]}") from None
+    metadata = {k: v for k, v in row.items() if k not in RESERVED_NAMES and k not in (prompt_key, answer_key)}
+    answer = _as_answer(values["answer"], f"{where}: answer key '{answer_key}'") if answer_key else None
+    return PromptRecord(_as_prompt(values["prompt"], f"{where}: prompt key '{prompt_key}'"), answer, metadata)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path} line {number}", json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{path} line {number}: not valid JSON: {exc.msg} (column {exc.colno})") from None
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(f"{path}: reading Parquet needs pyarrow; install it with `pip install pyarrow`") from None
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # pyarrow raises its own error types for corrupt or foreign files
+        raise ConfigError(f"{path}: not a readable Parquet file: {type(exc).__name__}: {exc}") from exc
+    for index, row in enumerate(table.to_pylist()):
+        yield f"{path} row index {index}", row
+
+
+_READERS = {".jsonl": _jsonl_rows, ".parquet": _parquet_rows}
+
+
+def load_prompts(path: str | Path, *, prompt_key: str = "prompt", answer_key: str | None = "answer") -> PromptDataset:
+    """Read every record of a .jsonl or .parquet file (see the module docstring for errors)."""
+    path = Path(path)
+    reader = _READERS.get(path.suffix.lower())
+    if reader is None:
+        raise ConfigError(f"{path}: unsupported prompt file type {path.suffix!r}; use {' or '.join(_READERS)}")
+    if not path.is_file():
+        raise ConfigError(f"prompt file {path} does not exist")
+    records = [_record(row, where, prompt_key, answer_key) for where, row in reader(path)]
+    return PromptDataset(records, str(path))
+
+
+# --------------------------------------------------------------------------- synthetic
+
+
+def synthetic_datasets(
+    task: TaskConfig, *, num_train: int, num_heldout: int, seed: int
+) -> tuple[PromptDataset, PromptDataset | None]:
+    """Train and held-out datasets of a synthetic task (disjoint; see ``rewards/synthetic.py``)."""
+    generator = make_task(task)
+
+    def dataset(n: int, split: str) -> PromptDataset:
+        records = [
+            PromptRecord(row["prompt"], row["answer"], {k: v for k, v in row.items() if k not in RESERVED_NAMES})
+            for row in generator.generate(n, seed=seed, split=split)
+        ]
+        return PromptDataset(records, f"synthetic task {task.task!r} ({split} split, seed {seed})")
+
+    return dataset(num_train, "train"), dataset(num_heldout, "heldout") if num_heldout else None
+
+
+def load_datasets(config: DataConfig) -> tuple[PromptDataset, PromptDataset | None]:
+    """The run's train dataset and optional held-out dataset, as the data config describes."""
+    config.validate()
+    if config.train == "synthetic":
+        train, heldout = synthetic_datasets(
+            config.synthetic, num_train=config.num_train, num_heldout=config.num_heldout, seed=config.synthetic_seed
+        )
+    else:
+        train, heldout = load_prompts(config.train, prompt_key=config.prompt_key, answer_key=config.answer_key), None
+    if config.heldout is not None:
+        heldout = load_prompts(config.heldout, prompt_key=config.prompt_key, answer_key=config.answer_key)
+    return train, heldout

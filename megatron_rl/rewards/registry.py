@@ -1,0 +1,185 @@
+"""Resolve a reward function from its configured name.
+
+Names:
+
+    "math"               math_answer.math_reward; params: require_boxed, use_math_verify
+    "format"             format.make_format_reward; params: pattern, value
+    "synthetic"          verifies synthetic-task records by their own "task" and
+                         "response_format" metadata (one reward for any mix of tasks)
+    "synthetic:<task>"   the verifier of one task; params: response_format
+    "pkg.module:attr"    any importable callable (attr may be dotted: "module:Class.method")
+    "path/to/file.py:fn" a callable defined in a Python file (relative paths are resolved
+                         against the current directory when the name is resolved)
+
+For the two user forms, ``params`` are passed to every call as keyword arguments. Every problem is
+a ``ConfigError`` naming the reward and saying what is wrong (module not found, import failed
+with which exception, attribute missing, object not callable, unknown parameter), raised when
+the name is resolved, i.e. when the scorer is built and not at the first sample.
+
+Resolution is a pure function of (name, params): the scorer's worker processes call it again
+with the same arguments, which is how functions that cannot be pickled (closures, lambdas)
+still run there.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+from megatron_rl.config import ConfigError
+from megatron_rl.rewards.format import make_format_reward
+from megatron_rl.rewards.functions import RewardFunction
+from megatron_rl.rewards.math_answer import math_fast_path, math_reward, math_verify_available, prepare_math_verify
+from megatron_rl.rewards.synthetic import TASKS, make_task, verify_synthetic
+
+__all__ = ["BUILTIN_REWARDS", "resolve_reward", "absolute_reward_name", "WithParams"]
+
+BUILTIN_REWARDS = ("math", "format", "synthetic", *(f"synthetic:{task}" for task in TASKS))
+
+
+def _check_params(name: str, params: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        known = ", ".join(allowed) if allowed else "none"
+        raise ConfigError(f"reward {name!r}: unknown parameter {unknown[0]!r} (known: {known})")
+
+
+class WithParams:
+    """``fn`` called with configured keyword ``params``, which win over record metadata of the same
+    name (``functools.partial`` would let the metadata win)."""
+
+    def __init__(self, fn, params: Mapping[str, Any]):
+        self.fn, self.params = fn, dict(params)
+
+    def __call__(self, prompt: str, response: str, answer: str | None, **metadata: Any) -> Any:
+        return self.fn(prompt, response, answer, **{**metadata, **self.params})
+
+
+def _math(name: str, params: Mapping[str, Any]) -> RewardFunction:
+    _check_params(name, params, ("require_boxed", "use_math_verify"))
+    for key in params:
+        if not isinstance(params[key], bool):
+            raise ConfigError(f"reward {name!r}: {key} must be true or false, got {params[key]!r}")
+    if not (params.get("use_math_verify", True) and math_verify_available()):
+        # Without sympy the whole check is the pure-Python fast path: linear, safe inline.
+        return RewardFunction(name, WithParams(math_reward, {**params, "use_math_verify": False}), inline_safe=True)
+    fast = functools.partial(math_fast_path, require_boxed=params.get("require_boxed", False))
+    # Not inline-safe: the full check may run sympy, which can take unbounded time on adversarial
+    # output (e.g. towers of exponents). The fast path decides most samples without a worker.
+    return RewardFunction(name, WithParams(math_reward, params), inline_safe=False,
+                          fast_path=fast, prepare=prepare_math_verify)
+
+
+def _format(name: str, params: Mapping[str, Any]) -> RewardFunction:
+    _check_params(name, params, ("pattern", "value"))
+    fn = make_format_reward(**params)
+    # A configured regex can backtrack exponentially; only the boxed check is linear.
+    return RewardFunction(name, fn, inline_safe=params.get("pattern") is None)
+
+
+def _synthetic_any(prompt: str, response: str, answer: str | None, *, task: str | None = None,
+                   response_format: str = "plain", **metadata: Any) -> float:
+    if task is None or answer is None:
+        raise ValueError("the 'synthetic' reward needs records with 'task' metadata and an answer")
+    return verify_synthetic(response, answer, task=task, response_format=response_format)
+
+
+def _synthetic(name: str, params: Mapping[str, Any]) -> RewardFunction:
+    if name == "synthetic":
+        _check_params(name, params, ())
+        return RewardFunction(name, _synthetic_any, inline_safe=True)
+    _check_params(name, params, ("response_format",))
+    task = make_task(task=name.split(":", 1)[1], **params)
+
+    def synthetic_task_reward(prompt: str, response: str, answer: str | None, **metadata: Any) -> float:
+        if answer is None:
+            raise ValueError(f"reward {name!r} needs records with an answer")
+        return task.verify(response, answer)
+
+    return RewardFunction(name, synthetic_task_reward, inline_safe=True)
+
+
+def absolute_reward_name(name: str) -> str:
+    """The name with a relative file path made absolute (so other processes resolve the same file)."""
+    module, sep, attr = name.rpartition(":")
+    if sep and module.endswith(".py"):
+        return f"{Path(module).resolve()}:{attr}"
+    return name
+
+
+def _load_file_module(name: str, path_text: str):
+    path = Path(path_text).resolve()
+    if not path.is_file():
+        raise ConfigError(f"reward {name!r}: file {path} does not exist")
+    # One module per file path, registered so pickling and repeated resolution find it again.
+    module_name = "megatron_rl_user_reward_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"reward {name!r}: cannot load {path} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except (Exception, SystemExit) as exc:
+        del sys.modules[module_name]
+        raise ConfigError(f"reward {name!r}: executing {path} failed: {type(exc).__name__}: {exc}") from exc
+    return module
+
+
+def _import_module(name: str, module_path: str):
+    try:
+        return importlib.import_module(module_path)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and module_path.startswith(exc.name) and module_path[len(exc.name):][:1] in ("", "."):
+            raise ConfigError(
+                f"reward {name!r}: no module named {exc.name!r} (is it installed, or on PYTHONPATH?)"
+            ) from exc
+        raise ConfigError(f"reward {name!r}: importing {module_path!r} failed: {type(exc).__name__}: {exc}") from exc
+    except (Exception, SystemExit) as exc:
+        raise ConfigError(f"reward {name!r}: importing {module_path!r} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _user(name: str, params: Mapping[str, Any]) -> RewardFunction:
+    module_path, sep, attr_path = name.rpartition(":")
+    if not sep or not module_path or not attr_path:
+        raise ConfigError(
+            f"reward {name!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) "
+            "nor an import path 'package.module:function' or 'file.py:function'"
+        )
+    if module_path.endswith(".py"):
+        obj = _load_file_module(name, module_path)
+    else:
+        obj = _import_module(name, module_path)
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ConfigError(
+                f"reward {name!r}: {getattr(obj, '__name__', module_path)!r} has no attribute {part!r}"
+            ) from None
+    if not callable(obj):
+        raise ConfigError(f"reward {name!r} is not callable (it is an object of type {type(obj).__name__})")
+    return RewardFunction(name, WithParams(obj, params) if params else obj, inline_safe=False)
+
+
+def resolve_reward(name: str, params: Mapping[str, Any] | None = None) -> RewardFunction:
+    """The ``RewardFunction`` for a configured name (see the module docstring)."""
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(f"a reward name must be a non-empty string, got {name!r}")
+    params = dict(params or {})
+    if name == "math":
+        return _math(name, params)
+    if name == "format":
+        return _format(name, params)
+    if name == "synthetic" or name.startswith("synthetic:"):
+        if name != "synthetic" and name.split(":", 1)[1] not in TASKS:
+            raise ConfigError(f"reward {name!r}: unknown synthetic task; known: {', '.join(TASKS)}")
+        return _synthetic(name, params)
+    return _user(name, params)

@@ -1,0 +1,240 @@
+"""Synthetic verifiable tasks, generated from a seed: no download, exact answers, own verifiers.
+
+They exist so that the built-in default can train a tiny model from scratch on a CPU in minutes
+and show RL raising held-out accuracy. Prompts and answers are therefore compact and use only
+the characters of the tiny tokenizer (``megatron_rl.data.tokenizer.ALPHABET``):
+
+    task      prompt (defaults)     answer   knobs
+    add       "12+7="               "19"     digits (operands < 10**digits), max_operand
+    sort      "sort 3142="          "1234"   length
+    reverse   "rev 3142="           "2413"   length
+    count     "count a in abcab="   "2"      length, symbols
+    modular   "17*5%7="             "1"      digits, max_operand, modulus
+
+Response formats (``response_format``): "plain", the answer then the end of the sequence ("19"
+then EOS), the default because a tiny model learns it fastest; or "boxed" ("\\boxed{19}").
+Verification extracts the answer by the format and compares it with the task's own rule: as
+integers for add / count / modular, as exact digit strings for sort / reverse.
+
+Splits are disjoint by construction: a prompt belongs to the held-out split when a stable hash
+of (task, prompt) falls below ``heldout_fraction``, whatever the seed. Train records are drawn
+with replacement (small problem spaces repeat); held-out records are unique, so held-out accuracy
+counts distinct problems. Generation uses ``random.Random`` seeded with a string (hashed with
+SHA-512 by Python), whose streams are stable across Python versions and platforms.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+from megatron_rl.config import ConfigError
+from megatron_rl.rewards.math_answer import extract_boxed
+
+__all__ = ["TASKS", "SPLITS", "TaskConfig", "SyntheticTask", "make_task", "verify_synthetic"]
+
+ResponseFormat = Literal["plain", "boxed"]
+Split = Literal["train", "heldout"]
+SPLITS = ("train", "heldout")
+RESPONSE_FORMATS = ("plain", "boxed")
+
+
+@dataclass
+class TaskConfig:
+    """One synthetic task and its difficulty; each task reads only the knobs it uses."""
+
+    task: Literal["add", "sort", "reverse", "count", "modular"] = "add"
+    # add / modular: operands are drawn uniformly from [0, 10**digits - 1] ...
+    digits: int = 2
+    # ... or from [0, max_operand] when set: a finer difficulty knob than whole digits.
+    max_operand: int | None = None
+    # sort / reverse: digits in the list; count: characters in the string.
+    length: int = 4
+    # count: the alphabet of the string (one symbol of it is counted).
+    symbols: str = "abc"
+    # modular: the modulus of a*b % m.
+    modulus: int = 7
+    response_format: ResponseFormat = "plain"
+    # Share of the problem space reserved for held-out evaluation (by hash of the prompt).
+    heldout_fraction: float = 0.1
+
+    def validate(self, where: str = "task") -> TaskConfig:
+        if self.task not in TASKS:
+            raise ConfigError(f"{where}.task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if not 1 <= self.digits <= 9:
+            raise ConfigError(f"{where}.digits must be in [1, 9], got {self.digits}")
+        if self.max_operand is not None and self.max_operand < 1:
+            raise ConfigError(f"{where}.max_operand must be >= 1 (or null), got {self.max_operand}")
+        if not 1 <= self.length <= 64:
+            raise ConfigError(f"{where}.length must be in [1, 64], got {self.length}")
+        if not self.symbols or len(set(self.symbols)) != len(self.symbols) or not self.symbols.isalpha() \
+                or not self.symbols.islower():
+            raise ConfigError(f"{where}.symbols must be distinct lowercase letters, got {self.symbols!r}")
+        if self.modulus < 2:
+            raise ConfigError(f"{where}.modulus must be >= 2, got {self.modulus}")
+        if self.response_format not in RESPONSE_FORMATS:
+            raise ConfigError(
+                f"{where}.response_format must be one of {', '.join(RESPONSE_FORMATS)}, got {self.response_format!r}"
+            )
+        if not 0.0 < self.heldout_fraction < 1.0:
+            raise ConfigError(f"{where}.heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+        return self
+
+    @property
+    def operand_max(self) -> int:
+        return self.max_operand if self.max_operand is not None else 10**self.digits - 1
+
+
+# --------------------------------------------------------------------------- the tasks
+# Each generator draws one problem: (prompt, canonical answer). Each checker compares an
+# extracted candidate with the canonical answer.
+
+
+def _add(rng: random.Random, config: TaskConfig) -> tuple[str, str]:
+    a, b = rng.randint(0, config.operand_max), rng.randint(0, config.operand_max)
+    return f"{a}+{b}=", str(a + b)
+
+
+def _digit_list(rng: random.Random, config: TaskConfig) -> list[str]:
+    return [str(rng.randrange(10)) for _ in range(config.length)]
+
+
+def _sort(rng: random.Random, config: TaskConfig) -> tuple[str, str]:
+    digits = _digit_list(rng, config)
+    return f"sort {''.join(digits)}=", "".join(sorted(digits))
+
+
+def _reverse(rng: random.Random, config: TaskConfig) -> tuple[str, str]:
+    digits = _digit_list(rng, config)
+    return f"rev {''.join(digits)}=", "".join(reversed(digits))
+
+
+def _count(rng: random.Random, config: TaskConfig) -> tuple[str, str]:
+    text = "".join(rng.choice(config.symbols) for _ in range(config.length))
+    symbol = rng.choice(config.symbols)
+    return f"count {symbol} in {text}=", str(text.count(symbol))
+
+
+def _modular(rng: random.Random, config: TaskConfig) -> tuple[str, str]:
+    a, b = rng.randint(0, config.operand_max), rng.randint(0, config.operand_max)
+    return f"{a}*{b}%{config.modulus}=", str(a * b % config.modulus)
+
+
+_INTEGER = re.compile(r"[+-]?\d{1,64}")
+
+
+def _same_integer(candidate: str, answer: str) -> bool:
+    return _INTEGER.fullmatch(candidate) is not None and int(candidate) == int(answer)
+
+
+def _same_string(candidate: str, answer: str) -> bool:
+    return candidate == answer
+
+
+Generator = Callable[[random.Random, TaskConfig], tuple[str, str]]
+Checker = Callable[[str, str], bool]
+
+TASKS: dict[str, tuple[Generator, Checker]] = {
+    "add": (_add, _same_integer),
+    "sort": (_sort, _same_string),
+    "reverse": (_reverse, _same_string),
+    "count": (_count, _same_integer),
+    "modular": (_modular, _same_integer),
+}
+
+
+# --------------------------------------------------------------------------- task objects
+
+
+def _heldout_bucket(task: str, prompt: str) -> float:
+    """A stable pseudo-uniform number in [0, 1) for a prompt (not Python's salted hash())."""
+    digest = hashlib.blake2b(f"{task}\n{prompt}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+class SyntheticTask:
+    """A configured task: generates records and verifies responses."""
+
+    def __init__(self, config: TaskConfig):
+        self.config = config.validate()
+        self.name = config.task
+        self._generate_one, self._check = TASKS[config.task]
+
+    def split_of(self, prompt: str) -> Split:
+        return "heldout" if _heldout_bucket(self.name, prompt) < self.config.heldout_fraction else "train"
+
+    def target(self, answer: str) -> str:
+        """The reference response for an answer (what a supervised warm start trains on)."""
+        return f"\\boxed{{{answer}}}" if self.config.response_format == "boxed" else answer
+
+    def extract(self, response: str) -> str | None:
+        if self.config.response_format == "boxed":
+            boxed = extract_boxed(response)
+            return None if boxed is None else boxed.strip()
+        return response.strip()
+
+    def verify(self, response: str, answer: str) -> float:
+        """1.0 when the response states the answer in the task's format, else 0.0."""
+        candidate = self.extract(response)
+        return float(candidate is not None and self._check(candidate, answer))
+
+    def record(self, prompt: str, answer: str) -> dict[str, Any]:
+        return {
+            "prompt": prompt,
+            "answer": answer,
+            "task": self.name,
+            "response_format": self.config.response_format,
+            "target": self.target(answer),
+        }
+
+    def generate(self, n: int, *, seed: int, split: Split) -> list[dict[str, Any]]:
+        """``n`` records of one split, a pure function of (config, seed, split).
+
+        Train draws with replacement; held-out draws distinct prompts and raises ConfigError when
+        the split's share of the problem space is too small for ``n``.
+        """
+        if split not in SPLITS:
+            raise ConfigError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+        if n < 0:
+            raise ConfigError(f"number of {split} records must be >= 0, got {n}")
+        rng = random.Random(f"megatron_rl.synthetic:{self.name}:{split}:{seed}")
+        records: list[dict[str, Any]] = []
+        seen: set[str] = set()
+        # Generous: the held-out split holds ~heldout_fraction of the draws, minus repeats.
+        budget = 1000 + int(50 * n / min(self.config.heldout_fraction, 1 - self.config.heldout_fraction))
+        for _ in range(budget):
+            if len(records) == n:
+                return records
+            prompt, answer = self._generate_one(rng, self.config)
+            if self.split_of(prompt) != split or (split == "heldout" and prompt in seen):
+                continue
+            seen.add(prompt)
+            records.append(self.record(prompt, answer))
+        if len(records) == n:
+            return records
+        raise ConfigError(
+            f"task {self.name!r}: found only {len(records)} distinct {split} prompts of the {n} asked; "
+            "the problem space is too small (raise digits/length/max_operand or heldout_fraction, "
+            "or ask for fewer)"
+        )
+
+
+def make_task(config: TaskConfig | None = None, **overrides: Any) -> SyntheticTask:
+    """``make_task(TaskConfig(task="sort", length=5))`` or ``make_task(task="sort", length=5)``."""
+    if config is None:
+        fields = TaskConfig.__dataclass_fields__
+        unknown = sorted(set(overrides) - set(fields))
+        if unknown:
+            raise ConfigError(f"unknown synthetic task setting {unknown[0]!r}; known: {', '.join(fields)}")
+        config = TaskConfig(**overrides)
+    elif overrides:
+        raise ConfigError("pass either a TaskConfig or keyword settings, not both")
+    return SyntheticTask(config)
+
+
+def verify_synthetic(response: str, answer: str, *, task: str, response_format: str = "plain") -> float:
+    """Verify a response to a synthetic record from its metadata alone (difficulty is irrelevant)."""
+    return make_task(task=task, response_format=response_format).verify(response, answer)
