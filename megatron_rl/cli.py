@@ -1,6 +1,6 @@
 """`megatron-rl` command line.
 
-    megatron-rl train [--config FILE] [--output-dir DIR] [key=value ...]
+    megatron-rl train [--config FILE] [--output-dir DIR] [key=value ...]   (the RL loop; no config: the tiny default)
     megatron-rl smoke [--config FILE] [--steps N] [key=value ...]
     megatron-rl inspect-model [--config FILE] [key=value ...]
     megatron-rl convert {hf-to-megatron,megatron-to-hf} ...   (see tools/convert_*.py)
@@ -58,22 +58,38 @@ def main(argv: list[str] | None = None) -> int:
 
             print(json.dumps(parse_hf_config(*load_hf_config(config.model.hf_config)).__dict__, indent=2))
             return 0
+        if args.command == "train":
+            from megatron_rl.preflight import check_layout_and_paths
+
+            check_layout_and_paths(config)  # milliseconds: before torch is even imported
         _quiet_known_upstream_warnings()
+        if args.command == "train":
+            from megatron_rl.trainer import train
+
+            result = train(config)
+            _print_summary(config, result)
+            return 0
         from megatron_rl.smoke import run_smoke
 
-        if args.command == "train":
-            print(
-                "megatron-rl train: the RL training loop is not built yet; running the policy "
-                "forward/backward smoke job (real Megatron-Core model, optimizer and schedule) instead.",
-                flush=True,
-            )
-            run_smoke(config)
-        else:
-            run_smoke(config, steps=args.steps)
+        run_smoke(config, steps=args.steps)
         return 0
     except ConfigError as exc:
         print(f"megatron-rl: configuration error: {exc}", file=sys.stderr)
         return 2
+
+
+def _print_summary(config, result) -> None:
+    if not result.is_driver:
+        return
+    if not result.finished:
+        print(f"stopped after step {result.steps_done} (checkpoint {result.checkpoint})")
+        return
+    print(f"done: {result.steps_done} RL steps, output in {config.output_dir}")
+    if result.warm_start_accuracy is not None and result.final_accuracy is not None:
+        print(f"held-out accuracy: {result.warm_start_accuracy:.3f} before RL (after the warm start) -> "
+              f"{result.final_accuracy:.3f} after RL")
+    if result.curve_png is not None:
+        print(f"learning curve: {result.curve_png}")
 
 
 def _quiet_known_upstream_warnings() -> None:

@@ -23,9 +23,10 @@ from typing import Any, Literal
 
 import yaml
 
+from megatron_rl.data.config import DataConfig
+from megatron_rl.rewards.config import RewardConfig
 
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown or inconsistent; the message says which and why."""
+from megatron_rl.errors import ConfigError  # noqa: E402  (re-exported: the historical import path)
 
 
 Precision = Literal["fp32", "bf16"]
@@ -184,7 +185,8 @@ class ParallelConfig:
 
 @dataclass
 class OptimizerConfig:
-    lr: float = 1e-5
+    # Defaults are the built-in tiny run's; the recipes in configs/ set their own.
+    lr: float = 5e-4
     min_lr: float = 0.0
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -261,6 +263,113 @@ class RolloutConfig:
 
 
 @dataclass
+class RLConfig:
+    """The RL loop: what one step generates, how it trains on it, and the algorithm."""
+
+    # grpo | dr_grpo | dapo | gspo | cispo (megatron_rl.algorithms.recipes); the fields below
+    # that are None keep the recipe's value.
+    recipe: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"] = "dapo"
+    kl_coef: float | None = None
+    entropy_coef: float | None = None
+    eps_low: float | None = None
+    eps_high: float | None = None
+    dynamic_sampling: bool | None = None
+    # Train/inference mismatch correction (truncated importance sampling against the engine's
+    # logprobs): None = off, else the truncation bound (e.g. 2.0).
+    tis_upper: float | None = None
+    # Dual clip for negative advantages (c > 1), None = off.
+    dual_clip_c: float | None = None
+    # Defaults: the built-in tiny run (about 4 minutes of RL on 2 CPU cores).
+    steps: int = 60  # RL steps (one rollout batch each)
+    prompts_per_step: int = 32
+    group_size: int = 8  # samples per prompt (G)
+    # Optimizer updates per rollout batch (mini-batches). With more than one, the old-policy
+    # logprobs are recomputed before the first update and the ratio departs from 1.
+    updates_per_rollout: int = 2
+    max_response_tokens: int = 6
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # Dynamic sampling: extra generate rounds allowed to refill the batch after dropping groups
+    # whose rewards are all equal.
+    max_refill_rounds: int = 3
+    # MoE: replay the experts chosen in the old-logprob forward in the training forward
+    # (Megatron-Core router replay), so the ratio compares the same routed network.
+    routing_replay: bool = False
+    eval_every: int = 10  # RL steps between held-out evaluations (0: only before and after)
+    eval_prompts: int | None = None  # None: the whole held-out set
+    eval_temperature: float = 0.0  # greedy by default: accuracy of the policy's best answer
+
+    def validate(self, where: str) -> None:
+        for name in ("steps", "prompts_per_step", "updates_per_rollout", "max_response_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
+        if self.group_size < 2:
+            raise ConfigError(f"{where}.group_size must be >= 2 (group-relative advantages need a group)")
+        if self.prompts_per_step % self.updates_per_rollout:
+            raise ConfigError(f"{where}.updates_per_rollout={self.updates_per_rollout} must divide "
+                              f"prompts_per_step={self.prompts_per_step} (whole groups per update)")
+        if self.max_refill_rounds < 0 or self.eval_every < 0:
+            raise ConfigError(f"{where}.max_refill_rounds and eval_every must be >= 0")
+        if not 0 < self.top_p <= 1 or self.temperature < 0 or self.eval_temperature < 0:
+            raise ConfigError(f"{where}: temperature must be >= 0 and top_p in (0, 1]")
+        if self.tis_upper is not None and self.tis_upper <= 1:
+            raise ConfigError(f"{where}.tis_upper must be > 1 (or null for off), got {self.tis_upper}")
+        if self.eval_prompts is not None and self.eval_prompts < 1:
+            raise ConfigError(f"{where}.eval_prompts must be >= 1 or null")
+
+    def algorithm(self):
+        """The recipe with this section's overrides (megatron_rl.algorithms.Recipe)."""
+        from megatron_rl.algorithms import recipe
+
+        names = ("kl_coef", "entropy_coef", "eps_low", "eps_high", "dynamic_sampling", "dual_clip_c")
+        overrides = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        if self.tis_upper is not None:
+            overrides.update(tis_level="token", tis_upper=self.tis_upper)
+        chosen = recipe(self.recipe, **overrides)
+        if chosen.loss.loss_agg_mode == "seq-mean-token-sum-norm" and chosen.loss.l_norm is None:
+            # Dr. GRPO divides by a constant: the generation budget, as in the paper.
+            chosen = recipe(self.recipe, **overrides, l_norm=self.max_response_tokens)
+        return chosen
+
+
+@dataclass
+class WarmStartConfig:
+    """Supervised warm start before RL (the built-in default learns its task format this way):
+    next-token loss on the targets of the training prompts."""
+
+    steps: int = 250  # 0 = none (the default is the built-in tiny run's)
+    batch_size: int = 64
+    lr: float = 3e-3
+
+    def validate(self, where: str) -> None:
+        if self.steps < 0 or self.batch_size < 1 or self.lr <= 0:
+            raise ConfigError(f"{where}: steps must be >= 0, batch_size >= 1 and lr > 0")
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 10  # 0: only on SIGTERM/SIGUSR1 and at the end
+    keep_last: int = 2
+    # "auto": continue from OUTPUT_DIR/checkpoints if it holds one; "none": start fresh (an existing
+    # checkpoint directory is then refused); or a path to a checkpoint directory.
+    resume: str = "auto"
+    # Initial weights: None (random init, for the built-in default), a Hugging Face model
+    # directory, or a directory written by `megatron-rl convert hf-to-megatron`.
+    init_from: str | None = None
+
+    def validate(self, where: str) -> None:
+        if self.every_steps < 0 or self.keep_last < 1:
+            raise ConfigError(f"{where}: every_steps must be >= 0 and keep_last >= 1")
+
+
+@dataclass
+class LoggingConfig:
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    wandb_project: str = "megatron-rl"
+    run_name: str | None = None
+
+
+@dataclass
 class RunConfig:
     """The root of the tree."""
 
@@ -275,6 +384,12 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rewards: RewardConfig = field(default_factory=RewardConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def validate(self, where: str = "config") -> RunConfig:
         if self.micro_batch_tokens < 1:
@@ -285,6 +400,12 @@ class RunConfig:
         self.parallel.validate(f"{where}: parallel")
         self.optimizer.validate(f"{where}: optimizer")
         self.rollout.validate(f"{where}: rollout")
+        self.rl.validate(f"{where}: rl")
+        self.warm_start.validate(f"{where}: warm_start")
+        self.data.validate(f"{where}: data")
+        self.rewards.validate(f"{where}: rewards")
+        self.checkpoint.validate(f"{where}: checkpoint")
+        # The recipe overrides are checked by trainer.preflight (building a Recipe imports torch).
         return self
 
 
@@ -351,6 +472,9 @@ def _build(cls: type, raw: Any, source: str, prefix: str) -> Any:
 def _coerce(hint: Any, value: Any, source: str, key: str) -> Any:
     where = f"{source}: {key}"
     origin = typing.get_origin(hint)
+    if isinstance(hint, type) and hasattr(hint, "from_dict"):
+        # Sections with list-of-mapping fields (rewards.terms) parse themselves.
+        return hint.from_dict(value if value is not None else {}, key)
     if dataclasses.is_dataclass(hint):
         return _build(hint, value if value is not None else {}, source, f"{key}.")
     if origin in (typing.Union, types.UnionType):

@@ -77,7 +77,7 @@ def _precision_of(raw: dict) -> str:
 
 
 def _validate(config: RunConfig) -> None:
-    from megatron_rl.model.builder import check_divisibility  # layout vs model, no processes needed
+    from megatron_rl.model.layout_checks import check_divisibility  # layout vs model, no processes needed
 
     arch = parse_hf_config(*load_hf_config(config.model.hf_config))
     config.parallel.validate_for_model("layout", num_experts=arch.num_experts)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from megatron_rl.config import ConfigError
+from megatron_rl.errors import ConfigError
 
 __all__ = ["render_prompt", "encode_prompt", "to_messages"]
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import random
 from typing import Any, Iterator, Mapping
 
-from megatron_rl.config import ConfigError
+from megatron_rl.errors import ConfigError
 
 __all__ = ["PromptSampler"]
 

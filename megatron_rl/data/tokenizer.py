@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from megatron_rl.config import ConfigError
+from megatron_rl.errors import ConfigError
 
 __all__ = [
     "ALPHABET", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "build_char_tokenizer", "save_tokenizer", "write_char_tokenizer",

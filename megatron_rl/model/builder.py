@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from megatron_rl.config import ConfigError, ModelConfig, RunConfig
 from megatron_rl.model import fp8
 from megatron_rl.model.hf_config import ArchitectureSpec
+from megatron_rl.model.layout_checks import check_divisibility  # noqa: F401  (re-exported)
 
 
 def transformer_engine_available() -> bool:
@@ -108,6 +109,9 @@ def transformer_config(
             # without pre_softmax takes top-k logits then softmaxes them: the same numbers as
             # renormalizing; pre_softmax keeps the un-renormalized top-k probabilities.
             moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+            # Gives every router a RouterReplay hook: no effect unless a RouterTrace drives it
+            # (routing replay and the routing-drift metric, megatron_rl/model/routing.py).
+            moe_enable_routing_replay=True,
             moe_router_dtype="fp32",
             moe_token_dispatcher_type=config.model.moe_token_dispatcher,
             moe_router_load_balancing_type="aux_loss" if config.model.moe_aux_loss_coeff > 0 else "none",
@@ -165,23 +169,6 @@ def transformer_config(
         **moe,
         **fp8.transformer_config_fields(config.model),
     )
-
-
-def check_divisibility(arch: ArchitectureSpec, config: RunConfig) -> None:
-    p = config.parallel
-    checks = [
-        ("num_attention_heads", arch.num_attention_heads, "tp", p.tp),
-        ("num_key_value_heads", arch.num_key_value_heads, "tp", p.tp),
-        ("num_hidden_layers", arch.num_layers, "pp", p.pp),
-        ("intermediate_size", arch.ffn_hidden_size, "tp", p.tp),
-    ]
-    if arch.is_moe:
-        checks.append(("moe_intermediate_size", arch.moe_ffn_hidden_size, "etp", p.expert_tp))
-    for key, value, axis, size in checks:
-        if value % size:
-            raise ConfigError(
-                f"model {key}={value} is not divisible by parallel.{axis}={size}; choose a layout that divides it"
-            )
 
 
 def layer_spec(tconfig, use_te: bool):

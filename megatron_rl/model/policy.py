@@ -16,7 +16,7 @@ gradients over DP, and summing micro-batch gradients gives exactly the full-batc
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
@@ -39,6 +39,8 @@ class StepResult:
     loss: float  # the step loss summed over micro-batches and DP ranks
     grad_norm: float
     updated: bool
+    # The loss function's metric dicts, one per real micro-batch (last pipeline stage; empty elsewhere).
+    metrics: list[dict] = field(default_factory=list)
 
 
 class Policy:
@@ -105,37 +107,46 @@ class Policy:
 
     # ------------------------------------------------------------------------------------------
 
-    def logprobs(self, batches: list[PackedBatch], with_entropy: bool = True) -> list[dict[str, torch.Tensor]]:
+    def logprobs(self, batches: list[PackedBatch], with_entropy: bool = True, routing=None) -> list[dict[str, torch.Tensor]]:
         """Per-position logprobs of `labels` (and entropy) for each micro-batch, fp32, no grad.
 
         Returned on the last pipeline stage (an empty list elsewhere); identical on its TP ranks.
         """
         self.model.eval()
         with torch.no_grad():
-            outputs = self._run(batches, forward_only=True, loss_fn=None, with_entropy=with_entropy)
+            outputs = self._run(batches, forward_only=True, loss_fn=None, with_entropy=with_entropy, routing=routing)
         self.model.train()
         return outputs if self.is_last_stage else []
 
-    def train_step(self, batches: list[PackedBatch], loss_fn: LossFn) -> StepResult:
-        """One optimizer step over all the micro-batches (gradients accumulate across them)."""
-        loss = self.forward_backward(batches, loss_fn)
-        return self.optimizer_step(loss)
+    def train_step(self, batches: list[PackedBatch], loss_fn: LossFn, *, routing=None, lr: float | None = None) -> StepResult:
+        """One optimizer step over all the micro-batches (gradients accumulate across them).
 
-    def forward_backward(self, batches: list[PackedBatch], loss_fn: LossFn) -> float:
+        `routing`: a RouterTrace replaying/comparing MoE routes per micro-batch (see model/routing.py).
+        `lr`: a fixed learning rate for this step, outside the schedule (the supervised warm start)."""
+        loss, outputs = self.forward_backward(batches, loss_fn, routing=routing)
+        result = self.optimizer_step(loss, lr=lr)
+        if self.is_last_stage:
+            result.metrics = [{k: v for k, v in o.items() if k != "loss"} for o in outputs]
+        return result
+
+    def forward_backward(self, batches: list[PackedBatch], loss_fn: LossFn, routing=None) -> tuple[float, list[dict]]:
         """Accumulate gradients of the step loss; returns the loss summed over micro-batches and DP."""
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run(batches, forward_only=False, loss_fn=loss_fn, with_entropy=True)
+        outputs = self._run(batches, forward_only=False, loss_fn=loss_fn, with_entropy=True, routing=routing)
         local = torch.tensor(
             sum(float(o["loss"]) for o in outputs) if self.is_last_stage else 0.0, device=self.runtime.device
         )
         dist.all_reduce(local)  # DP ranks hold disjoint shares; other stages add 0
-        return float(local) / (self.config.parallel.tp * self.config.parallel.cp)  # TP/CP ranks hold copies
+        return float(local) / (self.config.parallel.tp * self.config.parallel.cp), outputs  # TP/CP ranks hold copies
 
-    def optimizer_step(self, loss: float) -> StepResult:
+    def optimizer_step(self, loss: float, lr: float | None = None) -> StepResult:
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
         updated, grad_norm, _ = self.optimizer.step()
-        if updated:
+        if updated and lr is None:
             self.scheduler.step(1)
         return StepResult(loss=loss, grad_norm=float(grad_norm or 0.0), updated=bool(updated))
 
@@ -188,12 +199,12 @@ class Policy:
 
     def _training_sharded_state_dict(self, is_loading: bool) -> dict:
         model = self.module.sharded_state_dict()
-        kwargs = {"sharding_type": "dp_reshardable"} if self.config.parallel.distributed_optimizer else {}
+        kwargs = {"metadata": {"distrib_optim_sharding_type": "dp_reshardable"}} if self.config.parallel.distributed_optimizer else {}
         return {"model": model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=is_loading, **kwargs)}
 
     # ------------------------------------------------------------------------------------------
 
-    def _run(self, batches, forward_only: bool, loss_fn: LossFn | None, with_entropy: bool):
+    def _run(self, batches, forward_only: bool, loss_fn: LossFn | None, with_entropy: bool, routing=None):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         if not batches:
@@ -210,18 +221,22 @@ class Policy:
                 )
 
         def forward_step(data_iterator, model):
-            batch = next(data_iterator)
+            index, batch = next(data_iterator)
+            if routing is not None:
+                routing.begin_microbatch(index)
             output = model(
                 input_ids=batch.input_ids,
                 position_ids=batch.position_ids,
                 attention_mask=None,
                 packed_seq_params=batch.packed_seq_params(),
             )
+            if routing is not None:
+                routing.end_microbatch(index)
             return output, partial(self._loss, batch, loss_fn, with_entropy)
 
         outputs = get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter(batches),
+            data_iterator=iter(enumerate(batches)),
             model=[self.model],
             num_microbatches=len(batches),
             seq_length=max(b.num_tokens for b in batches),

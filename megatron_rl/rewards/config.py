@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from megatron_rl.config import ConfigError
+from megatron_rl.errors import ConfigError
 from megatron_rl.rewards.scoring import ISOLATIONS, RewardScorer, RewardTerm
 
 __all__ = ["RewardConfig", "build_scorer"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
-from megatron_rl.config import ConfigError
+from megatron_rl.errors import ConfigError
 from megatron_rl.rewards.math_answer import BOXED_OPEN, closing_brace
 
 __all__ = ["ends_with_one_boxed", "make_format_reward"]

@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from megatron_rl.config import ConfigError
+from megatron_rl.errors import ConfigError
 from megatron_rl.rewards.format import make_format_reward
 from megatron_rl.rewards.functions import RewardFunction
 from megatron_rl.rewards.math_answer import math_fast_path, math_reward, math_verify_available, prepare_math_verify

@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Sequence
 
-from megatron_rl.config import ConfigError
+from megatron_rl.errors import ConfigError
 from megatron_rl.rewards.functions import RewardFunction, RewardValueError, as_reward
 from megatron_rl.rewards.registry import absolute_reward_name, resolve_reward
 from megatron_rl.rewards.workers import Call, Outcome, WorkerPool

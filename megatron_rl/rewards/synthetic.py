@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-from megatron_rl.config import ConfigError
+from megatron_rl.errors import ConfigError
 from megatron_rl.rewards.math_answer import extract_boxed
 
 __all__ = ["TASKS", "SPLITS", "TaskConfig", "SyntheticTask", "make_task", "verify_synthetic"]

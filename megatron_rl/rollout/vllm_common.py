@@ -13,7 +13,13 @@ def vllm_environment(cache_dir: str | Path, *, on_cpu: bool, kv_cache_gib: float
     """Environment variables vLLM reads at import/start; measured settings for the CPU build.
 
     Existing values win, so a user can override any of them."""
-    env = {"VLLM_CACHE_ROOT": str(Path(cache_dir) / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(Path(cache_dir) / "inductor")}
+    env = {
+        "VLLM_CACHE_ROOT": str(Path(cache_dir) / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(Path(cache_dir) / "inductor"),
+        # vLLM logs every request batch and, on each weight push, a warning for layers without
+        # weights (rotary caches); our own console line carries what a user needs.
+        "VLLM_LOGGING_LEVEL": "ERROR",
+    }
     if on_cpu:
         env.update(
             VLLM_CPU_KVCACHE_SPACE=str(max(1, int(kv_cache_gib))),

@@ -168,7 +168,7 @@ def main() -> None:
 
     losses, grad_norms = [], []
     for step in range(3):
-        loss = policy.forward_backward(batches, loss_fn)
+        loss, _ = policy.forward_backward(batches, loss_fn)
         if step == 0:
             if config.parallel.distributed_optimizer:
                 gather_distributed_optimizer_grads(policy.model)

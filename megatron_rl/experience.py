@@ -1,0 +1,166 @@
+"""One RL step's experience: generated groups -> rewards -> advantages -> packed training batches.
+
+The driver (global rank 0) scores what the engine generated; every rank then holds the same
+`StepRollout` and takes its own groups (round-robin over data-parallel ranks). Per-sample
+quantities live on `Trajectory`; per-token tensors are rebuilt per micro-batch from them, so a
+mini-batch can be packed once and used for the old-logprob forward and the training forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_rl.algorithms import (
+    Recipe,
+    apply_overlong_penalty,
+    compute_advantages,
+    compute_step_normalizer,
+    length_bias_metrics,
+    policy_loss,
+    segments_to_padded,
+)
+from megatron_rl.model.packing import PackedBatch, pack, pack_by_token_budget
+
+
+@dataclass
+class Trajectory:
+    group: int  # the prompt group within the step
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]  # the engine's, per response token
+    truncated: bool  # ended at the token budget, not by a stop
+    reward: float
+    advantage: float = 0.0
+    old_logprobs: torch.Tensor | None = None  # the policy's before this step's updates
+    ref_logprobs: torch.Tensor | None = None  # the reference policy's (KL only)
+
+    @property
+    def length(self) -> int:
+        return len(self.response_ids)
+
+
+@dataclass
+class StepRollout:
+    groups: list[list[Trajectory]]  # kept groups, G trajectories each
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def group_advantages(groups: list[list[Trajectory]], recipe: Recipe) -> None:
+    """Fill `advantage` from the group-relative estimator of the recipe (in place), after the
+    recipe's overlong reward shaping (DAPO Eq. 13) when it has one. The logged rewards stay the
+    outcome rewards; shaping enters the advantages only."""
+    if not groups:
+        return
+    rewards = torch.tensor([[t.reward for t in group] for group in groups], dtype=torch.float64)
+    lengths = torch.tensor([[t.length for t in group] for group in groups], dtype=torch.float64)
+    if recipe.overlong_max_length is not None:
+        rewards = apply_overlong_penalty(rewards, lengths, max_length=recipe.overlong_max_length,
+                                         buffer_length=recipe.overlong_buffer_length,
+                                         penalty_factor=recipe.overlong_penalty_factor)
+    # Only REINFORCE++'s token-weighted baseline uses lengths (the others refuse them).
+    extra = {"lengths": lengths} if recipe.advantage_estimator == "reinforce_plus_plus_baseline" else {}
+    advantages = compute_advantages(rewards, estimator=recipe.advantage_estimator, std=recipe.advantage_std, **extra)
+    for group, row in zip(groups, advantages):
+        for trajectory, value in zip(group, row.tolist()):
+            trajectory.advantage = value
+
+
+def rollout_metrics(groups: list[list[Trajectory]], correct_threshold: float = 0.5) -> dict[str, float]:
+    """Reward, accuracy, lengths and the length-bias diagnostic of all generated groups."""
+    samples = [t for group in groups for t in group]
+    if not samples:
+        return {}
+    rewards = torch.tensor([[t.reward for t in g] for g in groups], dtype=torch.float64)
+    lengths = torch.tensor([[t.length for t in g] for g in groups], dtype=torch.float64)
+    metrics = {
+        "reward/mean": float(rewards.mean()),
+        "train/accuracy": float((rewards >= correct_threshold).double().mean()),
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/truncated_frac": sum(t.truncated for t in samples) / len(samples),
+    }
+    bias = length_bias_metrics(rewards, lengths, correct_threshold=correct_threshold)
+    metrics.update({f"length_bias/{key}": value for key, value in bias.items()})
+    return metrics
+
+
+def my_groups(groups: list[list[Trajectory]], dp_rank: int, dp_size: int) -> list[list[Trajectory]]:
+    return groups[dp_rank::dp_size]
+
+
+def minibatches(groups: list[list[Trajectory]], count: int) -> list[list[Trajectory]]:
+    """Split this rank's groups into `count` mini-batches of whole groups (some may be empty)."""
+    return [[t for group in groups[index::count] for t in group] for index in range(count)]
+
+
+def pack_minibatch(trajectories: list[Trajectory], token_budget: int, pad_to_multiple: int) -> list[PackedBatch]:
+    """Token-budget micro-batches of whole samples; an empty mini-batch gets one zero-loss filler
+    micro-batch, so every rank runs the same collective steps."""
+    if not trajectories:
+        filler = pack([[0] * pad_to_multiple], [pad_to_multiple], sample_ids=[])
+        filler.loss_mask.zero_()
+        filler.spans = []
+        return [filler]
+    sequences = [t.prompt_ids + t.response_ids for t in trajectories]
+    return pack_by_token_budget(sequences, [len(t.prompt_ids) for t in trajectories], token_budget, pad_to_multiple)
+
+
+def response_masks(batches: list[PackedBatch], trajectories: list[Trajectory], recipe: Recipe) -> list[torch.Tensor]:
+    """Per micro-batch [n, L] bool masks of the scored response tokens (what policy_loss sees)."""
+    masks = []
+    for batch in batches:
+        rows = [trajectories[i] for i in batch.sample_ids]
+        width = max((t.length for t in rows), default=0)
+        mask = torch.zeros(len(rows), width, dtype=torch.bool)
+        for row, trajectory in enumerate(rows):
+            if not (recipe.mask_truncated and trajectory.truncated):
+                mask[row, : trajectory.length] = True
+        masks.append(mask)
+    return masks
+
+
+def step_normalizer(masks: list[torch.Tensor], recipe: Recipe, group, device):
+    return compute_step_normalizer([m.to(device) for m in masks], recipe.loss.loss_agg_mode, recipe.loss.l_norm,
+                                   group=group, device=device)
+
+
+def store_logprobs(outputs: list[dict], batches: list[PackedBatch], trajectories: list[Trajectory], attribute: str) -> None:
+    """Per-sample response logprobs from a Policy.logprobs() pass, stored on the trajectories."""
+    for batch, output in zip(batches, outputs):
+        for sample_id, values in zip(batch.sample_ids, batch.response_values(output["logprobs"])):
+            setattr(trajectories[sample_id], attribute, values.detach().float().cpu())
+
+
+def make_loss_fn(trajectories: list[Trajectory], recipe: Recipe, normalizer, *, old_from_forward: bool, use_ref: bool):
+    """The micro-batch loss for Policy.train_step: this micro-batch's share of the step loss.
+
+    `old_from_forward`: with one update per rollout the old policy IS the current one, so the
+    old logprobs are this forward's own, detached (ratio exactly 1, no extra forward pass)."""
+
+    def padded(values: list[torch.Tensor], width: int, device) -> torch.Tensor:
+        out = torch.zeros(len(values), width, dtype=torch.float32, device=device)
+        for row, value in enumerate(values):
+            out[row, : value.numel()] = value.to(device)
+        return out
+
+    def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: PackedBatch):
+        segments = batch.response_segments()
+        current, _ = segments_to_padded(logprobs, segments)
+        rows = [trajectories[i] for i in batch.sample_ids]
+        width = current.shape[1] if current.dim() == 2 else 0
+        device = logprobs.device
+        mask = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
+        for row, trajectory in enumerate(rows):
+            if not (recipe.mask_truncated and trajectory.truncated):
+                mask[row, : trajectory.length] = True
+        old = current.detach() if old_from_forward else padded([t.old_logprobs for t in rows], width, device)
+        rollout = padded([torch.tensor(t.rollout_logprobs) for t in rows], width, device)
+        ref = padded([t.ref_logprobs for t in rows], width, device) if use_ref else None
+        ent = segments_to_padded(entropy, segments)[0] if entropy is not None else None
+        advantages = torch.tensor([t.advantage for t in rows], dtype=torch.float32, device=device)
+        return policy_loss(current, old, advantages, mask, recipe.loss, normalizer=normalizer,
+                           ref_logprobs=ref, rollout_logprobs=rollout, entropy=ent)
+
+    return loss_fn

@@ -1,0 +1,521 @@
+"""The RL loop: `megatron-rl train`.
+
+    for step in steps:
+        prompts   <- sampler (resumable cursor)
+        samples   <- rollout engine, G per prompt                     (generate)
+        rewards   <- reward functions; drop zero-spread groups and
+                     refill from more prompts (dynamic sampling)      (score)
+        advantages, old / reference logprobs                          (logprobs)
+        optimizer updates on packed token-budget micro-batches        (train)
+        weights   -> rollout engine                                   (sync)
+        metrics, held-out evaluation, checkpoint
+
+Process layout: every rank trains its share (Megatron TP/PP/EP/DP). A colocated engine runs on
+every rank and generates the same samples everywhere; with servers, global rank 0 (the driver)
+talks to them and broadcasts the samples. Rewards are computed on the driver and broadcast.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl import checkpoint as ckpt
+from megatron_rl.config import ConfigError, RunConfig, to_dict
+from megatron_rl.experience import (
+    StepRollout,
+    Trajectory,
+    group_advantages,
+    make_loss_fn,
+    minibatches,
+    my_groups,
+    pack_minibatch,
+    response_masks,
+    rollout_metrics,
+    step_normalizer,
+    store_logprobs,
+)
+from megatron_rl.logging import MetricsLog, check_wandb_available
+from megatron_rl.rollout import SamplingParams, drain, hf_weight_stream
+from megatron_rl.rollout.factory import build_engine, check_engine_installed, torch_dtype, weight_destination
+
+CORRECT = 0.5  # a sample counts as correct when its reward reaches this (rule rewards are 0 or 1)
+
+
+@dataclass
+class TrainResult:
+    steps_done: int
+    finished: bool  # False: stopped by a signal after checkpointing
+    warm_start_accuracy: float | None
+    final_accuracy: float | None
+    curve_png: Path | None
+    checkpoint: Path | None
+    is_driver: bool  # global rank 0: the rank that logs and reports
+
+
+# ---------------------------------------------------------------------------------------------
+# Before anything expensive: everything that can be checked from the config and the files.
+# ---------------------------------------------------------------------------------------------
+
+
+def preflight(config: RunConfig) -> None:
+    """Everything checkable before a process group or model exists: fast checks first (no torch),
+    then the slower ones (imports, files, reward functions)."""
+    from megatron_rl.preflight import check_layout_and_paths
+
+    check_layout_and_paths(config)
+    try:
+        config.rl.algorithm()
+    except ValueError as exc:
+        raise ConfigError(f"rl: {exc}") from None
+    if config.checkpoint.resume not in ("auto", "none"):
+        problem = ckpt.verify(Path(config.checkpoint.resume))
+        if problem:
+            raise ConfigError(f"checkpoint.resume: {config.checkpoint.resume}: {problem}")
+
+    from megatron_rl.data import load_datasets
+    from megatron_rl.rewards import build_scorer
+
+    check_engine_installed(config)
+    check_wandb_available(config.logging.wandb_mode)
+    build_scorer(config.rewards).close()  # resolves every reward function now
+    load_datasets(config.data)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def train(config: RunConfig) -> TrainResult:
+    preflight(config)
+    from megatron_rl.platform import start_runtime
+
+    runtime = start_runtime(config)
+    try:
+        return Trainer(config, runtime).run()
+    finally:
+        runtime.shutdown()
+
+
+class Trainer:
+    def __init__(self, config: RunConfig, runtime):
+        from megatron_rl.data import PromptSampler, load_datasets
+        from megatron_rl.model.policy import Policy
+        from megatron_rl.model.routing import RouterTrace
+        from megatron_rl.rewards import build_scorer
+
+        self.config, self.runtime = config, runtime
+        self.out = Path(config.output_dir)
+        self.is_driver = dist.get_rank() == 0
+        self.recipe = config.rl.algorithm()
+        self.use_kl = self.recipe.loss.kl_coef > 0
+        self.stop_signal: str | None = None
+
+        self.train_set, self.heldout = load_datasets(config.data)
+        self.sampler = PromptSampler(len(self.train_set), config.rl.prompts_per_step,
+                                     seed=config.data.seed if config.data.seed is not None else config.seed,
+                                     shuffle=config.data.shuffle)
+        updates = config.rl.steps * config.rl.updates_per_rollout
+        self.policy = Policy(config, runtime, total_steps=updates)
+        self.routing = RouterTrace.attach()
+        self.engine_dir = self.out / "engine_model"
+        self.tokenizer = self._prepare_engine_model()
+        self.scorer = build_scorer(config.rewards) if self.is_driver else None
+        self.checkpoints = self.out / "checkpoints"
+        self.resume_state = self._resume_or_init()
+        start_step = self.resume_state["step"] if self.resume_state else 0
+        self.log = MetricsLog(self.out, config.rl.steps, wandb_mode=config.logging.wandb_mode,
+                              wandb_project=config.logging.wandb_project, run_name=config.logging.run_name,
+                              config=to_dict(config), resume_step=start_step, enabled=self.is_driver)
+        self.engine = build_engine(config, self.engine_dir, local_rank=runtime.launch.local_rank, seed=config.seed)
+        self.reference = None
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> TrainResult:
+        config = self.config
+        self._install_signal_handlers()
+        try:
+            self.sync_weights()
+            if self.resume_state is None:
+                if config.warm_start.steps:
+                    from megatron_rl.warm_start import warm_start
+
+                    warm_start(self.policy, self.tokenizer, self.train_set, config, self.runtime, self.log)
+                    self.sync_weights()
+                self.log.step(0, self.evaluate())
+                start = 1
+            else:
+                start = self.resume_state["step"] + 1
+                self.log.message(f"resumed from {self.resume_state['path']} at step {start - 1}")
+            self._prepare_reference(fresh=self.resume_state is None)
+
+            last_saved = None
+            step = start - 1
+            for step in range(start, config.rl.steps + 1):
+                metrics = self.rl_step(step)
+                if config.rl.eval_every and (step % config.rl.eval_every == 0) and step != config.rl.steps:
+                    metrics.update(self.evaluate())
+                if step == config.rl.steps:
+                    metrics.update(self.evaluate())
+                self.log.step(step, metrics)
+                stop = self._stop_requested()
+                every = config.checkpoint.every_steps
+                if stop or step == config.rl.steps or (every and step % every == 0):
+                    last_saved = self.save(step)
+                if stop:
+                    self.log.message(f"stopped by {stop} after step {step}; checkpoint {last_saved}. "
+                                     f"Continue with the same command (checkpoint.resume=auto).")
+                    self._write_run_state(step, finished=False)
+                    return self._result(step, finished=False, checkpoint=last_saved)
+            self._write_run_state(step, finished=True)
+            return self._result(step, finished=True, checkpoint=last_saved)
+        finally:
+            self._shutdown()
+
+    def rl_step(self, step: int) -> dict:
+        config, timings = self.config, {}
+
+        tick = time.perf_counter()
+        rollout = self.collect(step, timings)
+        metrics = dict(rollout.metrics)
+
+        tick = time.perf_counter()
+        group_advantages(rollout.groups, self.recipe)
+        mine = my_groups(rollout.groups, self.runtime.dp_rank, self.runtime.dp_size)
+        batches_per_update = [minibatches(mine, config.rl.updates_per_rollout)[u] for u in range(config.rl.updates_per_rollout)]
+        packed = [pack_minibatch(t, config.micro_batch_tokens, self.policy.pad_to_multiple) for t in batches_per_update]
+        recompute_old = config.rl.updates_per_rollout > 1
+        if recompute_old:
+            self._old_logprobs(packed, batches_per_update)
+        if self.use_kl:
+            self._reference_logprobs(packed, batches_per_update)
+        timings["time/logprobs_s"] = time.perf_counter() - tick
+
+        tick = time.perf_counter()
+        metrics.update(self._train(packed, batches_per_update, old_from_forward=not recompute_old))
+        timings["time/train_s"] = time.perf_counter() - tick
+
+        tick = time.perf_counter()
+        self.sync_weights()
+        timings["time/sync_s"] = time.perf_counter() - tick
+        metrics.update(timings)
+        metrics["time/step_s"] = sum(timings.values())
+        return metrics
+
+    # ---- generate and score -------------------------------------------------------------------
+
+    def collect(self, step: int, timings: dict) -> StepRollout:
+        """G samples for each of prompts_per_step prompts; with dynamic sampling, groups whose rewards
+        are all equal (no learning signal) are dropped and refilled from further prompts, at most
+        max_refill_rounds extra rounds."""
+        rl = self.config.rl
+        wanted = rl.prompts_per_step
+        kept, generated, rounds, round_metrics = [], [], 0, []
+        timings["time/generate_s"] = timings["time/score_s"] = 0.0
+        indices = self.sampler.next_batch()
+        while True:
+            records = self.train_set.select(indices)
+            tick = time.perf_counter()
+            params = SamplingParams(n=rl.group_size, temperature=rl.temperature, top_p=rl.top_p,
+                                    max_tokens=rl.max_response_tokens, seed=_step_seed(self.config.seed, step, rounds))
+            groups = self.generate([self._encode(r.prompt) for r in records], params)
+            timings["time/generate_s"] += time.perf_counter() - tick
+            tick = time.perf_counter()
+            scored, reward_metrics = self.score(records, groups)
+            round_metrics.append((sum(len(g) for g in scored), reward_metrics))
+            timings["time/score_s"] += time.perf_counter() - tick
+            generated.extend(scored)
+            if self.recipe.dynamic_sampling:
+                kept.extend(g for g in scored if len({t.reward for t in g}) > 1)
+            else:
+                kept.extend(scored)
+            if len(kept) >= wanted or not self.recipe.dynamic_sampling or rounds >= rl.max_refill_rounds:
+                break
+            rounds += 1
+            indices = self.sampler.take(wanted - len(kept))
+        kept = kept[:wanted]
+        metrics = _combine_rounds(round_metrics)
+        metrics.update(rollout_metrics(generated, CORRECT))
+        metrics.update({"rollout/groups_kept": len(kept), "rollout/groups_generated": len(generated),
+                        "rollout/refill_rounds": rounds})
+        for index, group in enumerate(kept):
+            for trajectory in group:
+                trajectory.group = index
+        return StepRollout(kept, metrics)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams):
+        """Samples on every rank: SPMD for the colocated engine, driver + broadcast for servers."""
+        if self.config.rollout.mode == "colocated":
+            return self.engine.generate(prompts, params, timeout_s=self.config.rollout.request_timeout_s)
+        holder = [self.engine.generate(prompts, params, timeout_s=self.config.rollout.request_timeout_s)
+                  if self.is_driver else None]
+        dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+
+    def score(self, records, groups) -> tuple[list[list[Trajectory]], dict]:
+        from megatron_rl.data import prompt_text
+        from megatron_rl.rewards import RewardInput
+
+        payload = [None, None]
+        if self.is_driver:
+            inputs = [RewardInput(prompt=prompt_text(record.prompt),
+                                  response=self.tokenizer.decode(sample.response_token_ids, skip_special_tokens=True),
+                                  answer=record.answer, metadata=record.metadata)
+                      for record, group in zip(records, groups) for sample in group]
+            result = self.scorer.score(inputs)
+            payload = [list(result.rewards), result.metrics()]
+        dist.broadcast_object_list(payload, src=0)
+        rewards, metrics = payload
+        scored, cursor = [], 0
+        for index, group in enumerate(groups):
+            trajectories = []
+            for sample in group:
+                trajectories.append(Trajectory(index, sample.prompt_token_ids, sample.response_token_ids,
+                                               sample.logprobs, sample.finish_reason == "length", float(rewards[cursor])))
+                cursor += 1
+            scored.append(trajectories)
+        return scored, metrics
+
+    def evaluate(self) -> dict:
+        """Held-out accuracy: one sample per prompt (greedy by default) scored by the reward functions."""
+        if self.heldout is None or len(self.heldout) == 0:
+            return {}
+        rl = self.config.rl
+        records = list(self.heldout)[: rl.eval_prompts or len(self.heldout)]
+        params = SamplingParams(n=1, temperature=rl.eval_temperature, max_tokens=rl.max_response_tokens,
+                                seed=_step_seed(self.config.seed, -1, 0))
+        groups = self.generate([self._encode(r.prompt) for r in records], params)
+        scored, _ = self.score(records, groups)
+        rewards = torch.tensor([g[0].reward for g in scored], dtype=torch.float64)
+        lengths = torch.tensor([g[0].length for g in scored], dtype=torch.float64)
+        return {"eval/accuracy": float((rewards >= CORRECT).double().mean()), "eval/reward_mean": float(rewards.mean()),
+                "eval/length_mean": float(lengths.mean()), "eval/prompts": len(records)}
+
+    # ---- logprobs and training --------------------------------------------------------------
+
+    def _old_logprobs(self, packed, trajectories) -> None:
+        """The policy's logprobs before this step's updates (and, for MoE, its routes).
+
+        With pipeline parallelism they exist on the last stage only, which is where the loss
+        that reads them runs."""
+        flat = [batch for batches in packed for batch in batches]
+        if self.routing is not None:
+            self.routing.start("record")
+        outputs = self.policy.logprobs(flat, with_entropy=False, routing=self.routing)
+        if self.routing is not None:
+            self.routing.stop()
+        if self.policy.is_last_stage:
+            position = 0
+            for batches, trajs in zip(packed, trajectories):
+                store_logprobs(outputs[position: position + len(batches)], batches, trajs, "old_logprobs")
+                position += len(batches)
+
+    def _reference_logprobs(self, packed, trajectories) -> None:
+        flat = [batch for batches in packed for batch in batches]
+        with self.reference.swapped_in(self.policy.module):
+            outputs = self.policy.logprobs(flat, with_entropy=False)
+        if self.policy.is_last_stage:
+            position = 0
+            for batches, trajs in zip(packed, trajectories):
+                store_logprobs(outputs[position: position + len(batches)], batches, trajs, "ref_logprobs")
+                position += len(batches)
+
+    def _train(self, packed, trajectories, *, old_from_forward: bool) -> dict:
+        from megatron_rl.algorithms import reduce_metrics
+
+        results, micro_metrics = [], []
+        offset = 0
+        for batches, trajs in zip(packed, trajectories):
+            normalizer = step_normalizer(response_masks(batches, trajs, self.recipe), self.recipe,
+                                         self.policy.dp_group, self.runtime.device)
+            loss_fn = make_loss_fn(trajs, self.recipe, normalizer, old_from_forward=old_from_forward,
+                                   use_ref=self.use_kl)
+            routing = None
+            if self.routing is not None and not old_from_forward:
+                routing = self.routing
+                routing.start("replay" if self.config.rl.routing_replay else "compare", offset=offset)
+            result = self.policy.train_step(batches, loss_fn, routing=routing)
+            if routing is not None:
+                routing.stop()
+            offset += len(batches)
+            results.append(result)
+            micro_metrics.extend(result.metrics)
+        metrics = {}
+        if self.policy.is_last_stage:
+            metrics = reduce_metrics(micro_metrics, group=self.policy.dp_group)
+        metrics = _from_last_stage(metrics, self.policy.is_last_stage)
+        metrics.update({"train/loss": sum(r.loss for r in results), "train/grad_norm": results[-1].grad_norm,
+                        "train/lr": self.policy.learning_rate, "train/updates": len(results)})
+        if self.routing is not None and not old_from_forward:
+            changed, total = self.routing.counts()
+            if total:
+                metrics["moe/routing_drift"] = changed / total
+        return metrics
+
+    # ---- weights, checkpoints ----------------------------------------------------------------
+
+    def sync_weights(self) -> None:
+        stream = hf_weight_stream(self.policy.module, self.policy.arch, destination=weight_destination(self.config),
+                                  bucket_bytes=self.config.rollout.weight_bucket_mb << 20, dtype=torch_dtype(self.config))
+        if self.engine is not None:
+            self.engine.update_weights(stream)
+        else:
+            drain(stream)
+
+    def save(self, step: int) -> Path:
+        state = {"sampler": self.sampler.state_dict(), "seed": self.config.seed, "config": to_dict(self.config)}
+        return ckpt.save_checkpoint(self.checkpoints, step, self.policy, state, self.config.checkpoint.keep_last)
+
+    def _resume_or_init(self) -> dict | None:
+        setting = self.config.checkpoint.resume
+        path, skipped = (None, []) if setting == "none" else (
+            ckpt.find_resumable(self.checkpoints) if setting == "auto" else (Path(setting), []))
+        for problem in skipped:
+            if self.is_driver:
+                print(f"resume: skipping unusable checkpoint {problem}")
+        if path is None:
+            self._load_initial_weights()
+            return None
+        state = ckpt.load_checkpoint(path, self.policy)
+        self.sampler.load_state_dict(state["sampler"])
+        state["path"] = str(path)
+        return state
+
+    def _load_initial_weights(self) -> None:
+        source = self.config.checkpoint.init_from
+        if source is None:
+            return  # the random initialization (seeded) of the built-in default
+        source = Path(source)
+        if (source / "megatron_rl.json").is_file():
+            self.policy.load_model(str(source / "weights"))
+        else:
+            from megatron_rl.bridge import load_hf_weights
+
+            load_hf_weights(self.policy.module, self.policy.arch, source)
+            self.policy.optimizer.reload_model_params()
+
+    def _prepare_reference(self, fresh: bool) -> None:
+        from megatron_rl.reference import ReferenceWeights
+
+        if not self.use_kl:
+            return
+        path = self.checkpoints / "reference" / f"rank_{dist.get_rank():05d}.pt"
+        if fresh or not path.is_file():
+            self.reference = ReferenceWeights.snapshot(self.policy.module)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.reference.save(path)
+        else:
+            self.reference = ReferenceWeights.load(path, self.policy.module)
+
+    def _prepare_engine_model(self):
+        """The engine's model directory: config, generation config and tokenizer (weights are pushed)."""
+        from transformers import AutoTokenizer
+
+        if self.is_driver:
+            self.engine_dir.mkdir(parents=True, exist_ok=True)
+            raw = dict(self.policy.raw_hf_config)
+            (self.engine_dir / "config.json").write_text(json.dumps(raw, indent=1))
+            generation = {key: raw[key] for key in ("bos_token_id", "eos_token_id") if key in raw}
+            (self.engine_dir / "generation_config.json").write_text(json.dumps(generation))
+            self._write_tokenizer()
+        dist.barrier()
+        tokenizer = AutoTokenizer.from_pretrained(self.engine_dir)
+        if tokenizer.eos_token_id is None:
+            raise ConfigError(f"the tokenizer in {self.engine_dir} has no EOS token; responses could never stop")
+        return tokenizer
+
+    def _write_tokenizer(self) -> None:
+        from megatron_rl.data import write_char_tokenizer
+
+        if self.config.data.train == "synthetic":
+            write_char_tokenizer(self.engine_dir)
+            return
+        source = self.config.checkpoint.init_from or self.config.model.hf_config
+        source = Path(source)
+        source = source if source.is_dir() else source.parent
+        from megatron_rl.bridge.hf_checkpoint import copy_tokenizer_files
+
+        if not copy_tokenizer_files(source, self.engine_dir):
+            raise ConfigError(f"no tokenizer files in {source}: set checkpoint.init_from to a Hugging Face model directory")
+
+    # ---- signals ------------------------------------------------------------------------------
+
+    def _install_signal_handlers(self) -> None:
+        # SLURM sends SIGUSR1 (via --signal) or SIGTERM before preemption: finish the step, checkpoint, exit.
+        def handler(signum, frame):
+            self.stop_signal = signal.Signals(signum).name
+
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, handler)
+
+    def _stop_requested(self) -> str | None:
+        flag = torch.tensor(1 if self.stop_signal else 0, device=self.runtime.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # any rank signalled: all stop after this step
+        return (self.stop_signal or "a signal on another rank") if int(flag) else None
+
+    def _write_run_state(self, step: int, finished: bool) -> None:
+        if self.is_driver:
+            (self.out / "run_state.json").write_text(json.dumps({"step": step, "finished": finished}))
+
+    def _result(self, step: int, finished: bool, checkpoint: Path | None) -> TrainResult:
+        from megatron_rl.logging import read_metrics
+
+        records = read_metrics(self.out / "metrics.jsonl") if self.is_driver else []
+        accuracy = [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
+        png = None
+        if self.is_driver and records:
+            from megatron_rl.plotting import plot_learning_curve
+
+            png = plot_learning_curve(self.out / "metrics.jsonl", self.out / "learning_curve.png",
+                                      title=f"{self.config.rl.recipe} on {self.config.data.train}")
+        start = next((a for s, a in accuracy if s == 0), None)
+        final = accuracy[-1][1] if accuracy and accuracy[-1][0] == step else None
+        return TrainResult(step, finished, start, final, png, checkpoint, self.is_driver)
+
+    def _shutdown(self) -> None:
+        self.log.close()
+        if self.scorer is not None:
+            self.scorer.close()
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    def _encode(self, prompt) -> list[int]:
+        from megatron_rl.data import encode_prompt
+
+        return encode_prompt(self.tokenizer, prompt, prompt_format=self.config.data.prompt_format,
+                             system_prompt=self.config.data.system_prompt)
+
+
+def _step_seed(seed: int, step: int, round_: int) -> int:
+    """The engine's sampling seed for a step's generate round: a resumed run regenerates the same samples."""
+    return (seed * 1_000_003 + step * 101 + round_) & 0x7FFF_FFFF
+
+
+def _combine_rounds(rounds: list[tuple[int, dict]]) -> dict:
+    """The scorer's metrics over all generate rounds of a step: counts add up, means are weighted
+    by the number of samples scored in each round."""
+    total = sum(count for count, _ in rounds) or 1
+    combined: dict[str, float] = {}
+    for count, metrics in rounds:
+        for key, value in metrics.items():
+            weight = count / total if key.endswith("/mean") else 1.0
+            combined[key] = combined.get(key, 0.0) + weight * value
+    return combined
+
+
+def _from_last_stage(metrics: dict, is_last_stage: bool) -> dict:
+    """Metrics reduced on the last pipeline stage, delivered to global rank 0 (the logger)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return metrics
+    source = dist.get_world_size() - 1  # a last-stage rank (Megatron puts the last stage at the end)
+    holder = [metrics if dist.get_rank() == source else None]
+    dist.broadcast_object_list(holder, src=source)
+    return holder[0]
