@@ -4,7 +4,7 @@
         step_000020/
             weights/                 torch_dist: model + optimizer (moments, fp32 main weights)
             rng/rank_00000.pt        python, numpy, torch CPU/CUDA and Megatron's CUDA RNG tracker
-            trainer_state.json       step, data cursor, LR schedule, sampling seed, config
+            trainer_state.json       step, data cursor, LR schedule and Adam step, seed, config
             MANIFEST.json            every file with its size; written last
         step_000030/ ...
         latest                       the name of the newest complete checkpoint
@@ -55,12 +55,12 @@ def save_checkpoint(root: Path, step: int, policy, trainer_state: dict[str, Any]
     rank = dist.get_rank()
     # A checkpoint of the same step can exist when a run resumed from an earlier one re-reaches it.
     with AtomicDirectory(final, force=True) as staging:
-        scheduler_state = policy.save_training_state(str(staging / "weights"))
+        policy_state = policy.save_training_state(str(staging / "weights"))
         (staging / "rng").mkdir(exist_ok=True)
         torch.save(capture_rng(), staging / "rng" / f"rank_{rank:05d}.pt")
         dist.barrier()
         if rank == 0:
-            state = dict(trainer_state, step=step, scheduler=scheduler_state, world_size=dist.get_world_size())
+            state = dict(trainer_state, step=step, policy=policy_state, world_size=dist.get_world_size())
             _write_json(staging / STATE, state)
             _write_json(staging / MANIFEST, {"step": step, "files": _inventory(staging)})
     if rank == 0:
@@ -125,7 +125,7 @@ def load_checkpoint(path: Path, policy) -> dict[str, Any]:
         rng_note = "per-rank RNG streams are re-seeded, so sampling will not repeat the original run exactly"
         if dist.get_rank() == 0:
             print(f"resume: checkpoint was written by {state.get('world_size')} ranks, now {dist.get_world_size()}; {rng_note}")
-    policy.load_training_state(str(path / "weights"), state["scheduler"])
+    policy.load_training_state(str(path / "weights"), state["policy"])
     rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if rng_file.is_file() and state.get("world_size") == dist.get_world_size():
         restore_rng(torch.load(rng_file, weights_only=False))

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +120,7 @@ def _start_wandb(output_dir: Path, mode: str, project: str, name: str | None, co
     directory.mkdir(parents=True, exist_ok=True)
     # The run id is stored beside the metrics so a resumed run continues the same wandb run.
     id_file = output_dir / ".wandb_run_id"
-    run_id = id_file.read_text().strip() if resume_step and id_file.is_file() else wandb.util.generate_id()
+    run_id = id_file.read_text().strip() if resume_step and id_file.is_file() else uuid.uuid4().hex[:12]
     id_file.write_text(run_id)
     return wandb.init(project=project, name=name, id=run_id, resume="allow", dir=str(directory), mode=mode,
                       config=config or {}, settings=wandb.Settings(silent=True, console="off"))

@@ -473,7 +473,7 @@ class Trainer:
             from megatron_rl.plotting import plot_learning_curve
 
             png = plot_learning_curve(self.out / "metrics.jsonl", self.out / "learning_curve.png",
-                                      title=f"{self.config.rl.recipe} on {self.config.data.train}")
+                                      title=f"{self.config.rl.recipe} on {_task_name(self.config)}")
         start = next((a for s, a in accuracy if s == 0), None)
         final = accuracy[-1][1] if accuracy and accuracy[-1][0] == step else None
         return TrainResult(step, finished, start, final, png, checkpoint, self.is_driver)
@@ -519,3 +519,7 @@ def _from_last_stage(metrics: dict, is_last_stage: bool) -> dict:
     holder = [metrics if dist.get_rank() == source else None]
     dist.broadcast_object_list(holder, src=source)
     return holder[0]
+
+
+def _task_name(config: RunConfig) -> str:
+    return f"synthetic {config.data.synthetic.task}" if config.data.train == "synthetic" else Path(config.data.train).name

@@ -181,21 +181,30 @@ class Policy:
         """Model and optimizer (moments, fp32 main weights, step) as one `torch_dist` checkpoint.
 
         The optimizer state is saved "dp_reshardable", so a run can resume at another DP size.
-        Returns the LR scheduler's state, which the caller stores with its own trainer state."""
+        Returns the small state the caller stores with its own trainer state (JSON): the LR
+        schedule and Adam's step count."""
         from megatron.core import dist_checkpointing
 
         os.makedirs(directory, exist_ok=True)
         dist_checkpointing.save(self._training_sharded_state_dict(is_loading=False), directory)
-        return self.scheduler.state_dict()
+        return {"scheduler": self.scheduler.state_dict(), "adam_step": _adam_step(self.optimizer)}
 
-    def load_training_state(self, directory: str, scheduler_state: dict) -> None:
+    def load_training_state(self, directory: str, saved: dict) -> None:
+        """`saved`: what save_training_state returned."""
         from megatron.core import dist_checkpointing
 
+        # A fresh optimizer has no state yet, and Megatron-Core's DistributedOptimizer.state_dict()
+        # (used to build the loading template) asserts one common Adam step without Apex/TE. Its own
+        # helper fills the state with a zero-gradient step; the loaded values then replace it.
+        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if hasattr(optimizer, "_init_optimizer_states_with_dummy_values") and not optimizer.optimizer.state:
+                optimizer._init_optimizer_states_with_dummy_values()
         state = dist_checkpointing.load(self._training_sharded_state_dict(is_loading=True), directory)
-        with torch.no_grad():
+        with torch.no_grad():  # the optimizer copies into views of parameters that require grad
             self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(scheduler_state)
+            self.optimizer.load_state_dict(state["optimizer"])
+        _set_adam_step(self.optimizer, saved["adam_step"])
+        self.scheduler.load_state_dict(saved["scheduler"])
 
     def _training_sharded_state_dict(self, is_loading: bool) -> dict:
         model = self.module.sharded_state_dict()
@@ -281,6 +290,34 @@ class Policy:
             return logprobs.sum() * 0.0, num_tokens, report
         loss, metrics = loss_fn(logprobs, entropy, batch)
         return loss, num_tokens, {"loss": loss.detach(), **metrics}
+
+
+def _adam_states(optimizer):
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        yield from getattr(getattr(chained, "optimizer", None), "state", {}).values()
+
+
+def _adam_step(optimizer) -> float | None:
+    steps = {float(state["step"]) for state in _adam_states(optimizer) if "step" in state}
+    if len(steps) > 1:
+        raise RuntimeError(f"optimizer parameters are at different Adam steps {sorted(steps)}")
+    return steps.pop() if steps else None
+
+
+def _set_adam_step(optimizer, step: float | None) -> None:
+    """Restore Adam's step count (its bias correction) after a checkpoint load, one tensor per
+    parameter.
+
+    Megatron-Core 0.16's DistributedOptimizer, on the path without Apex/TE (CPU), does not bring
+    the saved step back into a freshly built optimizer: it stayed at the placeholder value, and
+    when it was restored it was ONE tensor shared by every parameter, which torch's Adam then
+    incremented once per parameter per update. The exact-resume test caught both; we store the
+    step with our own trainer state instead."""
+    if step is None:
+        return
+    for state in _adam_states(optimizer):
+        if "step" in state:
+            state["step"] = torch.tensor(step, dtype=torch.float32)
 
 
 def _lr_scheduler(optimizer, opt, total_steps: int):
