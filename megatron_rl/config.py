@@ -187,7 +187,7 @@ class ParallelConfig:
 class OptimizerConfig:
     # Defaults are the built-in tiny run's; the recipes in configs/ set their own.
     lr: float = 5e-4
-    min_lr: float = 0.0
+    min_lr: float = 5e-5
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -196,7 +196,7 @@ class OptimizerConfig:
     # Learning-rate schedule over optimizer steps: linear warm-up, then constant or a decay to
     # min_lr over lr_decay_steps (None = the run's total optimizer steps).
     lr_warmup_steps: int = 0
-    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "cosine"
     lr_decay_steps: int | None = None
 
     def validate(self, where: str) -> None:
@@ -279,8 +279,8 @@ class RLConfig:
     tis_upper: float | None = None
     # Dual clip for negative advantages (c > 1), None = off.
     dual_clip_c: float | None = None
-    # Defaults: the built-in tiny run (about 4 minutes of RL on 2 CPU cores).
-    steps: int = 60  # RL steps (one rollout batch each)
+    # Defaults: the built-in tiny run (about 3 minutes of RL on 2 CPU cores).
+    steps: int = 150  # RL steps (one rollout batch each)
     prompts_per_step: int = 32
     group_size: int = 8  # samples per prompt (G)
     # Optimizer updates per rollout batch (mini-batches). With more than one, the old-policy
@@ -295,7 +295,7 @@ class RLConfig:
     # MoE: replay the experts chosen in the old-logprob forward in the training forward
     # (Megatron-Core router replay), so the ratio compares the same routed network.
     routing_replay: bool = False
-    eval_every: int = 10  # RL steps between held-out evaluations (0: only before and after)
+    eval_every: int = 25  # RL steps between held-out evaluations (0: only before and after)
     eval_prompts: int | None = None  # None: the whole held-out set
     eval_temperature: float = 0.0  # greedy by default: accuracy of the policy's best answer
 

@@ -145,6 +145,9 @@ class Policy:
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
+        else:
+            # Re-apply the schedule's current rate (a fixed-rate step may have overridden it).
+            self.scheduler.step(0)
         updated, grad_norm, _ = self.optimizer.step()
         if updated and lr is None:
             self.scheduler.step(1)
