@@ -43,7 +43,14 @@ from megatron_rl.experience import (
 )
 from megatron_rl.logging import MetricsLog, check_wandb_available
 from megatron_rl.rollout import SamplingParams, drain, hf_weight_stream
-from megatron_rl.rollout.factory import build_engine, check_engine_installed, torch_dtype, weight_destination
+from megatron_rl.rollout.factory import (
+    build_engine,
+    build_nccl_transport,
+    check_engine_installed,
+    torch_dtype,
+    weight_destination,
+    weight_transport,
+)
 
 CORRECT = 0.5  # a sample counts as correct when its reward reaches this (rule rewards are 0 or 1)
 
@@ -133,6 +140,12 @@ class Trainer:
                               wandb_project=config.logging.wandb_project, run_name=config.logging.run_name,
                               config=to_dict(config), resume_step=start_step, enabled=self.is_driver)
         self.engine = build_engine(config, self.engine_dir, local_rank=runtime.launch.local_rank, seed=config.seed)
+        self.nccl = None
+        if weight_transport(config) == "nccl":
+            from megatron_rl.platform.launch_env import free_port
+
+            self.nccl = build_nccl_transport(config, self.engine, self.policy, master_address=runtime.launch.master_addr,
+                                             master_port=free_port())
         self.reference = None
 
     # ---- the loop ---------------------------------------------------------------------------
@@ -159,9 +172,7 @@ class Trainer:
             step = start - 1
             for step in range(start, config.rl.steps + 1):
                 metrics = self.rl_step(step)
-                if config.rl.eval_every and (step % config.rl.eval_every == 0) and step != config.rl.steps:
-                    metrics.update(self.evaluate())
-                if step == config.rl.steps:
+                if step == config.rl.steps or (config.rl.eval_every and step % config.rl.eval_every == 0):
                     metrics.update(self.evaluate())
                 self.log.step(step, metrics)
                 stop = self._stop_requested()
@@ -180,15 +191,13 @@ class Trainer:
 
     def rl_step(self, step: int) -> dict:
         config, timings = self.config, {}
-
-        tick = time.perf_counter()
         rollout = self.collect(step, timings)
         metrics = dict(rollout.metrics)
 
         tick = time.perf_counter()
         group_advantages(rollout.groups, self.recipe)
         mine = my_groups(rollout.groups, self.runtime.dp_rank, self.runtime.dp_size)
-        batches_per_update = [minibatches(mine, config.rl.updates_per_rollout)[u] for u in range(config.rl.updates_per_rollout)]
+        batches_per_update = minibatches(mine, config.rl.updates_per_rollout)
         packed = [pack_minibatch(t, config.micro_batch_tokens, self.policy.pad_to_multiple) for t in batches_per_update]
         recompute_old = config.rl.updates_per_rollout > 1
         if recompute_old:
@@ -361,6 +370,9 @@ class Trainer:
     # ---- weights, checkpoints ----------------------------------------------------------------
 
     def sync_weights(self) -> None:
+        if self.nccl is not None:
+            self.nccl.push()
+            return
         stream = hf_weight_stream(self.policy.module, self.policy.arch, destination=weight_destination(self.config),
                                   bucket_bytes=self.config.rollout.weight_bucket_mb << 20, dtype=torch_dtype(self.config))
         if self.engine is not None:

@@ -84,6 +84,7 @@ def build_engine(config: RunConfig, model_dir: Path, *, local_rank: int, seed: i
                     cache_dir=cache_dir, cpu_kv_cache_gib=rollout.cpu_kv_cache_gib,
                     gpu_memory_utilization=rollout.gpu_memory_utilization, load_format="dummy",
                     startup_timeout_s=rollout.startup_timeout_s,
+                    weight_transfer="nccl" if weight_transport(config) == "nccl" else None,
                 ))
             servers = [(process.url, process) for process in started]
         engines = [VllmServerEngine(url, name=f"vllm-{index}", process=process, staging_dir=staging,
@@ -94,6 +95,30 @@ def build_engine(config: RunConfig, model_dir: Path, *, local_rank: int, seed: i
             process.stop()
         raise
     return engines[0] if len(engines) == 1 else EnginePool(engines)
+
+
+def weight_transport(config: RunConfig) -> str:
+    """stream (colocated), nccl (servers on GPU) or files (servers on CPU, or asked for)."""
+    chosen = config.rollout.weight_transport
+    if chosen != "auto":
+        return chosen
+    if config.rollout.mode == "colocated":
+        return "stream"
+    return "nccl" if torch.cuda.is_available() and config.rollout.engine == "vllm" else "files"
+
+
+def build_nccl_transport(config: RunConfig, engine, policy, *, master_address: str, master_port: int):
+    """Trainer side of the NCCL weight transport to one vLLM server (GPU only; untested on the
+    CPU development machines, see rollout/nccl_transport.py). Collective: every rank calls it."""
+    from megatron_rl.rollout.nccl_transport import NcclWeightTransport
+
+    if isinstance(engine, EnginePool):
+        raise ConfigError("rollout.weight_transport=nccl supports one server; use files, or one server per job")
+    url = engine.url if engine is not None else ""
+    return NcclWeightTransport(url, policy.module, policy.arch, master_address=master_address,
+                               master_port=master_port, engine_world_size=1,
+                               bucket_bytes=config.rollout.weight_bucket_mb << 20, dtype=torch_dtype(config),
+                               timeout_s=config.rollout.request_timeout_s)
 
 
 def weight_destination(config: RunConfig) -> str:

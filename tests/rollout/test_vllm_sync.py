@@ -87,3 +87,16 @@ def test_vllm_sync_matches_trainer_logprobs(models, tmp_path, family, mode, npro
         assert (reason, length) == ("length", 8) or (reason == "stop" and length < 8), report
     assert report["stop_reason"] == "stop", report
     assert report["stop_tokens"] == report["expected_stop_tokens"], report
+
+
+def test_rollout_benchmark_quick_runs(tmp_path):
+    """benchmarks/rollout.py --quick must keep working (it is not part of the suite otherwise), and
+    its two generate paths must produce the same tokens (the script checks that itself)."""
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "rollout.py"), "--quick", "--rounds", "2",
+                             "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["generated_tokens"] > 0 and report["overhead_ratio"] > 0
+    assert report["colocated_push_s_per_gb"] > 0
