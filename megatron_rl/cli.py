@@ -4,6 +4,8 @@
     megatron-rl smoke [--config FILE] [--steps N] [key=value ...]
     megatron-rl inspect-model [--config FILE] [key=value ...]
     megatron-rl convert {hf-to-megatron,megatron-to-hf} ...   (see tools/convert_*.py)
+    megatron-rl launch slurm --nodes N [--gpus-per-node G] [--partition P] ... [--dry-run] [key=value ...]
+    megatron-rl launch local [--nproc-per-node N] [key=value ...]   (the same job under torchrun here)
 
 Settings come from one YAML recipe plus `section.key=value` overrides (see megatron_rl/config.py).
 Multi-rank runs: start the same command under torchrun (or srun); the layout comes from the
@@ -13,6 +15,7 @@ Multi-rank runs: start the same command under torchrun (or srun); the layout com
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import warnings
@@ -38,6 +41,39 @@ def _parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect-model", help="print the architecture a config builds")
     common(inspect)
     commands.add_parser("convert", help="HF <-> Megatron checkpoint conversion (see tools/)", add_help=False)
+    launch = commands.add_parser("launch", help="start the training job on SLURM or with torchrun here")
+    where = launch.add_subparsers(dest="where", required=True)
+    slurm = where.add_parser("slurm", help="render an sbatch script from slurm/ and submit it")
+    common(slurm)
+    slurm.add_argument("--output-dir", help="run directory (config copy, logs, checkpoints)")
+    slurm.add_argument("--nodes", type=int, required=True, help="training nodes")
+    slurm.add_argument("--rollout-nodes", type=int, default=0,
+                       help="extra nodes running one vLLM server each (disaggregated); 0: colocated")
+    slurm.add_argument("--gpus-per-node", type=int, default=0, help="0: CPU (gloo)")
+    slurm.add_argument("--procs-per-node", type=int, help="trainer processes per node (default: GPUs, or 1)")
+    slurm.add_argument("--partition")
+    slurm.add_argument("--account")
+    slurm.add_argument("--time", help="time limit, e.g. 04:00:00")
+    slurm.add_argument("--job-name", default="megatron-rl")
+    slurm.add_argument("--signal-lead-seconds", type=int, default=120,
+                       help="USR1 this long before the time limit: checkpoint and requeue")
+    slurm.add_argument("--container-image", help="srun --container-image (pyxis/enroot)")
+    slurm.add_argument("--container-mounts", help="srun --container-mounts")
+    slurm.add_argument("--module", dest="modules", action="append", default=[], help="`module load` this (repeatable)")
+    slurm.add_argument("--setup", action="append", default=[], help="a shell line run first in the job (repeatable)")
+    slurm.add_argument("--network-interface", help="sets NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME")
+    slurm.add_argument("--python", help="interpreter in the job (default: the one running this command)")
+    slurm.add_argument("--sbatch-arg", dest="sbatch_args", action="append", default=[],
+                       help="extra #SBATCH option, e.g. --sbatch-arg=--exclusive (repeatable)")
+    slurm.add_argument("--server-timeout-s", type=int, default=900,
+                       help="disaggregated: seconds each rollout server may take to become healthy")
+    slurm.add_argument("--template", help="your own sbatch template (a copy of one in slurm/)")
+    slurm.add_argument("--dry-run", action="store_true", help="print the script, submit nothing, write nothing")
+    local = where.add_parser("local", help="run the job on this machine with torchrun")
+    common(local)
+    local.add_argument("--output-dir")
+    local.add_argument("--nproc-per-node", type=int, default=1)
+    local.add_argument("--dry-run", action="store_true", help="print the torchrun command only")
     return parser
 
 
@@ -52,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "output_dir", None):
         overrides.append(f"output_dir={args.output_dir}")
     try:
+        if args.command == "launch":
+            return _launch(args, overrides)
         config = load_config(args.config, overrides)
         if args.command == "inspect-model":
             from megatron_rl.model.hf_config import load_hf_config, parse_hf_config
@@ -76,6 +114,35 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"megatron-rl: configuration error: {exc}", file=sys.stderr)
         return 2
+
+
+def _launch(args, overrides: list[str]) -> int:
+    from megatron_rl.launch.slurm import LaunchError
+
+    if args.where == "local":
+        from megatron_rl.launch.local import run_local
+
+        return run_local(args.config, overrides, args.nproc_per_node, dry_run=args.dry_run)
+    from megatron_rl.launch import slurm
+
+    options = slurm.SlurmOptions(**{field.name: getattr(args, field.name)
+                                    for field in dataclasses.fields(slurm.SlurmOptions)})
+    job = slurm.prepare(args.config, overrides, options, write=not args.dry_run)
+    if args.dry_run:
+        print(job.script, end="")
+        return 0
+    try:
+        job_id = slurm.submit(job)
+    except LaunchError as exc:
+        print(f"megatron-rl: {exc}", file=sys.stderr)
+        return 1
+    print(f"submitted job {job_id}: {options.nodes + options.rollout_nodes} node(s), "
+          f"{options.world_size} trainer process(es)")
+    print(f"  script: {job.script_path}")
+    print(f"  config: {job.config_path}")
+    print(f"  log:    {slurm.log_path(job, job_id)}")
+    print(f"  run:    {job.output_dir} (metrics.jsonl, checkpoints/)")
+    return 0
 
 
 def _print_summary(config, result) -> None:

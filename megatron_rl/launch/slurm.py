@@ -1,0 +1,221 @@
+"""`megatron-rl launch slurm`: render an sbatch script from a template and the run's config, submit it.
+
+    megatron-rl launch slurm --config configs/qwen3_30b_a3b.yaml --nodes 4 --gpus-per-node 8 \
+        --partition gpu --account proj --time 04:00:00 --output-dir runs/qwen3 [key=value ...]
+
+Before anything is submitted: the config (with the overrides) is validated and the parallel layout
+checked against the job's world size (training nodes x processes per node), so a node count that
+does not fit is refused naming the key. The resolved config is written to OUTPUT_DIR/config.yaml
+and the job (and every requeue of it) trains from that copy. Templates: `slurm/*.sbatch.tmpl`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import yaml
+
+from megatron_rl.config import RunConfig, load_config, to_dict
+from megatron_rl.errors import ConfigError
+
+REPO_TEMPLATES = Path(__file__).resolve().parents[2] / "slurm"
+PLACEHOLDER = re.compile(r"\{\{([A-Z_]+)\}\}")
+
+
+class LaunchError(RuntimeError):
+    """SLURM is missing or refused the job; the message says what happened and what to try."""
+
+
+@dataclasses.dataclass
+class SlurmOptions:
+    nodes: int = 1  # training nodes
+    rollout_nodes: int = 0  # > 0: disaggregated, one vLLM server per rollout node
+    gpus_per_node: int = 0  # 0: CPU (gloo), procs_per_node processes per node
+    procs_per_node: int | None = None  # default: gpus_per_node, or 1 on CPU
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = None
+    job_name: str = "megatron-rl"
+    signal_lead_seconds: int = 120
+    container_image: str | None = None  # pyxis/enroot: srun --container-image
+    container_mounts: str | None = None
+    modules: list[str] = dataclasses.field(default_factory=list)  # `module load` each
+    setup: list[str] = dataclasses.field(default_factory=list)  # further shell lines before the job
+    network_interface: str | None = None  # NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME
+    python: str | None = None  # default: the interpreter running this launcher
+    sbatch_args: list[str] = dataclasses.field(default_factory=list)  # passed to sbatch as they are
+    template: str | None = None
+    server_timeout_s: int = 900
+
+    @property
+    def nproc_per_node(self) -> int:
+        if self.procs_per_node is not None:
+            return self.procs_per_node
+        return self.gpus_per_node or 1
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+    def validate(self) -> None:
+        if self.nodes < 1:
+            raise ConfigError(f"--nodes must be >= 1, got {self.nodes}")
+        if self.rollout_nodes < 0 or self.gpus_per_node < 0 or self.nproc_per_node < 1:
+            raise ConfigError("--rollout-nodes and --gpus-per-node must be >= 0, --procs-per-node >= 1")
+        if self.signal_lead_seconds < 1:
+            raise ConfigError("--signal-lead-seconds must be >= 1")
+
+
+@dataclasses.dataclass
+class PreparedJob:
+    script: str
+    script_path: Path
+    config_path: Path
+    output_dir: Path
+
+
+def resolve_config(config_path: str | None, overrides: list[str], world_size: int, *, disaggregated: bool) -> RunConfig:
+    """Load and check the config for a job of `world_size` trainer ranks (no torch import)."""
+    from megatron_rl.preflight import check_layout_and_paths
+
+    config = load_config(config_path, overrides)
+    checked = config
+    if disaggregated:
+        # The server URLs are known only inside the job; check the layout as the job will run it.
+        checked = load_config(config_path, overrides + ["rollout.mode=server",
+                                                        "rollout.server_urls=[http://rollout-node:1]"])
+    saved = os.environ.get("WORLD_SIZE"), os.environ.get("RANK")
+    os.environ["WORLD_SIZE"], os.environ["RANK"] = str(world_size), "0"
+    try:
+        check_layout_and_paths(checked)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (the job has {world_size} trainer process(es): nodes x processes per node)") from None
+    finally:
+        for key, value in zip(("WORLD_SIZE", "RANK"), saved):
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return config
+
+
+def template_path(options: SlurmOptions) -> Path:
+    if options.template:
+        path = Path(options.template)
+        if not path.is_file():
+            raise ConfigError(f"--template {path} does not exist")
+        return path
+    name = "train_disaggregated.sbatch.tmpl" if options.rollout_nodes else "train_colocated.sbatch.tmpl"
+    path = REPO_TEMPLATES / name
+    if not path.is_file():
+        raise ConfigError(f"sbatch template {path} not found (an installed package has no slurm/ directory): "
+                          "pass --template with a copy of the repository's slurm/" + name)
+    return path
+
+
+def fill(template: str, values: dict[str, str]) -> str:
+    missing = sorted(set(PLACEHOLDER.findall(template)) - set(values))
+    if missing:
+        raise ConfigError(f"the sbatch template has placeholders with no value: {', '.join(missing)}")
+    return PLACEHOLDER.sub(lambda match: values[match.group(1)], template)
+
+
+def render(options: SlurmOptions, config: RunConfig, config_path: Path) -> str:
+    out = Path(config.output_dir)
+    sbatch = []
+    if options.partition:
+        sbatch.append(f"#SBATCH --partition={options.partition}")
+    if options.account:
+        sbatch.append(f"#SBATCH --account={options.account}")
+    if options.time:
+        sbatch.append(f"#SBATCH --time={options.time}")
+    if options.gpus_per_node:
+        sbatch.append(f"#SBATCH --gpus-per-node={options.gpus_per_node}")
+    sbatch += [f"#SBATCH {arg}" for arg in options.sbatch_args]
+
+    setup = [f"module load {shlex.quote(module)}" for module in options.modules]
+    package_root = Path(__file__).resolve().parents[2]
+    if not _inside_site_packages(package_root):
+        # A source checkout: make sure the job imports this copy of megatron_rl.
+        setup.append(f"export PYTHONPATH={shlex.quote(str(package_root))}${{PYTHONPATH:+:$PYTHONPATH}}")
+    if options.network_interface:
+        interface = shlex.quote(options.network_interface)
+        setup.append(f"export NCCL_SOCKET_IFNAME={interface} GLOO_SOCKET_IFNAME={interface}")
+    setup += options.setup
+    if not options.gpus_per_node:
+        setup.append("export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}")
+
+    srun = []
+    if options.container_image:
+        srun.append(f"--container-image={shlex.quote(options.container_image)}")
+        if options.container_mounts:
+            srun.append(f"--container-mounts={shlex.quote(options.container_mounts)}")
+
+    values = {
+        "JOB_NAME": options.job_name,
+        "NODES": str(options.nodes + options.rollout_nodes),
+        "OUTPUT_DIR": str(out),
+        "SIGNAL_LEAD": str(options.signal_lead_seconds),
+        "SBATCH_EXTRA": "\n".join(sbatch),
+        "SETUP": "\n".join(setup) or ":",
+        "PYTHON": shlex.quote(options.python or sys.executable),
+        "SRUN_EXTRA": " ".join(srun),
+        "NPROC_PER_NODE": str(options.nproc_per_node),
+        "CONFIG": shlex.quote(str(config_path)),
+        "TRAIN_NODES": str(options.nodes),
+        "ROLLOUT_NODES": str(options.rollout_nodes),
+        "ROLLOUT_TP": str(options.gpus_per_node or 1),
+        "SERVER_TIMEOUT": str(options.server_timeout_s),
+    }
+    return fill(template_path(options).read_text(), values)
+
+
+def prepare(config_path: str | None, overrides: list[str], options: SlurmOptions, *, write: bool) -> PreparedJob:
+    """Validate, then (write=True) copy the resolved config and the script into the run directory."""
+    options.validate()
+    config = resolve_config(config_path, overrides, options.world_size, disaggregated=options.rollout_nodes > 0)
+    out = Path(config.output_dir).resolve()
+    config.output_dir = str(out)  # the job may start in another directory
+    copied = out / "config.yaml"
+    script = render(options, config, copied)
+    script_path = out / "logs" / "job.sbatch"
+    if write:
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        copied.write_text("# Resolved config of the submitted job (megatron-rl launch slurm); requeues use it too.\n"
+                          + yaml.safe_dump(to_dict(config), sort_keys=False))
+        script_path.write_text(script)
+    return PreparedJob(script, script_path, copied, out)
+
+
+def submit(job: PreparedJob, sbatch: str = "sbatch") -> str:
+    """Submit with sbatch; returns the job id."""
+    if shutil.which(sbatch) is None:
+        raise LaunchError("sbatch not found: run on a SLURM login node (with sbatch on PATH) "
+                          "or use `megatron-rl launch local` on this machine")
+    result = subprocess.run([sbatch, "--parsable", str(job.script_path)], capture_output=True, text=True,
+                            cwd=job.output_dir)
+    if result.returncode != 0:
+        raise LaunchError(
+            f"sbatch rejected the job (exit {result.returncode}):\n{result.stderr.strip() or result.stdout.strip()}\n"
+            "hint: check --partition (sinfo lists them), --account (sacctmgr show assoc user=$USER), --time "
+            "against the partition's limit, and --nodes/--gpus-per-node against what the partition has. "
+            f"The script is {job.script_path}"
+        )
+    return result.stdout.strip().split(";")[0]
+
+
+def log_path(job: PreparedJob, job_id: str) -> Path:
+    return job.output_dir / "logs" / f"slurm-{job_id}.out"
+
+
+def _inside_site_packages(path: Path) -> bool:
+    roots = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
+    return any(str(path).startswith(str(Path(root).resolve())) for root in roots)

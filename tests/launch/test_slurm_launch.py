@@ -1,0 +1,204 @@
+"""`megatron-rl launch slurm|local`.
+
+Without SLURM (fast): the rendered scripts (both templates) are valid bash with the knobs in place;
+a node count that does not fit the layout is refused before anything is written; a missing or
+failing sbatch gives a clear message (fake sbatch scripts, because a real rejection needs a
+cluster configured to reject).
+
+Against a real SLURM (slurmctld + two slurmd on this host, see conftest.py; skipped with the
+reason where it cannot start): the tiny default, shortened, runs to completion through
+`megatron-rl launch slurm` on two nodes; a job requeued mid-run (`scontrol requeue`) resumes
+from its last checkpoint instead of step 0; the preemption warning (USR1 to the batch script)
+makes the trainer checkpoint and the job requeue itself and finish.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SHORT = ["rl.prompts_per_step=8", "rl.group_size=4", "rl.max_response_tokens=6", "warm_start.steps=20",
+         "data.num_heldout=16", "rl.eval_every=0", "checkpoint.every_steps=2", "logging.wandb_mode=disabled"]
+
+
+def cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    environment = dict(env or os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "megatron_rl.cli", *args], env=environment, capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO)
+
+
+# ---- without SLURM ------------------------------------------------------------------------------
+
+
+def test_dry_run_renders_valid_scripts_and_writes_nothing(tmp_path):
+    out = tmp_path / "run"
+    colocated = cli("launch", "slurm", "--nodes", "2", "--output-dir", str(out), "--partition", "gpu",
+                    "--account", "proj", "--time", "01:00:00", "--module", "cuda/12.4", "--container-image",
+                    "nvcr.io#nvidia/pytorch", "--network-interface", "ib0", "--signal-lead-seconds", "300",
+                    "--dry-run", "rl.steps=3")
+    assert colocated.returncode == 0, colocated.stderr
+    script = colocated.stdout
+    for line in ("#SBATCH --nodes=2", "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --time=01:00:00",
+                 "#SBATCH --signal=B:USR1@300", "#SBATCH --requeue", "module load cuda/12.4",
+                 "--container-image='nvcr.io#nvidia/pytorch'", "NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0",
+                 f"{out}/config.yaml", "megatron_rl.launch.node --nproc-per-node 1"):
+        assert line in script, line
+    assert "{{" not in script
+    disaggregated = cli("launch", "slurm", "--nodes", "1", "--rollout-nodes", "2", "--gpus-per-node", "2",
+                        "--procs-per-node", "1", "--output-dir", str(out), "--dry-run")
+    assert disaggregated.returncode == 0, disaggregated.stderr
+    assert "#SBATCH --nodes=3" in disaggregated.stdout and "#SBATCH --gpus-per-node=2" in disaggregated.stdout
+    assert "megatron_rl.launch.rollout_node" in disaggregated.stdout and "rollout.mode=server" in disaggregated.stdout
+    for text in (script, disaggregated.stdout):
+        path = tmp_path / "job.sh"
+        path.write_text(text)
+        check = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        assert check.returncode == 0, check.stderr
+    assert not out.exists(), "a dry run must not write anything"
+
+
+def test_node_count_that_does_not_fit_is_refused_before_submitting(tmp_path):
+    # 3 ranks cannot shard the colocated engine over the tiny model's 2 KV heads; ep=2 needs even DP.
+    result = cli("launch", "slurm", "--nodes", "3", "--output-dir", str(tmp_path / "run"))
+    assert result.returncode == 2
+    assert "rollout.mode=colocated" in result.stderr and "3 trainer process" in result.stderr, result.stderr
+    result = cli("launch", "slurm", "--nodes", "1", "--procs-per-node", "1", "parallel.tp=2",
+                 "--output-dir", str(tmp_path / "run"))
+    assert result.returncode == 2 and "parallel" in result.stderr, result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_fake_sbatch_missing_gives_clear_message(tmp_path):
+    """PATH without sbatch: stands in for a machine that is not a SLURM login node."""
+    env = dict(os.environ, PATH=str(tmp_path / "empty-bin"))
+    result = cli("launch", "slurm", "--nodes", "1", "--output-dir", str(tmp_path / "run"), env=env)
+    assert result.returncode == 1
+    assert "sbatch not found" in result.stderr and "megatron-rl launch local" in result.stderr
+
+
+def test_fake_sbatch_rejection_shows_its_error_and_a_hint(tmp_path):
+    """A fake sbatch that rejects the job the way a real one does for a bad partition (a real
+    rejection would need a cluster configured to reject)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "sbatch"
+    fake.write_text("#!/bin/sh\necho 'sbatch: error: invalid partition specified: nope' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    result = cli("launch", "slurm", "--nodes", "1", "--partition", "nope", "--output-dir", str(tmp_path / "run"),
+                 env=env)
+    assert result.returncode == 1
+    assert "invalid partition specified: nope" in result.stderr
+    assert "hint:" in result.stderr and "--partition" in result.stderr
+
+
+def test_launch_local_dry_run_and_layout_check(tmp_path):
+    result = cli("launch", "local", "--nproc-per-node", "2", "--dry-run", "--output-dir", str(tmp_path), "rl.steps=2")
+    assert result.returncode == 0, result.stderr
+    assert "torch.distributed.run --standalone --nproc-per-node=2 -m megatron_rl.cli train" in result.stdout
+    assert f"output_dir={tmp_path}" in result.stdout
+    refused = cli("launch", "local", "--nproc-per-node", "3", "--dry-run")
+    assert refused.returncode == 2 and "KV heads" in refused.stderr
+
+
+# ---- against a real SLURM -----------------------------------------------------------------------
+
+
+def submit(cluster, out: Path, nodes: int, *overrides: str, extra: tuple[str, ...] = ()) -> tuple[str, Path]:
+    result = cli("launch", "slurm", "--nodes", str(nodes), "--output-dir", str(out), "--job-name", out.name,
+                 *extra, *SHORT, *overrides, env=cluster.env)
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    job_id = re.search(r"submitted job (\d+)", result.stdout).group(1)
+    log = out / "logs" / f"slurm-{job_id}.out"
+    assert str(log) in result.stdout
+    return job_id, log
+
+
+def wait_until(predicate, timeout: float, what: str, cluster, log: Path, job_id: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(1.0)
+    state = cluster.job_state(job_id)
+    tail = log.read_text(errors="replace")[-4000:] if log.exists() else "(no log)"
+    subprocess.run(["scancel", job_id], env=cluster.env, capture_output=True)
+    pytest.fail(f"timed out waiting for {what}; job {job_id} state {state}\n{tail}\n{cluster.logs()}")
+
+
+def finished(cluster, job_id: str, out: Path) -> bool:
+    state = cluster.job_state(job_id)
+    return state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", None)
+
+
+def steps_logged(out: Path) -> list[int]:
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def checkpointed(out: Path) -> bool:
+    return (out / "checkpoints" / "latest").is_file()
+
+
+def test_job_completes_on_two_nodes(slurm_cluster, tmp_path):
+    out = tmp_path / "two-nodes"
+    job_id, log = submit(slurm_cluster, out, 2, "rl.steps=3")
+    wait_until(lambda: finished(slurm_cluster, job_id, out), 240, "the job to end", slurm_cluster, log, job_id)
+    text = log.read_text(errors="replace")
+    assert slurm_cluster.job_state(job_id) == "COMPLETED", text[-4000:]
+    assert "2 node(s), rendezvous 127.0.0.1:" in text and "node 1 (" in text
+    assert sorted(steps_logged(out)) == [0, 1, 2, 3]
+    assert json.loads((out / "run_state.json").read_text()) == {"step": 3, "finished": True}
+    assert checkpointed(out)
+    assert (out / "config.yaml").is_file() and "training finished (exit 0)" in text
+
+
+def test_requeued_job_resumes_from_checkpoint(slurm_cluster, tmp_path):
+    out = tmp_path / "requeue"
+    job_id, log = submit(slurm_cluster, out, 1, "rl.steps=5")
+    wait_until(lambda: checkpointed(out) and max(steps_logged(out), default=0) >= 2, 240,
+               "the first periodic checkpoint", slurm_cluster, log, job_id)
+    slurm_cluster.run("scontrol", "requeue", job_id)
+    wait_until(lambda: slurm_cluster.job_field(job_id, "Restarts") not in (None, "0")
+               and finished(slurm_cluster, job_id, out), 300, "the requeued job to end", slurm_cluster, log, job_id)
+    text = log.read_text(errors="replace")
+    assert slurm_cluster.job_state(job_id) == "COMPLETED", text[-4000:]
+    assert "restart 1:" in text
+    resumed = re.search(r"resumed from \S+ at step (\d+)", text)
+    assert resumed, f"the requeued run did not resume:\n{text[-4000:]}"
+    checkpoint_step = int(resumed.group(1))
+    assert checkpoint_step >= 2
+    after = text[resumed.end():]
+    first = re.search(r"^step (\d+)/5", after, re.MULTILINE)
+    assert first and int(first.group(1)) == checkpoint_step + 1, after[:2000]
+    assert "warm start" not in after.lower() or "step 0/" not in after
+    assert sorted(steps_logged(out)) == [0, 1, 2, 3, 4, 5], "every step once in the final metrics"
+    assert json.loads((out / "run_state.json").read_text()) == {"step": 5, "finished": True}
+
+
+def test_preemption_warning_checkpoints_and_requeues(slurm_cluster, tmp_path):
+    out = tmp_path / "preempt"
+    job_id, log = submit(slurm_cluster, out, 1, "rl.steps=5", "checkpoint.every_steps=0")
+    wait_until(lambda: max(steps_logged(out), default=0) >= 1, 240, "the first RL step", slurm_cluster, log, job_id)
+    # What SLURM does --signal-lead-seconds before the time limit: USR1 to the batch script.
+    slurm_cluster.run("scancel", "--batch", "--signal=USR1", job_id)
+    wait_until(lambda: slurm_cluster.job_field(job_id, "Restarts") not in (None, "0")
+               and finished(slurm_cluster, job_id, out), 300, "the requeued job to end", slurm_cluster, log, job_id)
+    text = log.read_text(errors="replace")
+    assert slurm_cluster.job_state(job_id) == "COMPLETED", text[-4000:]
+    stopped = re.search(r"stopped by SIGUSR1 after step (\d+)", text)
+    assert stopped, text[-4000:]
+    assert "requeueing job" in text
+    assert re.search(rf"resumed from \S+ at step {stopped.group(1)}", text), text[-4000:]
+    assert sorted(steps_logged(out)) == [0, 1, 2, 3, 4, 5]
