@@ -47,7 +47,7 @@ class JsonClient:
                 if exc.code not in _TRANSIENT:
                     raise EngineError(f"{self.name}: {method} {path} -> HTTP {exc.code}: {detail}") from exc
                 last = EngineError(f"{self.name}: {method} {path} -> HTTP {exc.code}: {detail}")
-            except TimeoutError as exc:
+            except TimeoutError:
                 last = EngineTimeout(f"{self.name}: {method} {path} timed out after {timeout:.0f}s")
             except urllib.error.URLError as exc:
                 if isinstance(exc.reason, TimeoutError):

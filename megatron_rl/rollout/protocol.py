@@ -69,6 +69,11 @@ class SamplingParams:
         digest = hashlib.blake2b(f"{self.seed}:{prompt_index + self.seed_offset}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little") & 0x7FFF_FFFF
 
+    def for_prompt(self, prompt_index: int) -> SamplingParams:
+        """The parameters of one prompt: its own seed (engines that sample each of the n responses
+        as a separate request derive their seeds from this one)."""
+        return replace(self, seed=self.prompt_seed(prompt_index), seed_offset=0)
+
     def offset(self, start: int) -> SamplingParams:
         """The parameters for the slice of prompts starting at global index `start`."""
         return replace(self, seed_offset=self.seed_offset + start)

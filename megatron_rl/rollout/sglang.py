@@ -39,7 +39,6 @@ import io
 import json
 import os
 import shutil
-import subprocess
 import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -51,13 +50,12 @@ import torch
 from megatron_rl.rollout.http import JsonClient
 from megatron_rl.rollout.protocol import (
     EngineError,
-    EngineUnavailable,
     Sample,
     SamplingParams,
     WeightStream,
     check_grouping,
 )
-from megatron_rl.rollout.vllm_server import VllmServerProcess
+from megatron_rl.rollout.server_process import ServerEngineBase, ServerProcess
 
 WeightTransport = Literal["disk", "distributed", "tensor"]
 # Files the disk transport copies next to the weights, so the staging directory is a complete HF
@@ -65,11 +63,9 @@ WeightTransport = Literal["disk", "distributed", "tensor"]
 _HF_CONFIG_FILES = ("config.json", "generation_config.json")
 
 
-class SglangServerProcess(VllmServerProcess):
-    """An SGLang server we started; owns the process and its log file.
-
-    Readiness polling, log tail and process-group teardown are the vLLM server's (nothing in them
-    is vLLM-specific); only the command line differs."""
+class SglangServerProcess(ServerProcess):
+    """An SGLang server we started; owns the process and its log file (only the command line is
+    SGLang's; readiness, log tail and process-group teardown are shared)."""
 
     @classmethod
     def start(
@@ -97,23 +93,15 @@ class SglangServerProcess(VllmServerProcess):
         if return_routed_experts:
             command.append("--enable-return-routed-experts")
         command += extra_args or []
-        log_path = Path(log_path)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as log:
-            # Own process group, so teardown reaches the scheduler and detokenizer SGLang spawns.
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        server = cls(process, f"http://{host}:{port}", log_path, name)
-        try:
-            server.wait_ready(startup_timeout_s)
-        except BaseException:
-            server.stop()
-            raise
-        return server
+        return cls.launch(command, env=env, url=f"http://{host}:{port}", log_path=log_path, name=name,
+                          startup_timeout_s=startup_timeout_s)
 
 
-class SglangServerEngine:
+class SglangServerEngine(ServerEngineBase):
+    health_timeout_s = 30.0
+
     def __init__(
-        self, url: str, *, name: str = "sglang-server", process: VllmServerProcess | None = None,
+        self, url: str, *, name: str = "sglang-server", process: ServerProcess | None = None,
         weight_transport: WeightTransport = "disk", staging_dir: str | Path | None = None,
         hf_config_dir: str | Path | None = None, disk_load_format: str | None = None,
         master_address: str | None = None, master_port: int | None = None, group_backend: str = "nccl",
@@ -419,22 +407,6 @@ class SglangServerEngine:
 
     def resume(self) -> None:
         self._client.post("/continue_generation", {})
-
-    def health(self) -> None:
-        if self._closed:
-            raise EngineUnavailable(f"{self.name}: engine was shut down")
-        self._raise_if_dead()
-        try:
-            self._client.get("/health", timeout_s=30, retries=1)
-        except EngineError as exc:
-            raise EngineUnavailable(f"{self.name}: health check at {self.url} failed: {exc}") from exc
-
-    def _raise_if_dead(self) -> None:
-        if self.process is not None and not self.process.alive():
-            raise EngineUnavailable(
-                f"{self.name}: server process exited with code {self.process.process.returncode}; "
-                f"last lines of {self.process.log_path}:\n{self.process.log_tail()}"
-            )
 
     def shutdown(self) -> None:
         if self._closed:

@@ -20,20 +20,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from megatron_rl.rollout.http import JsonClient
+from megatron_rl.rollout.server_process import ServerEngineBase, ServerProcess
 from megatron_rl.rollout.protocol import (
     EngineError,
-    EngineTimeout,
-    EngineUnavailable,
     Sample,
     SamplingParams,
     WeightStream,
@@ -43,11 +39,8 @@ from megatron_rl.rollout.vllm_common import finish_reason, vllm_environment
 from megatron_rl.rollout.vllm_worker import WORKER_EXTENSION
 
 
-class VllmServerProcess:
+class VllmServerProcess(ServerProcess):
     """A vLLM server we started; owns the process and its log file."""
-
-    def __init__(self, process: subprocess.Popen, url: str, log_path: Path, name: str):
-        self.process, self.url, self.log_path, self.name = process, url, log_path, name
 
     @classmethod
     def start(
@@ -73,58 +66,10 @@ class VllmServerProcess:
         if weight_transfer:
             command += ["--weight-transfer-config", json.dumps({"backend": weight_transfer})]
         command += extra_args or []
-        log_path = Path(log_path)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as log:
-            # Own process group, so teardown reaches the engine core vLLM forks.
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        server = cls(process, f"http://{host}:{port}", log_path, name)
-        try:
-            server.wait_ready(startup_timeout_s)
-        except BaseException:
-            server.stop()
-            raise
-        return server
+        return cls.launch(command, env=env, url=f"http://{host}:{port}", log_path=log_path, name=name,
+                          startup_timeout_s=startup_timeout_s)
 
-    def wait_ready(self, timeout_s: float) -> None:
-        client = JsonClient(self.name, self.url, timeout_s=5, max_retries=0)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise EngineUnavailable(
-                    f"{self.name}: server exited with code {self.process.returncode} while starting; "
-                    f"last lines of {self.log_path}:\n{self.log_tail()}"
-                )
-            try:
-                client.get("/health", retries=0)
-                return
-            except EngineError:
-                time.sleep(1.0)
-        raise EngineTimeout(f"{self.name}: not ready after {timeout_s:.0f}s; see {self.log_path}:\n{self.log_tail()}")
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def stop(self, grace_s: float = 20.0) -> None:
-        if self.process.poll() is not None:
-            return
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-        except ProcessLookupError:
-            pass
-
-
-class VllmServerEngine:
+class VllmServerEngine(ServerEngineBase):
     def __init__(
         self, url: str, *, name: str = "vllm-server", process: VllmServerProcess | None = None,
         staging_dir: str | Path | None = None, request_timeout_s: float = 900.0, max_retries: int = 2,
@@ -240,22 +185,6 @@ class VllmServerEngine:
 
     def resume(self) -> None:
         self._client.post("/resume")
-
-    def health(self) -> None:
-        if self._closed:
-            raise EngineUnavailable(f"{self.name}: engine was shut down")
-        self._raise_if_dead()
-        try:
-            self._client.get("/health", timeout_s=10, retries=1)
-        except EngineError as exc:
-            raise EngineUnavailable(f"{self.name}: health check at {self.url} failed: {exc}") from exc
-
-    def _raise_if_dead(self) -> None:
-        if self.process is not None and not self.process.alive():
-            raise EngineUnavailable(
-                f"{self.name}: server process exited with code {self.process.process.returncode}; "
-                f"last lines of {self.process.log_path}:\n{self.process.log_tail()}"
-            )
 
     def shutdown(self) -> None:
         if self._closed:

@@ -1,0 +1,100 @@
+"""What every HTTP rollout server we start or talk to shares: the process (log file, readiness,
+teardown of its whole process group) and the engine-side health checks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from megatron_rl.rollout.http import JsonClient
+from megatron_rl.rollout.protocol import EngineError, EngineTimeout, EngineUnavailable
+
+
+class ServerProcess:
+    """A server we started; owns the process and its log file."""
+
+    def __init__(self, process: subprocess.Popen, url: str, log_path: Path, name: str):
+        self.process, self.url, self.log_path, self.name = process, url, log_path, name
+
+    @classmethod
+    def launch(cls, command: list[str], *, env: dict, url: str, log_path: str | Path, name: str,
+               startup_timeout_s: float):
+        """Start `command` in its own process group (teardown then reaches every process the server
+        spawns), logging to `log_path`, and wait until its /health answers."""
+        log_path = Path(log_path)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        server = cls(process, url, log_path, name)
+        try:
+            server.wait_ready(startup_timeout_s)
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+    def wait_ready(self, timeout_s: float) -> None:
+        client = JsonClient(self.name, self.url, timeout_s=5, max_retries=0)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise EngineUnavailable(
+                    f"{self.name}: server exited with code {self.process.returncode} while starting; "
+                    f"last lines of {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                client.get("/health", retries=0)
+                return
+            except EngineError:
+                time.sleep(1.0)
+        raise EngineTimeout(f"{self.name}: not ready after {timeout_s:.0f}s; see {self.log_path}:\n{self.log_tail()}")
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        if self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        except ProcessLookupError:
+            pass
+
+
+class ServerEngineBase:
+    """Health and liveness for an engine behind HTTP (`self._client`, optional `self.process`)."""
+
+    name: str
+    url: str
+    process: ServerProcess | None
+    health_timeout_s: float = 10.0
+    _closed: bool = False
+
+    def health(self) -> None:
+        if self._closed:
+            raise EngineUnavailable(f"{self.name}: engine was shut down")
+        self._raise_if_dead()
+        try:
+            self._client.get("/health", timeout_s=self.health_timeout_s, retries=1)
+        except EngineError as exc:
+            raise EngineUnavailable(f"{self.name}: health check at {self.url} failed: {exc}") from exc
+
+    def _raise_if_dead(self) -> None:
+        if self.process is not None and not self.process.alive():
+            raise EngineUnavailable(
+                f"{self.name}: server process exited with code {self.process.process.returncode}; "
+                f"last lines of {self.process.log_path}:\n{self.process.log_tail()}"
+            )
