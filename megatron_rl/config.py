@@ -187,7 +187,8 @@ class ParallelConfig:
 class OptimizerConfig:
     # Defaults are the built-in tiny run's; the recipes in configs/ set their own.
     lr: float = 5e-4
-    min_lr: float = 5e-5
+    # Floor of the decay; None = lr / 10.
+    min_lr: float | None = None
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -206,8 +207,12 @@ class OptimizerConfig:
             raise ConfigError(f"{where}.lr_warmup_steps must be >= 0")
         if self.lr_decay_steps is not None and self.lr_decay_steps <= self.lr_warmup_steps:
             raise ConfigError(f"{where}.lr_decay_steps must be > lr_warmup_steps ({self.lr_warmup_steps})")
-        if self.min_lr > self.lr:
-            raise ConfigError(f"{where}.min_lr ({self.min_lr}) must be <= lr ({self.lr})")
+        if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"{where}.min_lr ({self.min_lr}) must be in [0, lr={self.lr}]")
+
+    @property
+    def effective_min_lr(self) -> float:
+        return self.lr / 10 if self.min_lr is None else self.min_lr
         if not 0 <= self.adam_beta1 < 1 or not 0 <= self.adam_beta2 < 1:
             raise ConfigError(f"{where}.adam_beta1/adam_beta2 must be in [0, 1)")
         if self.clip_grad < 0:

@@ -76,7 +76,7 @@ class Policy:
             OptimizerConfig(
                 optimizer="adam",
                 lr=opt.lr,
-                min_lr=opt.min_lr,
+                min_lr=opt.effective_min_lr,
                 weight_decay=opt.weight_decay,
                 adam_beta1=opt.adam_beta1,
                 adam_beta2=opt.adam_beta2,
@@ -331,7 +331,7 @@ def _lr_scheduler(optimizer, opt, total_steps: int):
         optimizer,
         init_lr=0.0 if opt.lr_warmup_steps else opt.lr,
         max_lr=opt.lr,
-        min_lr=opt.min_lr,
+        min_lr=opt.effective_min_lr,
         lr_warmup_steps=opt.lr_warmup_steps,
         lr_decay_steps=decay_steps,
         lr_decay_style=opt.lr_decay_style,
