@@ -42,26 +42,36 @@ def export_hf_weights(
     module, arch: ArchitectureSpec, *, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None,
     every_rank: bool = False,
 ) -> Iterator[Bucket]:
-    table = {name: (hf, layout) for name, hf, layout in expand(arch)}
     receives = every_rank or is_stage_leader()
+    yield from buckets(_export_tensors(module, arch, dtype, receives), bucket_bytes)
+
+
+def buckets(weights: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+    """A (name, tensor) stream in lists of at least bucket_bytes (the last one may be smaller), so
+    producer and consumer each hold about one bucket. Weight transports bucket with this too."""
     bucket: Bucket = []
     size = 0
+    for name, tensor in weights:
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def _export_tensors(module, arch: ArchitectureSpec, dtype, receives: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every HF tensor of this rank's stage; all ranks run the gathers, only receivers get tensors."""
+    table = {name: (hf, layout) for name, hf, layout in expand(arch)}
     for placement in placements(module):
         if placement.global_name not in table:
             if arch.tie_word_embeddings and placement.global_name == "output_layer.weight":
                 continue  # the tied copy on the last stage; the embedding is exported instead
             raise KeyError(f"Megatron parameter {placement.global_name} has no HF mapping for {arch.architecture}")
         for hf_name, tensor in _assemble(placement, table, arch):
-            if not receives:
-                continue
-            tensor = tensor if dtype is None else tensor.to(dtype)
-            bucket.append((hf_name, tensor))
-            size += tensor.numel() * tensor.element_size()
-            if size >= bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-    if bucket:
-        yield bucket
+            if receives:
+                yield hf_name, tensor if dtype is None else tensor.to(dtype)
 
 
 def owned_hf_names(module, arch: ArchitectureSpec, fp8: bool = False) -> list[str]:

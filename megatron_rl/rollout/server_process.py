@@ -7,10 +7,11 @@ import os
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from megatron_rl.rollout.http import JsonClient
-from megatron_rl.rollout.protocol import EngineError, EngineTimeout, EngineUnavailable
+from megatron_rl.rollout.protocol import EngineError, EngineTimeout, EngineUnavailable, check_grouping
 
 
 class ServerProcess:
@@ -81,6 +82,7 @@ class ServerEngineBase:
     url: str
     process: ServerProcess | None
     health_timeout_s: float = 10.0
+    max_concurrency: int = 64
     _closed: bool = False
 
     def health(self) -> None:
@@ -91,6 +93,22 @@ class ServerEngineBase:
             self._client.get("/health", timeout_s=self.health_timeout_s, retries=1)
         except EngineError as exc:
             raise EngineUnavailable(f"{self.name}: health check at {self.url} failed: {exc}") from exc
+
+    def _per_prompt(self, request, prompts, params, timeout: float):
+        """`request(index, prompt, params, timeout) -> [Sample]` for every prompt, concurrently (at
+        most `self.max_concurrency` in flight), results in prompt order. On an engine error the
+        rest is cancelled and a dead server is reported as such."""
+        with ThreadPoolExecutor(max_workers=min(len(prompts), self.max_concurrency)) as pool:
+            futures = [pool.submit(request, index, prompt, params, timeout) for index, prompt in enumerate(prompts)]
+            try:
+                groups = [future.result() for future in futures]
+            except EngineError:
+                for future in futures:
+                    future.cancel()
+                self._raise_if_dead()
+                raise
+        check_grouping(self.name, prompts, params, groups)
+        return groups
 
     def _raise_if_dead(self) -> None:
         if self.process is not None and not self.process.alive():

@@ -43,17 +43,17 @@ import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 import torch
 
+from megatron_rl.bridge.export import buckets
 from megatron_rl.rollout.http import JsonClient
 from megatron_rl.rollout.protocol import (
     EngineError,
     Sample,
     SamplingParams,
     WeightStream,
-    check_grouping,
 )
 from megatron_rl.rollout.server_process import ServerEngineBase, ServerProcess
 
@@ -150,20 +150,7 @@ class SglangServerEngine(ServerEngineBase):
                               f"or the {params.n} samples of each prompt come back identical")
         # One request per prompt: each sample carries its own seed, so results do not depend on
         # batching or on how prompts are split across engines.
-        with ThreadPoolExecutor(max_workers=min(len(prompts), self.max_concurrency)) as pool:
-            futures = [
-                pool.submit(self._generate_group, index, prompt, params, timeout)
-                for index, prompt in enumerate(prompts)
-            ]
-            try:
-                groups = [future.result() for future in futures]
-            except EngineError:
-                for future in futures:
-                    future.cancel()
-                self._raise_if_dead()
-                raise
-        check_grouping(self.name, prompts, params, groups)
-        return groups
+        return self._per_prompt(self._generate_group, prompts, params, timeout)
 
     def _generate_group(self, index: int, prompt: list[int], params: SamplingParams, timeout: float) -> list[Sample]:
         prompt_params = params.for_prompt(index)  # its seed is the prompt's; sample j derives from it
@@ -275,7 +262,7 @@ class SglangServerEngine(ServerEngineBase):
         try:
             weight_map: dict[str, str] = {}
             total_bytes = 0
-            for shard, bucket in enumerate(_buckets(weights, bucket_bytes)):
+            for shard, bucket in enumerate(buckets(weights, bucket_bytes)):
                 file_name = f"model-{shard:05d}.safetensors"
                 # A copy per tensor: safetensors refuses tensors that share storage (tied weights).
                 save_file({name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in bucket},
@@ -310,7 +297,7 @@ class SglangServerEngine(ServerEngineBase):
         nccl = self.group_backend == "nccl"
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         count = 0
-        for bucket in _buckets(weights, bucket_bytes):
+        for bucket in buckets(weights, bucket_bytes):
             tensors = [tensor.detach().to(device).contiguous() for _, tensor in bucket]
             body = {
                 "names": [name for name, _ in bucket],
@@ -360,7 +347,7 @@ class SglangServerEngine(ServerEngineBase):
         from multiprocessing.reduction import ForkingPickler
 
         count = 0
-        for bucket in _buckets(weights, bucket_bytes):
+        for bucket in buckets(weights, bucket_bytes):
             tensors = [(name, tensor.detach().contiguous()) for name, tensor in bucket]
             if any(not tensor.is_cuda for _, tensor in tensors):
                 raise EngineError(f"{self.name}: the tensor weight transport needs CUDA tensors on the server's node; "
@@ -455,14 +442,3 @@ def _finish_reason(engine: str, reason: Any) -> str:
     raise EngineError(f"{engine}: request ended with finish reason {kind!r}" + (f": {detail}" if detail else ""))
 
 
-def _buckets(weights: WeightStream, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The stream in lists of about bucket_bytes, so memory stays at one bucket on either side."""
-    bucket, size = [], 0
-    for name, tensor in weights:
-        bucket.append((name, tensor))
-        size += tensor.numel() * tensor.element_size()
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket

@@ -21,11 +21,11 @@ import json
 import os
 import shutil
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from megatron_rl.bridge.export import buckets
 from megatron_rl.rollout.http import JsonClient
 from megatron_rl.rollout.server_process import ServerEngineBase, ServerProcess
 from megatron_rl.rollout.protocol import (
@@ -33,7 +33,6 @@ from megatron_rl.rollout.protocol import (
     Sample,
     SamplingParams,
     WeightStream,
-    check_grouping,
 )
 from megatron_rl.rollout.vllm_common import finish_reason, vllm_environment
 from megatron_rl.rollout.vllm_worker import WORKER_EXTENSION
@@ -92,17 +91,7 @@ class VllmServerEngine(ServerEngineBase):
         if not prompts:
             return []
         # One request per prompt: each carries its own seed, so results do not depend on batching.
-        with ThreadPoolExecutor(max_workers=min(len(prompts), self.max_concurrency)) as pool:
-            futures = [pool.submit(self._complete, index, prompt, params, timeout) for index, prompt in enumerate(prompts)]
-            try:
-                groups = [future.result() for future in futures]
-            except EngineError:
-                for future in futures:
-                    future.cancel()
-                self._raise_if_dead()
-                raise
-        check_grouping(self.name, prompts, params, groups)
-        return groups
+        return self._per_prompt(self._complete, prompts, params, timeout)
 
     def _complete(self, index: int, prompt: list[int], params: SamplingParams, timeout: float) -> list[Sample]:
         body = {
@@ -146,15 +135,11 @@ class VllmServerEngine(ServerEngineBase):
         shutil.rmtree(push_dir, ignore_errors=True)
         push_dir.mkdir(parents=True)
         try:
-            paths, bucket, size = [], {}, 0
-            for name, tensor in weights:
-                bucket[name] = tensor.detach().contiguous().cpu()
-                size += tensor.numel() * tensor.element_size()
-                if size >= bucket_bytes:
-                    paths.append(self._write_bucket(push_dir, len(paths), bucket, save_file))
-                    bucket, size = {}, 0
-            if bucket:
-                paths.append(self._write_bucket(push_dir, len(paths), bucket, save_file))
+            paths = []
+            for index, bucket in enumerate(buckets(weights, bucket_bytes)):
+                path = push_dir / f"bucket-{index:05d}.safetensors"
+                save_file({name: tensor.detach().contiguous().cpu() for name, tensor in bucket}, str(path))
+                paths.append(str(path))
             if not paths:
                 raise EngineError(f"{self.name}: weight update received no tensors")
             results = self._client.post("/collective_rpc", {
@@ -167,12 +152,6 @@ class VllmServerEngine(ServerEngineBase):
         if len(counts) != 1:
             raise EngineError(f"{self.name}: workers loaded different tensor counts {sorted(counts)}")
         return counts.pop()
-
-    @staticmethod
-    def _write_bucket(directory: Path, index: int, bucket: dict, save_file) -> str:
-        path = directory / f"bucket-{index:05d}.safetensors"
-        save_file(bucket, str(path))
-        return str(path)
 
     def fingerprint(self) -> dict:
         return self._client.post("/collective_rpc", {"method": "weights_fingerprint"})["results"][0]
