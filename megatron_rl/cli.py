@@ -1,6 +1,8 @@
 """`megatron-rl` command line.
 
     megatron-rl train [--config FILE] [--output-dir DIR] [key=value ...]   (the RL loop; no config: the tiny default)
+    megatron-rl sft [--config FILE] [--output-dir DIR] [--force] [key=value ...]   (the supervised warm start
+        alone: writes a checkpoint, default OUTPUT_DIR/sft, for `train checkpoint.init_from=DIR warm_start.steps=0`)
     megatron-rl smoke [--config FILE] [--steps N] [key=value ...]
     megatron-rl inspect-model [--config FILE] [key=value ...]
     megatron-rl convert {hf-to-megatron,megatron-to-hf} ...   (see tools/convert_*.py)
@@ -30,10 +32,16 @@ def _parser() -> argparse.ArgumentParser:
     def common(sub):
         sub.add_argument("--config", help="YAML recipe (default: the built-in tiny default)")
         sub.add_argument("overrides", nargs="*", help="section.key=value overrides")
+        sub.add_argument("--verbose", action="store_true",
+                         help="show dependencies' warnings and log lines (hidden by default)")
 
     train = commands.add_parser("train", help="run the main job")
     common(train)
     train.add_argument("--output-dir", help="where everything of the run goes")
+    sft = commands.add_parser("sft", help="supervised warm start alone: writes a checkpoint train starts from")
+    common(sft)
+    sft.add_argument("--output-dir", help="the checkpoint directory (default: OUTPUT_DIR/sft)")
+    sft.add_argument("--force", action="store_true", help="replace an existing output directory")
     smoke = commands.add_parser("smoke", help="forward/backward smoke run of the policy")
     common(smoke)
     smoke.add_argument("--output-dir")
@@ -84,8 +92,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return convert.main(argv[1:])
     args = _parser().parse_args(argv)
+    if not getattr(args, "verbose", False):
+        from megatron_rl.console import quiet_dependencies
+
+        quiet_dependencies()  # before anything imports torch
     overrides = list(args.overrides)
-    if getattr(args, "output_dir", None):
+    if getattr(args, "output_dir", None) and args.command != "sft":  # sft: the checkpoint itself
         overrides.append(f"output_dir={args.output_dir}")
     try:
         if args.command == "launch":
@@ -100,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_rl.preflight import check_layout_and_paths
 
             check_layout_and_paths(config)  # milliseconds: before torch is even imported
-        _quiet_known_upstream_warnings()
+        if args.command == "sft":
+            return _sft(args, config, overrides)
         if args.command == "train":
             from megatron_rl.trainer import train
 
@@ -114,6 +127,19 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"megatron-rl: configuration error: {exc}", file=sys.stderr)
         return 2
+
+
+def _sft(args, config, overrides: list[str]) -> int:
+    from megatron_rl import sft
+
+    result = sft.run_sft(config, args.output_dir, force=args.force)  # checks everything before importing torch
+    if result.is_driver:
+        print(f"done: {len(result.losses)} sft steps, loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}; "
+              f"checkpoint in {result.output}")
+        train, convert = sft.next_commands(result, args.config, overrides)
+        print(f"next: {train}")
+        print(f"      (a Hugging Face model: {convert})")
+    return 0
 
 
 def _launch(args, overrides: list[str]) -> int:
@@ -157,14 +183,6 @@ def _print_summary(config, result) -> None:
               f"{result.final_accuracy:.3f} after RL")
     if result.curve_png is not None:
         print(f"learning curve: {result.curve_png}")
-
-
-def _quiet_known_upstream_warnings() -> None:
-    # Expected on CPU, or marked as known in Megatron-Core's own source; they bury real output.
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*not installed.*")
-    warnings.filterwarnings("ignore", message=".*The .grad attribute of a Tensor that is not a leaf.*")
-    warnings.filterwarnings("ignore", message=".*is deprecated. Please use .*_single.*", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
 
 
 if __name__ == "__main__":

@@ -523,6 +523,13 @@ def _coerce(hint: Any, value: Any, source: str, key: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         return [_coerce(item, element, source, f"{key}[{index}]") for index, element in enumerate(value)]
+    if origin is dict:
+        # Name mappings (data.columns); keys are checked like values, errors name "key.<name>".
+        key_hint, value_hint = typing.get_args(hint)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return {_coerce(key_hint, k, source, key): _coerce(value_hint, v, source, f"{key}.{k}")
+                for k, v in value.items()}
     if hint is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")

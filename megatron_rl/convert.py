@@ -4,6 +4,9 @@ A converted Megatron checkpoint directory holds Megatron's torch_dist files plus
     hf_config/           the model's config.json and tokenizer files (the model is self-described)
     megatron_rl.json     format tag, padded vocabulary size, the layout and precision it was saved at
 
+`save_megatron_checkpoint` writes this format (here and in `megatron-rl sft`); megatron-to-hf
+reads it, and `megatron-rl train checkpoint.init_from=DIR` starts from it.
+
 Everything that can be checked without processes is checked first: the input exists and describes
 a supported architecture, the output does not exist (unless --force), the layout fits the model.
 A conversion that needs more than one rank re-launches itself under torchrun. Output appears
@@ -13,6 +16,7 @@ atomically: a failure leaves no partial directory.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -121,29 +125,72 @@ def hf_to_megatron(argv: list[str]) -> None:
     config = _config(args.hf_dir, args, args.precision or _precision_of(raw))
     _preflight(config, args, "hf-to-megatron", argv)
 
-    from megatron.core import dist_checkpointing
-
     from megatron_rl.bridge import load_hf_weights
-    from megatron_rl.bridge.hf_checkpoint import copy_tokenizer_files
 
     with _model_on_this_rank(config) as (runtime, built):
         load_hf_weights(built.module, built.arch, args.hf_dir)
         with AtomicDirectory(args.out, force=args.force) as staging:
-            dist_checkpointing.save(built.module.sharded_state_dict(), str(staging))
-            if runtime.is_main:
-                (staging / "hf_config").mkdir()
-                (staging / "hf_config" / "config.json").write_text(json.dumps(built.raw_hf_config, indent=2) + "\n")
-                copy_tokenizer_files(args.hf_dir, staging / "hf_config")
-                metadata = {
-                    "format": FORMAT,
-                    "padded_vocab_size": built.module.vocab_size,
-                    "precision": config.model.precision,
-                    "saved_layout": {"tp": args.tp, "pp": args.pp, "ep": args.ep, "etp": config.parallel.expert_tp},
-                    "source": str(Path(args.hf_dir).resolve()),
-                }
-                (staging / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
+            save_megatron_checkpoint(built.module, built.raw_hf_config, staging, config,
+                                     tokenizer_dir=args.hf_dir, source=str(Path(args.hf_dir).resolve()))
         if runtime.is_main:
             print(f"wrote {args.out} ({built.arch.architecture}, tp={args.tp} pp={args.pp} ep={args.ep})")
+
+
+def save_megatron_checkpoint(module, raw_hf_config: dict, directory: Path, config: RunConfig, *,
+                             tokenizer_dir: str | Path | None, source: str, extra: dict | None = None) -> None:
+    """Collective: the model's weights as torch_dist files in `directory` (empty, e.g. an
+    AtomicDirectory's staging), then, on global rank 0, hf_config/ (config.json and the tokenizer
+    files found in `tokenizer_dir`) and megatron_rl.json. `extra`: more fields for megatron_rl.json."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.bridge.hf_checkpoint import copy_tokenizer_files
+
+    directory = Path(directory)
+    dist_checkpointing.save(module.sharded_state_dict(), str(directory))
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    (directory / "hf_config").mkdir()
+    (directory / "hf_config" / "config.json").write_text(json.dumps(raw_hf_config, indent=2) + "\n")
+    copy_tokenizer_files(tokenizer_dir, directory / "hf_config")
+    p = config.parallel
+    metadata = {
+        "format": FORMAT,
+        "padded_vocab_size": module.vocab_size,
+        "precision": config.model.precision,
+        "saved_layout": {"tp": p.tp, "pp": p.pp, "ep": p.ep, "etp": p.expert_tp},
+        "source": source,
+        **(extra or {}),
+    }
+    (directory / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
+
+
+def is_megatron_checkpoint(path: str | Path) -> bool:
+    """A directory in the format above (else, for checkpoint.init_from: a Hugging Face model)."""
+    return (Path(path) / METADATA).is_file()
+
+
+def pin_checkpoint_vocab(config: RunConfig) -> RunConfig:
+    """`config` with model.padded_vocab_size taken from checkpoint.init_from when that is a
+    megatron-rl checkpoint and the size is not set: the padding depends on the TP size the
+    checkpoint was saved at, and pinning it lets the checkpoint load at any other layout."""
+    source = config.checkpoint.init_from
+    if source is None or config.model.padded_vocab_size is not None or not is_megatron_checkpoint(source):
+        return config
+    rows = read_metadata(source)["padded_vocab_size"]
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, padded_vocab_size=rows))
+
+
+def load_initial_weights(policy, source: str | Path) -> None:
+    """checkpoint.init_from into a built Policy: a checkpoint in the format above (saved at any
+    layout; build the policy from `pin_checkpoint_vocab(config)`) or a Hugging Face model directory."""
+    if is_megatron_checkpoint(source):
+        policy.load_model(str(source))  # refreshes the optimizer's main weights too
+    else:
+        from megatron_rl.bridge import load_hf_weights
+
+        load_hf_weights(policy.module, policy.arch, source)
+        policy.optimizer.reload_model_params()
 
 
 def read_metadata(ckpt: str | Path) -> dict:

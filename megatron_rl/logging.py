@@ -6,8 +6,20 @@
 
 Every metric of a step goes to OUTPUT_DIR/metrics.jsonl as one JSON object with "step". On
 resume the file is cut back to the checkpoint's step first, so steps the interrupted run
-logged after its last checkpoint are not duplicated. wandb is offline by default (files under
+logged after its last checkpoint are not duplicated; a fresh run starts an empty file. wandb is offline by default (files under
 OUTPUT_DIR/wandb, `wandb sync` uploads them later) and online when configured.
+
+Every row also carries two wall-clock keys (never compared by the exact-resume check):
+
+    "time"        Unix time (seconds, float) when the row was written
+    "elapsed_s"   seconds of run time up to this row: counted from the MetricsLog's creation
+                  (the trainer creates it once the policy is built) and, on resume, continued
+                  from the elapsed_s of the last row kept after the cut-back. So elapsed_s is the
+                  run time that produced the kept rows, summed over the interrupted and resumed
+                  processes; the time an interrupted process spent on steps after its last
+                  checkpoint (thrown away, then redone) and the gap between the processes are
+                  not counted. elapsed_s never decreases down the file; time does not either
+                  unless the system clock is set back.
 """
 
 from __future__ import annotations
@@ -16,6 +28,7 @@ import json
 import math
 import os
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -34,6 +47,7 @@ CONSOLE = [
     ("response/length_mean", "len", "{:.1f}"),
 ]
 PHASES = ["generate", "score", "logprobs", "train", "sync"]
+WALL_CLOCK = ("time", "elapsed_s")  # keys every row carries; they differ between identical runs
 
 
 class MetricsLog:
@@ -44,10 +58,16 @@ class MetricsLog:
         self.path = Path(output_dir) / "metrics.jsonl"
         self.stream = stream or sys.stdout
         self._wandb = None
+        self._started = time.monotonic()  # elapsed_s is measured on the monotonic clock
+        self._elapsed_before = 0.0  # run time of the rows kept from interrupted processes
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        truncate_metrics(self.path, resume_step if resume_step is not None else 0)
+        # A fresh run (no checkpoint step, or 0) starts a new file: rows of an earlier attempt in
+        # this directory that never checkpointed would otherwise stay, and step 0 appear twice.
+        truncate_metrics(self.path, resume_step if resume_step else -1)
+        if resume_step:
+            self._elapsed_before = max((r.get("elapsed_s", 0.0) for r in read_metrics(self.path)), default=0.0)
         if wandb_mode != "disabled":
             self._wandb = _start_wandb(Path(output_dir), wandb_mode, wandb_project, run_name, config, resume_step)
 
@@ -55,6 +75,8 @@ class MetricsLog:
         if not self.enabled:
             return
         record = {"step": step, **{key: _plain(value) for key, value in sorted(metrics.items())}}
+        record["time"] = time.time()
+        record["elapsed_s"] = self._elapsed_before + (time.monotonic() - self._started)
         with open(self.path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
         if self._wandb is not None:

@@ -9,8 +9,9 @@ from pathlib import Path
 from megatron_rl.errors import ConfigError
 
 
-def check_layout_and_paths(config) -> None:
-    """`config`: a loaded RunConfig. Raises ConfigError naming the key and the reason."""
+def check_layout_and_paths(config, *, rl: bool = True) -> None:
+    """`config`: a loaded RunConfig. Raises ConfigError naming the key and the reason.
+    `rl=False` (`megatron-rl sft`): no rollout engine and no run directory, so not their checks."""
     from megatron_rl.model.hf_config import load_hf_config, parse_hf_config
     from megatron_rl.model.layout_checks import check_divisibility
     from megatron_rl.platform.launch_env import read_launch_env
@@ -21,13 +22,15 @@ def check_layout_and_paths(config) -> None:
     config.parallel.validate_for_model("parallel", num_experts=arch.num_experts if arch.is_moe else None)
     check_divisibility(arch, config)
     config.parallel.validate_world_size(world)
-    if config.rollout.mode == "colocated" and arch.num_key_value_heads % world:
+    if rl and config.rollout.mode == "colocated" and arch.num_key_value_heads % world:
         raise ConfigError(
             f"rollout.mode=colocated shards the engine over all {world} ranks, which must divide the "
             f"model's {arch.num_key_value_heads} KV heads; use rollout.mode=server"
         )
     if config.checkpoint.init_from and not Path(config.checkpoint.init_from).exists():
         raise ConfigError(f"checkpoint.init_from: {config.checkpoint.init_from} does not exist")
+    if not rl:
+        return
     root = Path(config.output_dir) / "checkpoints"
     if config.checkpoint.resume == "none" and any(root.glob("step_*")):
         raise ConfigError(f"{root} already holds checkpoints and checkpoint.resume=none: use resume=auto to "

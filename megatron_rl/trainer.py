@@ -92,7 +92,11 @@ def preflight(config: RunConfig) -> None:
     check_engine_installed(config)
     check_wandb_available(config.logging.wandb_mode)
     build_scorer(config.rewards).close()  # resolves every reward function now
-    load_datasets(config.data)
+    train_set, _ = load_datasets(config.data)
+    if config.warm_start.steps:
+        from megatron_rl.warm_start import check_targets
+
+        check_targets(train_set)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,7 +132,9 @@ class Trainer:
                                      seed=config.data.seed if config.data.seed is not None else config.seed,
                                      shuffle=config.data.shuffle)
         updates = config.rl.steps * config.rl.updates_per_rollout
-        self.policy = Policy(config, runtime, total_steps=updates)
+        from megatron_rl.convert import pin_checkpoint_vocab
+
+        self.policy = Policy(pin_checkpoint_vocab(config), runtime, total_steps=updates)
         self.routing = RouterTrace.attach()
         self.engine_dir = self.out / "engine_model"
         self.tokenizer = self._prepare_engine_model()
@@ -403,14 +409,9 @@ class Trainer:
         source = self.config.checkpoint.init_from
         if source is None:
             return  # the random initialization (seeded) of the built-in default
-        source = Path(source)
-        if (source / "megatron_rl.json").is_file():
-            self.policy.load_model(str(source / "weights"))
-        else:
-            from megatron_rl.bridge import load_hf_weights
+        from megatron_rl.convert import load_initial_weights
 
-            load_hf_weights(self.policy.module, self.policy.arch, source)
-            self.policy.optimizer.reload_model_params()
+        load_initial_weights(self.policy, source)  # a HF model, or `convert hf-to-megatron` / `sft` output
 
     def _prepare_reference(self, fresh: bool) -> None:
         from megatron_rl.reference import ReferenceWeights
@@ -443,18 +444,9 @@ class Trainer:
         return tokenizer
 
     def _write_tokenizer(self) -> None:
-        from megatron_rl.data import write_char_tokenizer
+        from megatron_rl.data.tokenizer import write_run_tokenizer
 
-        if self.config.data.train == "synthetic":
-            write_char_tokenizer(self.engine_dir)
-            return
-        source = self.config.checkpoint.init_from or self.config.model.hf_config
-        source = Path(source)
-        source = source if source.is_dir() else source.parent
-        from megatron_rl.bridge.hf_checkpoint import copy_tokenizer_files
-
-        if not copy_tokenizer_files(source, self.engine_dir):
-            raise ConfigError(f"no tokenizer files in {source}: set checkpoint.init_from to a Hugging Face model directory")
+        write_run_tokenizer(self.config, self.engine_dir)
 
     # ---- signals ------------------------------------------------------------------------------
 

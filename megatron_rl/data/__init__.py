@@ -1,18 +1,19 @@
-"""Prompt data: datasets (JSONL, Parquet, synthetic tasks), the resumable sampler, chat templates
-and the tiny character tokenizer.
+"""Prompt data: datasets (JSONL, Parquet, `datasets` save_to_disk directories and files, synthetic
+tasks), the resumable sampler, chat templates and the tiny character tokenizer.
 
 Public API (what the trainer calls):
 
 * ``DataConfig`` and ``load_datasets(config) -> (train, heldout | None)`` of ``PromptRecord``
   (``prompt``, ``answer``, ``metadata``); ``load_prompts(path, prompt_key=, answer_key=)``;
+  ``hf_datasets.load_hf_prompts(path, split=, ...)`` (imports ``datasets`` when called);
   ``synthetic_datasets(task_config, num_train=, num_heldout=, seed=)``; ``prompt_text(prompt)``.
 * ``PromptSampler(num_prompts, batch_size, seed=, shuffle=)``: ``next_batch()``, ``take(n)``,
   ``state_dict()`` / ``load_state_dict()``.
 * ``encode_prompt(tokenizer, prompt, prompt_format=, system_prompt=)`` (and ``render_prompt``).
 * ``build_char_tokenizer()`` / ``write_char_tokenizer(directory)``: the synthetic tasks' tokenizer.
 
-Importing this package does not import torch or transformers (the tokenizer module imports
-transformers when called).
+Importing this package does not import torch, transformers or datasets (the tokenizer module
+imports transformers, and ``hf_datasets`` imports datasets, when called).
 """
 
 from megatron_rl.data.chat import encode_prompt, render_prompt

@@ -1,9 +1,17 @@
-"""Prompt datasets: local JSON Lines / Parquet files, or a synthetic task's train and held-out splits.
+"""Prompt datasets: local files, ``datasets`` save_to_disk directories, or a synthetic task's splits.
 
 A record is a prompt (text, or a list of chat messages ``{"role", "content"}``), an optional
 reference answer, and metadata: every other top-level field of the row, handed to reward
 functions as keyword arguments. Fields named ``prompt``, ``response`` or ``answer`` are never
-metadata (they would collide with the reward function's own arguments).
+metadata (they would collide with the reward function's own arguments). ``data.columns`` renames
+metadata fields ({field: keyword}, dotted fields allowed) and ``data.other_columns="drop"`` keeps
+only those; a renamed field whose new name is also another field of the row is refused (one of
+the two would be lost silently).
+
+Which reader (``load_datasets``, ``data.loader``): JSON Lines and Parquet files go to the built-in
+reader here unless ``data.loader="datasets"``; .json / .csv / .arrow files and save_to_disk
+directories go through the ``datasets`` library (``hf_datasets.py``, imported only then). A
+path that does not exist is refused naming the key: nothing is downloaded at run time.
 
 Every problem with a file is a ConfigError naming the file, the line (JSONL, 1-based) or row
 (Parquet, 0-based index) and the key: a missing field, a value of the wrong type, invalid JSON.
@@ -16,10 +24,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Literal, Mapping, Sequence
 
 from megatron_rl.errors import ConfigError
-from megatron_rl.data.config import DataConfig
+from megatron_rl.data.config import RESERVED_NAMES, DataConfig
 from megatron_rl.rewards.synthetic import TaskConfig, make_task
 
 __all__ = [
@@ -28,12 +36,12 @@ __all__ = [
     "load_prompts",
     "synthetic_datasets",
     "load_datasets",
+    "load_source",
     "prompt_text",
     "get_field",
 ]
 
 Message = Mapping[str, str]
-RESERVED_NAMES = frozenset({"prompt", "response", "answer"})
 
 
 @dataclass(frozen=True)
@@ -127,7 +135,28 @@ def _as_answer(value: Any, where: str) -> str:
     raise ConfigError(f"{where}: the answer must be a string or a number, got {type(value).__name__} {value!r}")
 
 
-def _record(row: Any, where: str, prompt_key: str, answer_key: str | None) -> PromptRecord:
+def _metadata(row: Mapping[str, Any], where: str, prompt_key: str, answer_key: str | None,
+              columns: Mapping[str, str], keep_other: bool) -> dict[str, Any]:
+    metadata = {}
+    if keep_other:
+        metadata = {k: v for k, v in row.items()
+                    if k not in RESERVED_NAMES and k not in (prompt_key, answer_key) and k not in columns}
+    for source, target in columns.items():
+        try:
+            value = get_field(row, source)
+        except KeyError as exc:
+            raise ConfigError(f"{where}: data.columns key '{source}': {exc.args[0]}") from None
+        if target in metadata:
+            raise ConfigError(
+                f"{where}: data.columns renames '{source}' to '{target}', but the row also has a field "
+                f"'{target}'; rename that one too in data.columns, or set data.other_columns=drop"
+            )
+        metadata[target] = value
+    return metadata
+
+
+def _record(row: Any, where: str, prompt_key: str, answer_key: str | None,
+            columns: Mapping[str, str] | None = None, keep_other: bool = True) -> PromptRecord:
     if not isinstance(row, Mapping):
         raise ConfigError(f"{where}: expected an object with fields, got {type(row).__name__}")
     values = {}
@@ -138,7 +167,7 @@ def _record(row: Any, where: str, prompt_key: str, answer_key: str | None) -> Pr
             values[role] = get_field(row, key)
         except KeyError as exc:
             raise ConfigError(f"{where}: {role} key '{key}': {exc.args[0]}") from None
-    metadata = {k: v for k, v in row.items() if k not in RESERVED_NAMES and k not in (prompt_key, answer_key)}
+    metadata = _metadata(row, where, prompt_key, answer_key, columns or {}, keep_other)
     answer = _as_answer(values["answer"], f"{where}: answer key '{answer_key}'") if answer_key else None
     return PromptRecord(_as_prompt(values["prompt"], f"{where}: prompt key '{prompt_key}'"), answer, metadata)
 
@@ -173,7 +202,8 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
 _READERS = {".jsonl": _jsonl_rows, ".parquet": _parquet_rows}
 
 
-def load_prompts(path: str | Path, *, prompt_key: str = "prompt", answer_key: str | None = "answer") -> PromptDataset:
+def load_prompts(path: str | Path, *, prompt_key: str = "prompt", answer_key: str | None = "answer",
+                 columns: Mapping[str, str] | None = None, other_columns: str = "keep") -> PromptDataset:
     """Read every record of a .jsonl or .parquet file (see the module docstring for errors)."""
     path = Path(path)
     reader = _READERS.get(path.suffix.lower())
@@ -181,7 +211,8 @@ def load_prompts(path: str | Path, *, prompt_key: str = "prompt", answer_key: st
         raise ConfigError(f"{path}: unsupported prompt file type {path.suffix!r}; use {' or '.join(_READERS)}")
     if not path.is_file():
         raise ConfigError(f"prompt file {path} does not exist")
-    records = [_record(row, where, prompt_key, answer_key) for where, row in reader(path)]
+    keep_other = other_columns == "keep"
+    records = [_record(row, where, prompt_key, answer_key, columns, keep_other) for where, row in reader(path)]
     return PromptDataset(records, str(path))
 
 
@@ -204,6 +235,55 @@ def synthetic_datasets(
     return dataset(num_train, "train"), dataset(num_heldout, "heldout") if num_heldout else None
 
 
+# --------------------------------------------------------------------------- config -> dataset
+
+_BUILTIN_SUFFIXES = (".jsonl", ".parquet")
+
+
+def _missing_path(key: str, path: Path) -> ConfigError:
+    from megatron_rl.data.hf_datasets import SUFFIX_BUILDERS
+
+    suffixes = ", ".join(sorted(set(_BUILTIN_SUFFIXES) | set(SUFFIX_BUILDERS)))
+    hint = ""
+    if not path.suffix and not path.is_absolute() and len(path.parts) == 2:
+        # "org/name" is how hub datasets are named; say how to bring one onto this machine.
+        hint = (f"; if '{path}' is a hub dataset, save it where the hub is reachable with "
+                f"`datasets.load_dataset('{path}').save_to_disk(DIR)` and set {key}=DIR")
+    return ConfigError(
+        f"{key}: prompt file {path} does not exist; it must be a local file ({suffixes}) or a directory "
+        f"written by `datasets` save_to_disk (nothing is downloaded at run time){hint}"
+    )
+
+
+def _uses_datasets(config: DataConfig, key: str, path: Path) -> bool:
+    """Whether ``path`` is read through ``datasets`` (True) or the built-in reader (False)."""
+    if config.loader == "datasets":
+        return True
+    if path.is_dir():
+        if config.loader == "builtin":
+            raise ConfigError(
+                f"{key}: {path} is a directory; data.loader=builtin reads .jsonl / .parquet files only "
+                "(use data.loader=auto for a `datasets` save_to_disk directory)"
+            )
+        return True
+    # The built-in reader keeps its own "unsupported file type" error for other suffixes.
+    return config.loader == "auto" and path.suffix.lower() not in _BUILTIN_SUFFIXES
+
+
+def load_source(config: DataConfig, key: Literal["train", "heldout"]) -> PromptDataset:
+    """The dataset ``data.<key>`` names (a file or a save_to_disk directory), read as configured."""
+    path = Path(getattr(config, key))
+    if not path.exists():
+        raise _missing_path(f"data.{key}", path)
+    fields = dict(prompt_key=config.prompt_key, answer_key=config.answer_key, columns=config.columns,
+                  other_columns=config.other_columns)
+    if not _uses_datasets(config, f"data.{key}", path):
+        return load_prompts(path, **fields)
+    from megatron_rl.data.hf_datasets import load_hf_prompts  # imports `datasets` only when called
+
+    return load_hf_prompts(path, key=key, split=getattr(config, f"{key}_split"), **fields)
+
+
 def load_datasets(config: DataConfig) -> tuple[PromptDataset, PromptDataset | None]:
     """The run's train dataset and optional held-out dataset, as the data config describes."""
     config.validate()
@@ -212,7 +292,7 @@ def load_datasets(config: DataConfig) -> tuple[PromptDataset, PromptDataset | No
             config.synthetic, num_train=config.num_train, num_heldout=config.num_heldout, seed=config.synthetic_seed
         )
     else:
-        train, heldout = load_prompts(config.train, prompt_key=config.prompt_key, answer_key=config.answer_key), None
+        train, heldout = load_source(config, "train"), None
     if config.heldout is not None:
-        heldout = load_prompts(config.heldout, prompt_key=config.prompt_key, answer_key=config.answer_key)
+        heldout = load_source(config, "heldout")
     return train, heldout

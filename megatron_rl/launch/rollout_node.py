@@ -21,7 +21,7 @@ from megatron_rl.config import load_config
 
 def write_engine_model(config, directory: Path) -> None:
     """What the trainer writes for its own engines: config.json, generation config, tokenizer."""
-    from megatron_rl.data import write_char_tokenizer
+    from megatron_rl.data.tokenizer import write_run_tokenizer
     from megatron_rl.model.hf_config import load_hf_config
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -30,13 +30,7 @@ def write_engine_model(config, directory: Path) -> None:
     (directory / "config.json").write_text(json.dumps(raw, indent=1))
     generation = {key: raw[key] for key in ("bos_token_id", "eos_token_id") if key in raw}
     (directory / "generation_config.json").write_text(json.dumps(generation))
-    if config.data.train == "synthetic":
-        write_char_tokenizer(directory)
-        return
-    from megatron_rl.bridge.hf_checkpoint import copy_tokenizer_files
-
-    source = Path(config.checkpoint.init_from or config.model.hf_config)
-    copy_tokenizer_files(source if source.is_dir() else source.parent, directory)
+    write_run_tokenizer(config, directory)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     server = VllmServerProcess.start(
         model_dir, port=args.port, host=args.host, log_path=out / "logs" / f"{args.name}.log", name=args.name,
         dtype=engine_dtype(config), max_model_len=rollout.max_model_len, seed=config.seed,
-        cache_dir=out / ".cache", cpu_kv_cache_gib=rollout.cpu_kv_cache_gib,
+        cpu_kv_cache_gib=rollout.cpu_kv_cache_gib,
         gpu_memory_utilization=rollout.gpu_memory_utilization, load_format="dummy",
         startup_timeout_s=rollout.startup_timeout_s,
         extra_args=["--tensor-parallel-size", str(args.tensor_parallel_size)],

@@ -29,6 +29,7 @@ from megatron_rl.model.fp8 import micro_batch_multiple
 from megatron_rl.model.hf_config import ArchitectureSpec
 from megatron_rl.model.logprobs import vocab_parallel_logprobs_entropy
 from megatron_rl.model.packing import PackedBatch, pack
+from megatron_rl.platform import cpu_compat
 from megatron_rl.platform.runtime import Runtime
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, PackedBatch], tuple[torch.Tensor, dict]]
@@ -236,12 +237,13 @@ class Policy:
             index, batch = next(data_iterator)
             if routing is not None:
                 routing.begin_microbatch(index)
-            output = model(
-                input_ids=batch.input_ids,
-                position_ids=batch.position_ids,
-                attention_mask=None,
-                packed_seq_params=batch.packed_seq_params(),
-            )
+            with cpu_compat.suspended():  # the forward names no CUDA device (see cpu_compat)
+                output = model(
+                    input_ids=batch.input_ids,
+                    position_ids=batch.position_ids,
+                    attention_mask=None,
+                    packed_seq_params=batch.packed_seq_params(),
+                )
             if routing is not None:
                 routing.end_microbatch(index)
             return output, partial(self._loss, batch, loss_fn, with_entropy)
@@ -276,6 +278,10 @@ class Policy:
         return list(batches) + [filler] * missing
 
     def _loss(self, batch: PackedBatch, loss_fn: LossFn | None, with_entropy: bool, logits: torch.Tensor):
+        with cpu_compat.suspended():
+            return self._compute_loss(batch, loss_fn, with_entropy, logits)
+
+    def _compute_loss(self, batch: PackedBatch, loss_fn: LossFn | None, with_entropy: bool, logits: torch.Tensor):
         # logits: [1, T, V_local], vocab-sharded across TP (never gathered).
         vocab_local = logits.shape[-1]
         logprobs, entropy = vocab_parallel_logprobs_entropy(

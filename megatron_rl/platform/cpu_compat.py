@@ -21,9 +21,20 @@ behaviour it redirects (measured list: `docs/architecture.md`, "CPU compatibilit
     `.sequence_parallel = True` so their gradients are all-reduced across TP, as TE's norm does.
  8. The alltoall dispatcher's split sizes become numpy arrays (only CUDA tensors were converted).
  9. Uneven all-gather / reduce-scatter (expert TP > 1) are rebuilt from even gloo collectives.
+10. RoPE on packed (`thd`) rows gathers each token's frequencies by its position in its sample in
+    one indexing op, instead of Megatron's per-sample slice-and-concatenate loop (a Python step per
+    sample, per layer, for q and k: the local layer spec is the only user of that path).
 
 Everything here is process-wide by necessity (Megatron's own calls are), idempotent, and never
 runs when the device is CUDA: `activate()` refuses to run if CUDA is available and in use.
+
+Where the mode of item 2 is active: everywhere, except inside `suspended()`. It costs a Python
+call per torch operation, which was about a sixth of a tiny CPU RL step, while a step needs it
+only in Megatron's schedule and optimizer (their `device="cuda"` literals and `.type()` asserts).
+So the hot code that never names a CUDA device runs suspended: the model's forward and our loss
+(model/policy.py) and the in-process vLLM engine (rollout/vllm_colocated.py). The one literal a
+forward can reach (the MoE aux-loss tracker) re-enters the mode itself (item 11).
+11. `moe_utils.save_to_aux_losses_tracker` runs under the mode even inside `suspended()`.
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ import threading
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack, _pop_mode_temporarily
 
 _lock = threading.Lock()
 _active_mode: TorchFunctionMode | None = None  # the one mode instance, entered for the process
@@ -42,6 +53,20 @@ _active_mode: TorchFunctionMode | None = None  # the one mode instance, entered 
 
 def is_active() -> bool:
     return _active_mode is not None
+
+
+@contextlib.contextmanager
+def suspended():
+    """Run the body without the CUDA-to-CPU mode (see the module docstring for where).
+
+    A no-op when the layer is not active, or when another mode sits above ours on the stack (then
+    the body simply keeps the redirection: slower, never wrong)."""
+    stack = _get_current_function_mode_stack() if _active_mode is not None else []
+    if not stack or stack[-1] is not _active_mode:
+        yield
+        return
+    with _pop_mode_temporarily():
+        yield
 
 
 def activate() -> None:
@@ -160,6 +185,7 @@ def _patch_torch_cuda() -> None:
 
 
 def _patch_megatron() -> None:
+    from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.tensor_parallel import mappings, random
     from megatron.core.transformer import torch_norm
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
@@ -177,6 +203,13 @@ def _patch_megatron() -> None:
 
     # 8: token_dispatcher imported the function by name, so patch it there.
     token_dispatcher.maybe_move_tensor_to_cpu = _maybe_move_tensor_to_cpu
+
+    # 10: apply_rotary_pos_emb looks the thd helper up as a module global at call time.
+    rope_utils._apply_rotary_pos_emb_thd = _rope_thd_gathered(rope_utils._apply_rotary_pos_emb_thd,
+                                                              rope_utils._apply_rotary_pos_emb_bshd)
+
+    # 11
+    moe_utils.save_to_aux_losses_tracker = _under_mode(moe_utils.save_to_aux_losses_tracker)
 
     # 9: mappings' autograd functions look these up as module globals at call time.
     mappings._gather_along_first_dim = _gather_along_first_dim(mappings._gather_along_first_dim)
@@ -203,6 +236,37 @@ def _wrapped_torch_norm_new(original_new):
         return norm
 
     return new
+
+
+def _rope_thd_gathered(original, apply_bshd):
+    @functools.wraps(original)
+    def apply_thd(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0,
+                  cp_group=None):
+        if cp_group is None or cp_group.size() > 1:
+            return original(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
+                            multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group)
+        total = t.shape[0]
+        if freqs.size(0) == int(cu_seqlens[-1]):
+            packed = freqs  # Megatron's "exact mapping" case: one frequency row per packed token
+        else:
+            # Position of every token within its own sample: what the per-sample slices index.
+            starts = cu_seqlens[:-1].to(torch.long)
+            lengths = cu_seqlens[1:].to(torch.long) - starts
+            positions = torch.arange(total, device=t.device) - torch.repeat_interleave(starts, lengths, output_size=total)
+            packed = freqs.index_select(0, positions)
+        return apply_bshd(t.unsqueeze(1), packed, rotary_interleaved=rotary_interleaved,
+                          multi_latent_attention=multi_latent_attention, mscale=mscale).squeeze(1)
+
+    return apply_thd
+
+
+def _under_mode(function):
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        with _CudaToCpuMode():
+            return function(*args, **kwargs)
+
+    return run
 
 
 def _maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):

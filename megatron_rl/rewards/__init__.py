@@ -8,6 +8,8 @@ Public API (what the trainer calls):
   rewards, per-term rewards, error/timeout counts, ``metrics()``); ``.close()``.
 * ``resolve_reward(name, params) -> RewardFunction``: the registry ("math", "format",
   "synthetic", "synthetic:<task>", "module:function", "file.py:function").
+* ``@batched``: marks a user reward function as batched (lists in, a list of rewards out);
+  ``is_batched(fn)`` is the detection rule.
 * ``make_task(...)`` / ``TaskConfig``: synthetic tasks (records + verifiers).
 * ``math_answer``: ``extract_answer``, ``answers_match``, ``math_reward``.
 
@@ -16,7 +18,7 @@ import torch or sympy.
 """
 
 from megatron_rl.rewards.config import RewardConfig, build_scorer
-from megatron_rl.rewards.functions import RewardFunction, as_reward
+from megatron_rl.rewards.functions import RewardFunction, as_reward, batched, is_batched
 from megatron_rl.rewards.math_answer import answers_match, extract_answer, extract_boxed, math_reward
 from megatron_rl.rewards.registry import BUILTIN_REWARDS, resolve_reward
 from megatron_rl.rewards.scoring import RewardInput, RewardScorer, RewardTerm, ScoreResult
@@ -35,9 +37,11 @@ __all__ = [
     "TaskConfig",
     "answers_match",
     "as_reward",
+    "batched",
     "build_scorer",
     "extract_answer",
     "extract_boxed",
+    "is_batched",
     "make_task",
     "math_reward",
     "resolve_reward",

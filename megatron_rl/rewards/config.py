@@ -2,11 +2,13 @@
 
     rewards:
       timeout_s: 10          # per sample and term, for functions run in worker processes
+      batch_timeout_s: 60    # per call of a batched function (one chunk of the batch); default timeout_s
       num_workers: 2
       terms:
         - {name: math}
         - {name: format, weight: 0.1}
         - {name: my_pkg.rewards:judge, weight: 0.5, params: {strict: true}}
+        - {name: my_pkg.rewards:judge_many, batched: true}   # lists in, a list out (functions.py)
 
 ``terms`` is a list of mappings, which ``RewardConfig.from_dict`` reads (the run configuration
 loader reads scalar fields and nested dataclasses); errors name the dotted key, e.g.
@@ -25,13 +27,15 @@ from megatron_rl.rewards.scoring import ISOLATIONS, RewardScorer, RewardTerm
 
 __all__ = ["RewardConfig", "build_scorer"]
 
-_TERM_KEYS = ("name", "weight", "params", "isolation", "label")
+_TERM_KEYS = ("name", "weight", "params", "isolation", "label", "batched")
 
 
 @dataclass
 class RewardConfig:
     terms: list[RewardTerm] = field(default_factory=lambda: [RewardTerm("synthetic")])
     timeout_s: float = 10.0
+    # The timeout of one call of a batched reward function (a chunk of the batch); None: timeout_s.
+    batch_timeout_s: float | None = None
     num_workers: int = 2
     # A worker must be ready (imports done, functions resolved) within this many seconds.
     startup_timeout_s: float = 120.0
@@ -39,8 +43,10 @@ class RewardConfig:
     def validate(self, where: str = "rewards") -> RewardConfig:
         if not self.terms:
             raise ConfigError(f"{where}.terms must list at least one reward function")
-        for name in ("timeout_s", "startup_timeout_s"):
+        for name in ("timeout_s", "startup_timeout_s", "batch_timeout_s"):
             value = getattr(self, name)
+            if name == "batch_timeout_s" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"{where}.{name} must be a number > 0, got {value!r}")
         if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 1:
@@ -88,11 +94,15 @@ def _term(item: Any, where: str) -> RewardTerm:
     label = item.get("label")
     if label is not None and (not isinstance(label, str) or not label):
         raise ConfigError(f"{where}.label must be a non-empty string, got {label!r}")
-    return RewardTerm(item["name"], float(weight), dict(params), isolation, label)
+    batched = item.get("batched")
+    if batched is not None and not isinstance(batched, bool):
+        raise ConfigError(f"{where}.batched must be true, false or null (detect from the function), got {batched!r}")
+    return RewardTerm(item["name"], float(weight), dict(params), isolation, label, batched)
 
 
 def build_scorer(config: RewardConfig, start_method: str | None = None) -> RewardScorer:
     """The scorer for a validated config (resolves every term now: ConfigError on a bad one)."""
     config.validate()
     return RewardScorer(config.terms, timeout_s=config.timeout_s, num_workers=config.num_workers,
-                        startup_timeout_s=config.startup_timeout_s, start_method=start_method)
+                        startup_timeout_s=config.startup_timeout_s, start_method=start_method,
+                        batch_timeout_s=config.batch_timeout_s)

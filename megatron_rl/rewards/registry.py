@@ -11,7 +11,8 @@ Names:
     "path/to/file.py:fn" a callable defined in a Python file (relative paths are resolved
                          against the current directory when the name is resolved)
 
-For the two user forms, ``params`` are passed to every call as keyword arguments. Every problem is
+For the two user forms, ``params`` are passed to every call as keyword arguments, and the function
+may be batched (lists in, a list out; detected as ``functions.is_batched`` says). Every problem is
 a ``ConfigError`` naming the reward and saying what is wrong (module not found, import failed
 with which exception, attribute missing, object not callable, unknown parameter), raised when
 the name is resolved, i.e. when the scorer is built and not at the first sample.
@@ -33,7 +34,7 @@ from typing import Any, Mapping
 
 from megatron_rl.errors import ConfigError
 from megatron_rl.rewards.format import make_format_reward
-from megatron_rl.rewards.functions import RewardFunction
+from megatron_rl.rewards.functions import RewardFunction, is_batched
 from megatron_rl.rewards.math_answer import math_fast_path, math_reward, math_verify_available, prepare_math_verify
 from megatron_rl.rewards.synthetic import TASKS, make_task, verify_synthetic
 
@@ -51,12 +52,13 @@ def _check_params(name: str, params: Mapping[str, Any], allowed: tuple[str, ...]
 
 class WithParams:
     """``fn`` called with configured keyword ``params``, which win over record metadata of the same
-    name (``functools.partial`` would let the metadata win)."""
+    name (``functools.partial`` would let the metadata win). For a batched function the three
+    arguments are lists and the metadata are columns; params stay plain values."""
 
     def __init__(self, fn, params: Mapping[str, Any]):
         self.fn, self.params = fn, dict(params)
 
-    def __call__(self, prompt: str, response: str, answer: str | None, **metadata: Any) -> Any:
+    def __call__(self, prompt, response, answer, **metadata: Any) -> Any:
         return self.fn(prompt, response, answer, **{**metadata, **self.params})
 
 
@@ -166,7 +168,7 @@ def _user(name: str, params: Mapping[str, Any]) -> RewardFunction:
             ) from None
     if not callable(obj):
         raise ConfigError(f"reward {name!r} is not callable (it is an object of type {type(obj).__name__})")
-    return RewardFunction(name, WithParams(obj, params) if params else obj, inline_safe=False)
+    return RewardFunction(name, WithParams(obj, params) if params else obj, inline_safe=False, batched=is_batched(obj))
 
 
 def resolve_reward(name: str, params: Mapping[str, Any] | None = None) -> RewardFunction:

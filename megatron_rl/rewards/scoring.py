@@ -22,8 +22,19 @@ first message kept for the log); the batch always completes. Where each term run
 "inline" is refused for anything not inline-safe, because an unbounded function in the trainer
 process could stall the run.
 
+Batched functions (``functions.py``: declared by the term's ``batched`` setting, the ``@batched``
+marker, or a first parameter named ``prompts``) always run in the workers. A batch's samples
+needing a term are cut into ``min(num_workers, n)`` contiguous chunks of near-equal size, one
+call each, so all workers stay busy; they share the pool with the per-sample calls of other
+terms. The hard timeout applies per call, i.e. per chunk: ``batch_timeout_s`` (default
+``timeout_s``). A call that raises, returns a result of the wrong length, crashes its worker,
+cannot be pickled or times out scores 0.0 for every sample of the chunk, each counted as an error
+(or timeout) with the call's message; an element that is not a finite number is an error for
+that sample only.
+
 Determinism: the rewards of a sample depend only on the sample and the functions, not on which
-worker ran it or in what order; only whether a slow call crosses ``timeout_s`` depends on time.
+worker ran it or in what order (nor, for a batched function that scores each sample on its own,
+on how the batch was chunked); only whether a slow call crosses its timeout depends on time.
 """
 
 from __future__ import annotations
@@ -34,8 +45,8 @@ from typing import Any, Literal, Mapping, Sequence
 
 from megatron_rl.errors import ConfigError
 from megatron_rl.rewards.functions import RewardFunction, RewardValueError, as_reward
-from megatron_rl.rewards.registry import absolute_reward_name, resolve_reward
-from megatron_rl.rewards.workers import Call, Outcome, WorkerPool
+from megatron_rl.rewards.registry import BUILTIN_REWARDS, absolute_reward_name, resolve_reward
+from megatron_rl.rewards.workers import BatchCall, Call, Outcome, WorkerPool
 
 __all__ = ["RewardTerm", "RewardInput", "ScoreResult", "RewardScorer"]
 
@@ -47,7 +58,8 @@ ISOLATIONS = ("auto", "inline", "process")
 class RewardTerm:
     """One weighted reward function: ``name`` as in ``registry.py``, ``params`` for it.
 
-    ``label`` names the term in metrics (default: the name).
+    ``label`` names the term in metrics (default: the name). ``batched``: True / False declares
+    whether the function takes lists (``functions.py``); None detects it from the function.
     """
 
     name: str
@@ -55,6 +67,7 @@ class RewardTerm:
     params: Mapping[str, Any] = field(default_factory=dict)
     isolation: Isolation = "auto"
     label: str | None = None
+    batched: bool | None = None
 
     @property
     def key(self) -> str:
@@ -102,11 +115,15 @@ class RewardScorer:
     """Resolves the terms once (ConfigError if any is invalid), then scores batches."""
 
     def __init__(self, terms: Sequence[RewardTerm], *, timeout_s: float = 10.0, num_workers: int = 2,
-                 startup_timeout_s: float = 120.0, start_method: str | None = None):
+                 startup_timeout_s: float = 120.0, start_method: str | None = None,
+                 batch_timeout_s: float | None = None):
         if not terms:
             raise ConfigError("rewards: at least one reward term is needed")
-        if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
-            raise ConfigError(f"rewards.timeout_s must be a number > 0, got {timeout_s!r}")
+        for key, value in (("timeout_s", timeout_s), ("batch_timeout_s", batch_timeout_s)):
+            if key == "batch_timeout_s" and value is None:
+                continue
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"rewards.{key} must be a number > 0, got {value!r}")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ConfigError(f"rewards.num_workers must be an integer >= 1, got {num_workers!r}")
         keys = [term.key for term in terms]
@@ -116,6 +133,7 @@ class RewardScorer:
         self.terms = list(terms)
         self.functions: list[RewardFunction] = []
         self.in_process: list[bool] = []
+        self.batched: list[bool] = []
         for index, term in enumerate(self.terms):
             where = f"rewards.terms[{index}]"
             if term.isolation not in ISOLATIONS:
@@ -133,12 +151,14 @@ class RewardScorer:
                     "this one needs a worker process with a timeout"
                 )
             self.functions.append(function)
+            self.batched.append(_term_batched(term, function, where))
+            # Batched functions are user functions, never inline-safe: they always go to workers.
             self.in_process.append(term.isolation == "inline" or (term.isolation == "auto" and function.inline_safe))
         # Workers get (name, params) and resolve the functions themselves (closures do not pickle).
         self.pool = WorkerPool(
             [(absolute_reward_name(term.name), dict(term.params)) for term in self.terms],
             num_workers=num_workers, timeout_s=timeout_s, startup_timeout_s=startup_timeout_s,
-            start_method=start_method,
+            start_method=start_method, batch_timeout_s=batch_timeout_s,
         )
 
     def __enter__(self) -> RewardScorer:
@@ -157,9 +177,14 @@ class RewardScorer:
 
     def score(self, samples: Sequence[RewardInput]) -> ScoreResult:
         outcomes: dict[tuple[int, int], Outcome] = {}  # (term, sample) -> outcome
-        calls: list[Call] = []
-        call_keys: list[tuple[int, int]] = []
+        calls: list[Call | BatchCall] = []
+        call_keys: list[list[tuple[int, int]]] = []  # per call: the (term, sample) pairs it scores
         for t, function in enumerate(self.functions):
+            if self.batched[t]:
+                for chunk in _chunks(len(samples), self.pool.num_workers):
+                    calls.append(_batch_call(t, [samples[s] for s in chunk]))
+                    call_keys.append([(t, s) for s in chunk])
+                continue
             for s, sample in enumerate(samples):
                 if self.in_process[t]:
                     outcomes[t, s] = _run_inline(function.fn, sample)
@@ -170,10 +195,12 @@ class RewardScorer:
                         outcomes[t, s] = fast
                         continue
                 calls.append(Call(t, sample.prompt, sample.response, sample.answer, dict(sample.metadata)))
-                call_keys.append((t, s))
+                call_keys.append([(t, s)])
         if calls:
-            for key, outcome in zip(call_keys, self.pool.run(calls)):
-                outcomes[key] = outcome
+            for keys, outcome in zip(call_keys, self.pool.run(calls)):
+                # One outcome for a whole batch call (it raised, crashed, timed out) counts for each sample.
+                per_sample = outcome if isinstance(outcome, list) else [outcome] * len(keys)
+                outcomes.update(zip(keys, per_sample))
         return self._combine(outcomes, len(samples))
 
     def _combine(self, outcomes: dict[tuple[int, int], Outcome], n: int) -> ScoreResult:
@@ -196,6 +223,29 @@ class RewardScorer:
                     result.first_error = f"term {term.key!r}, sample {s}: {outcome.message}"
             result.per_term[term.key] = values
         return result
+
+
+def _term_batched(term: RewardTerm, function: RewardFunction, where: str) -> bool:
+    if term.batched is None:
+        return function.batched
+    if term.batched and term.name in BUILTIN_REWARDS:
+        raise ConfigError(f"{where}: batched=true needs a user function; the built-in {term.name!r} is per-sample")
+    return bool(term.batched)
+
+
+def _chunks(n: int, parts: int) -> list[range]:
+    """``range(n)`` cut into min(parts, n) contiguous pieces whose sizes differ by at most one."""
+    parts = max(1, min(parts, n))
+    bounds = [n * i // parts for i in range(parts + 1)]
+    return [range(bounds[i], bounds[i + 1]) for i in range(parts) if bounds[i] < bounds[i + 1]]
+
+
+def _batch_call(fn_index: int, samples: Sequence[RewardInput]) -> BatchCall:
+    # One list per metadata field, in first-seen order; a sample without the field gets None.
+    names = list(dict.fromkeys(name for sample in samples for name in sample.metadata))
+    columns = {name: [sample.metadata.get(name) for sample in samples] for name in names}
+    return BatchCall(fn_index, [s.prompt for s in samples], [s.response for s in samples],
+                     [s.answer for s in samples], columns)
 
 
 def _run_inline(fn, sample: RewardInput, allow_none: bool = False) -> Outcome | None:

@@ -12,6 +12,12 @@ worker resolves its reward functions by name (``registry.resolve_reward``) when 
 each function's ``prepare`` warm-up, and reports ready; the timeout of a call starts when the
 call is sent to a ready worker, so start-up and imports are never charged to a sample.
 
+A call is either a ``Call`` (one sample of a per-sample function; its outcome is one ``Outcome``)
+or a ``BatchCall`` (a chunk of samples for a batched function; its outcome is a list of
+``Outcome`` per sample when the function returned, or one ``Outcome`` standing for every sample
+of the chunk when the call raised, returned the wrong length, crashed its worker or timed out).
+Each kind has its own timeout (``timeout_s``, ``batch_timeout_s``), counted per call.
+
 A worker exits when its pipe closes (the parent is gone). A worker stuck in a hung function
 never reads its pipe, so a watchdog thread watches the pipe during calls and exits the process
 when the parent's end closes: a trainer that dies mid-batch leaves no spinning worker behind.
@@ -33,7 +39,9 @@ from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Literal, Mapping, Sequence
 
-__all__ = ["Call", "Outcome", "WorkerPool", "WorkerStartError", "default_start_method"]
+from megatron_rl.rewards.functions import as_batch_rewards, as_reward
+
+__all__ = ["BatchCall", "Call", "Outcome", "WorkerPool", "WorkerStartError", "default_start_method"]
 
 _WATCHDOG_PERIOD_S = 1.0
 _JOIN_AFTER_KILL_S = 5.0
@@ -52,6 +60,21 @@ class Call:
     response: str
     answer: str | None
     metadata: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class BatchCall:
+    """One call of batched function ``fn_index`` on a chunk of samples (lists of equal length;
+    ``columns`` holds one list per metadata field, see ``functions.py``)."""
+
+    fn_index: int
+    prompts: list[str]
+    responses: list[str]
+    answers: list[str | None]
+    columns: Mapping[str, list]
+
+    def __len__(self) -> int:
+        return len(self.prompts)
 
 
 @dataclass(frozen=True)
@@ -94,7 +117,6 @@ def _worker_main(conn, specs: Sequence[tuple[str, dict]], sys_path: list[str]) -
     busy = threading.Event()
     threading.Thread(target=_exit_when_orphaned, args=(conn, busy), daemon=True).start()
 
-    from megatron_rl.rewards.functions import as_reward
     from megatron_rl.rewards.registry import resolve_reward
 
     try:
@@ -116,12 +138,19 @@ def _worker_main(conn, specs: Sequence[tuple[str, dict]], sys_path: list[str]) -
         call_id, call = message
         busy.set()
         try:
-            value = functions[call.fn_index].fn(call.prompt, call.response, call.answer, **call.metadata)
-            reply = (call_id, Outcome("ok", as_reward(value)))
+            reply = (call_id, _evaluate(functions[call.fn_index].fn, call))
         except (Exception, SystemExit) as exc:
             reply = (call_id, Outcome("error", 0.0, _describe(exc)))
         busy.clear()
         conn.send(reply)
+
+
+def _evaluate(fn, call: Call | BatchCall) -> Outcome | list[Outcome]:
+    """Run one call; an exception (or a batch result of the wrong shape) propagates to the caller."""
+    if isinstance(call, Call):
+        return Outcome("ok", as_reward(fn(call.prompt, call.response, call.answer, **call.metadata)))
+    values = as_batch_rewards(fn(call.prompts, call.responses, call.answers, **call.columns), len(call))
+    return [Outcome("error", 0.0, str(v)) if isinstance(v, Exception) else Outcome("ok", v) for v in values]
 
 
 # --------------------------------------------------------------------------- parent side
@@ -138,7 +167,7 @@ class _Worker:
         child_conn.close()
         self.ready = False
         self.start_deadline = time.monotonic() + startup_timeout_s
-        self.call: tuple[int, float] | None = None  # (index in the batch, deadline) while busy
+        self.call: tuple[int, float, float] | None = None  # (index in the batch, deadline, limit) while busy
 
     def kill(self) -> None:
         if self.process.is_alive():
@@ -163,14 +192,18 @@ class WorkerPool:
     """
 
     def __init__(self, specs: Sequence[tuple[str, Mapping[str, Any]]], *, num_workers: int = 2,
-                 timeout_s: float = 10.0, startup_timeout_s: float = 120.0, start_method: str | None = None):
+                 timeout_s: float = 10.0, startup_timeout_s: float = 120.0, start_method: str | None = None,
+                 batch_timeout_s: float | None = None):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        if not timeout_s > 0 or not startup_timeout_s > 0:
-            raise ValueError(f"timeouts must be > 0, got timeout_s={timeout_s}, startup_timeout_s={startup_timeout_s}")
+        batch_timeout_s = timeout_s if batch_timeout_s is None else batch_timeout_s
+        if not timeout_s > 0 or not startup_timeout_s > 0 or not batch_timeout_s > 0:
+            raise ValueError(f"timeouts must be > 0, got timeout_s={timeout_s}, startup_timeout_s={startup_timeout_s}, "
+                             f"batch_timeout_s={batch_timeout_s}")
         self.specs = [(name, dict(params)) for name, params in specs]
         self.num_workers = num_workers
         self.timeout_s = timeout_s
+        self.batch_timeout_s = batch_timeout_s
         self.startup_timeout_s = startup_timeout_s
         self.context = multiprocessing.get_context(start_method or default_start_method())
         self.workers: list[_Worker] = []
@@ -201,8 +234,9 @@ class WorkerPool:
         self.workers[self.workers.index(worker)] = self._start_worker()
         self.restarts += 1
 
-    def run(self, calls: Sequence[Call]) -> list[Outcome]:
-        """Evaluate every call; each outcome is ok, error (exception / bad value / crash) or timeout.
+    def run(self, calls: Sequence[Call | BatchCall]) -> list[Outcome | list[Outcome]]:
+        """Evaluate every call; each outcome is ok, error (exception / bad value / crash) or timeout
+        (for a BatchCall: a list of per-sample outcomes, or one outcome for all its samples).
 
         Raises WorkerStartError only when a worker cannot start at all (a broken environment, not
         a bad sample). On any exception (that one, or Ctrl-C) every worker is stopped, so no call
@@ -231,7 +265,8 @@ class WorkerPool:
             # be pickled fails here without leaving half a message in the pipe.
             payload = ForkingPickler.dumps((index, calls[index]))
         except Exception as exc:
-            outcomes[index] = Outcome("error", 0.0, f"the sample cannot be sent to a worker: {_describe(exc)}")
+            what = "the batch" if isinstance(calls[index], BatchCall) else "the sample"
+            outcomes[index] = Outcome("error", 0.0, f"{what} cannot be sent to a worker: {_describe(exc)}")
             return
         try:
             worker.conn.send_bytes(payload)
@@ -239,7 +274,8 @@ class WorkerPool:
             pending.appendleft(index)
             self._replace(worker)
             return
-        worker.call = (index, time.monotonic() + self.timeout_s)
+        limit = self.batch_timeout_s if isinstance(calls[index], BatchCall) else self.timeout_s
+        worker.call = (index, time.monotonic() + limit, limit)
 
     def _wait_and_collect(self, calls: Sequence[Call], outcomes: list[Outcome | None]) -> None:
         deadlines = [w.call[1] if w.call else w.start_deadline for w in self.workers if w.call or not w.ready]
@@ -268,7 +304,7 @@ class WorkerPool:
             elif kind == "startup_error":
                 raise WorkerStartError(f"a reward worker could not load the reward functions: {payload}")
             else:
-                index, _ = worker.call
+                index = worker.call[0]
                 if kind == index:
                     outcomes[index] = payload
                     worker.call = None
@@ -276,7 +312,7 @@ class WorkerPool:
         for worker in list(self.workers):
             if worker.call and now >= worker.call[1]:
                 outcomes[worker.call[0]] = Outcome(
-                    "timeout", 0.0, f"no result within {self.timeout_s:g} s; the worker was killed"
+                    "timeout", 0.0, f"no result within {worker.call[2]:g} s; the worker was killed"
                 )
                 self._replace(worker)
             elif not worker.ready and now >= worker.start_deadline:

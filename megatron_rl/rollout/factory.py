@@ -39,13 +39,12 @@ def check_engine_installed(config: RunConfig) -> None:
 def build_engine(config: RunConfig, model_dir: Path, *, local_rank: int, seed: int) -> RolloutEngine | None:
     rollout = config.rollout
     output_dir = Path(config.output_dir)
-    cache_dir = output_dir / ".cache"
     dtype = engine_dtype(config)
     if rollout.mode == "colocated":
         from megatron_rl.rollout.vllm_colocated import VllmColocatedEngine
 
         return VllmColocatedEngine(
-            model_dir, dtype=dtype, max_model_len=rollout.max_model_len, seed=seed, cache_dir=cache_dir,
+            model_dir, dtype=dtype, max_model_len=rollout.max_model_len, seed=seed,
             cpu_kv_cache_gib=rollout.cpu_kv_cache_gib, gpu_memory_utilization=rollout.gpu_memory_utilization,
             load_format="dummy", local_rank=local_rank,
         )
@@ -75,7 +74,7 @@ def build_engine(config: RunConfig, model_dir: Path, *, local_rank: int, seed: i
                 started.append(VllmServerProcess.start(
                     model_dir, port=free_port(), log_path=output_dir / "logs" / f"vllm-{index}.log",
                     name=f"vllm-{index}", dtype=dtype, max_model_len=rollout.max_model_len, seed=seed + index,
-                    cache_dir=cache_dir, cpu_kv_cache_gib=rollout.cpu_kv_cache_gib,
+                    cpu_kv_cache_gib=rollout.cpu_kv_cache_gib,
                     gpu_memory_utilization=rollout.gpu_memory_utilization, load_format="dummy",
                     startup_timeout_s=rollout.startup_timeout_s,
                     weight_transfer="nccl" if weight_transport(config) == "nccl" else None,

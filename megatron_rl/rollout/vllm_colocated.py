@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_rl.platform.cpu_compat import suspended
 from megatron_rl.rollout.protocol import (
     EngineError,
     EngineUnavailable,
@@ -40,7 +41,7 @@ class VllmColocatedEngine:
         dtype: str = "float32",
         max_model_len: int = 1024,
         seed: int = 0,
-        cache_dir: str | Path = ".cache",
+        cache_dir: str | Path | None = None,
         cpu_kv_cache_gib: float = 1.0,
         gpu_memory_utilization: float = 0.5,
         load_format: str = "auto",
@@ -52,6 +53,13 @@ class VllmColocatedEngine:
         self.name = name
         on_cpu = not torch.cuda.is_available()
         os.environ.update(vllm_environment(cache_dir, on_cpu=on_cpu, kv_cache_gib=cpu_kv_cache_gib))
+        if on_cpu and os.environ.get("TORCH_COMPILE_DISABLE") == "1":
+            # torch read TORCH_COMPILE_DISABLE when it was imported, long before this engine: set
+            # what it sets. Otherwise the sampler's first call compiles (3-20 s on 2 cores) for
+            # nothing the trainer reads. The trainer itself compiles nothing on CPU.
+            from torch._dynamo import config as dynamo_config
+
+            dynamo_config.disable = True
         # The engine core must live in this process: a child process could not share the
         # trainer's world, and tensors could not be passed by reference.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -65,18 +73,21 @@ class VllmColocatedEngine:
             os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
             os.environ.setdefault("LOCAL_RANK", str(local_rank))
         started = time.perf_counter()
-        self._llm = LLM(
-            model=str(model_dir),
-            dtype=dtype,
-            max_model_len=max_model_len,
-            seed=seed,
-            tensor_parallel_size=world,
-            distributed_executor_backend="external_launcher" if distributed else "uni",
-            enforce_eager=on_cpu,  # CUDA graphs on GPU; nothing to capture on CPU
-            gpu_memory_utilization=gpu_memory_utilization,
-            load_format=load_format,
-            worker_extension_cls=WORKER_EXTENSION,
-        )
+        # vLLM's CPU build names no CUDA device: it runs without Megatron's CPU redirection (a
+        # Python call per torch op otherwise), here and in generate / update_weights.
+        with suspended():
+            self._llm = LLM(
+                model=str(model_dir),
+                dtype=dtype,
+                max_model_len=max_model_len,
+                seed=seed,
+                tensor_parallel_size=world,
+                distributed_executor_backend="external_launcher" if distributed else "uni",
+                enforce_eager=on_cpu,  # CUDA graphs on GPU; nothing to capture on CPU
+                gpu_memory_utilization=gpu_memory_utilization,
+                load_format=load_format,
+                worker_extension_cls=WORKER_EXTENSION,
+            )
         self.startup_s = time.perf_counter() - started
         self._paused = False
         self._closed = False
@@ -88,11 +99,12 @@ class VllmColocatedEngine:
         self._check_usable()
         from vllm.inputs import TokensPrompt
 
-        outputs = self._llm.generate(
-            [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts],
-            [to_vllm_sampling(params, index) for index in range(len(prompts))],
-            use_tqdm=False,
-        )
+        with suspended():
+            outputs = self._llm.generate(
+                [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts],
+                [to_vllm_sampling(params, index) for index in range(len(prompts))],
+                use_tqdm=False,
+            )
         groups = [samples_from_request_output(self.name, index, prompt, output)
                   for index, (prompt, output) in enumerate(zip(prompts, outputs))]
         check_grouping(self.name, prompts, params, groups)
@@ -101,9 +113,10 @@ class VllmColocatedEngine:
     def update_weights(self, weights: WeightStream) -> int:
         if self._closed:
             raise EngineUnavailable(f"{self.name}: engine was shut down")
-        (count,) = self._llm.collective_rpc("update_weights_from_stream", args=(weights,))
-        # Cached prefixes hold KV computed with the old weights.
-        self._llm.reset_prefix_cache()
+        with suspended():
+            (count,) = self._llm.collective_rpc("update_weights_from_stream", args=(weights,))
+            # Cached prefixes hold KV computed with the old weights.
+            self._llm.reset_prefix_cache()
         if count == 0:
             raise EngineError(f"{self.name}: weight update received no tensors")
         self.weights_loaded = True

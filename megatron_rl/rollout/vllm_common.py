@@ -9,10 +9,25 @@ from typing import Any
 from megatron_rl.rollout.protocol import EngineError, Sample, SamplingParams
 
 
-def vllm_environment(cache_dir: str | Path, *, on_cpu: bool, kv_cache_gib: float) -> dict[str, str]:
+def user_cache_dir() -> Path:
+    """Where vLLM's caches go unless the caller names a directory: $MEGATRON_RL_CACHE, else
+    $XDG_CACHE_HOME/megatron-rl, else ~/.cache/megatron-rl.
+
+    Shared by all runs on purpose: on every start vLLM inspects the model class in a fresh
+    subprocess (a second import of torch and vLLM, 8-15 s on a 2-core machine) unless its
+    model-info cache has the entry, which is keyed by the hash of vLLM's model source file and so
+    stays valid across runs. A cache inside each run directory made every new run pay it."""
+    if os.environ.get("MEGATRON_RL_CACHE"):
+        return Path(os.environ["MEGATRON_RL_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "megatron-rl"
+
+
+def vllm_environment(cache_dir: str | Path | None, *, on_cpu: bool, kv_cache_gib: float) -> dict[str, str]:
     """Environment variables vLLM reads at import/start; measured settings for the CPU build.
 
-    Existing values win, so a user can override any of them."""
+    `cache_dir` None: `user_cache_dir()`. Existing values win, so a user can override any of them."""
+    cache_dir = user_cache_dir() if cache_dir is None else cache_dir
     env = {
         "VLLM_CACHE_ROOT": str(Path(cache_dir) / "vllm"),
         "TORCHINDUCTOR_CACHE_DIR": str(Path(cache_dir) / "inductor"),

@@ -45,7 +45,7 @@ class VllmServerProcess(ServerProcess):
     def start(
         cls, model_dir: str | Path, *, port: int, log_path: str | Path, name: str = "vllm-server",
         host: str = "127.0.0.1", dtype: str = "float32", max_model_len: int = 1024, seed: int = 0,
-        cache_dir: str | Path = ".cache", cpu_kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.5,
+        cache_dir: str | Path | None = None, cpu_kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.5,
         load_format: str = "auto", weight_transfer: str | None = None, startup_timeout_s: float = 600.0,
         extra_args: list[str] | None = None,
     ) -> VllmServerProcess:

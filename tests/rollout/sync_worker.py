@@ -93,7 +93,6 @@ def main() -> None:
     policy = Policy(config, runtime)
     load_hf_weights(policy.module, policy.arch, args.hf)
     policy.optimizer.reload_model_params()
-    cache = out.parent / "cache"
 
     report: dict = {"world": dist.get_world_size()}
     engine = None
@@ -101,7 +100,7 @@ def main() -> None:
     if args.mode == "colocated":
         from megatron_rl.rollout.vllm_colocated import VllmColocatedEngine
 
-        engine = VllmColocatedEngine(args.hf, dtype="float32", max_model_len=256, seed=0, cache_dir=cache)
+        engine = VllmColocatedEngine(args.hf, dtype="float32", max_model_len=256, seed=0)
         destination = "all"
     else:
         from megatron_rl.rollout.vllm_server import VllmServerEngine, VllmServerProcess
@@ -109,7 +108,7 @@ def main() -> None:
         destination = "main"
         if dist.get_rank() == 0:
             server = VllmServerProcess.start(args.hf, port=free_port(), log_path=out.parent / "vllm-server.log",
-                                             name="vllm-test", dtype="float32", max_model_len=256, cache_dir=cache)
+                                             name="vllm-test", dtype="float32", max_model_len=256)
             engine = VllmServerEngine(server.url, name="vllm-test", process=server,
                                       staging_dir=out.parent / "staging", request_timeout_s=120)
     report["engine_start_s"] = time.perf_counter() - started

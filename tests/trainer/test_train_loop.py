@@ -23,6 +23,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
 
+from megatron_rl.logging import WALL_CLOCK  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
 # Small enough for CI: 30 warm-start steps, then 5 RL steps of 8 prompts x 4 samples.
 SHORT = ["rl.steps=5", "rl.prompts_per_step=8", "rl.group_size=4", "rl.max_response_tokens=6",
@@ -53,7 +55,8 @@ def metrics(out: Path) -> dict[int, dict]:
 
 
 def comparable(record: dict) -> dict:
-    return {k: v for k, v in record.items() if not k.startswith("time/")}
+    """Everything but wall-clock keys: phase times and each row's timestamp and elapsed run time."""
+    return {k: v for k, v in record.items() if not k.startswith("time/") and k not in WALL_CLOCK}
 
 
 def test_exact_resume_after_sigterm(tmp_path):
@@ -86,6 +89,10 @@ def test_exact_resume_after_sigterm(tmp_path):
     assert sorted(after) == sorted(reference)
     for step in range(stopped_at + 1, 6):
         assert comparable(after[step]) == comparable(reference[step]), f"step {step} differs after resume"
+        assert "reward/mean" in comparable(after[step]) and "train/loss" in comparable(after[step])
+    # Run time continues across the resume: never decreasing down the file.
+    elapsed = [after[step]["elapsed_s"] for step in sorted(after)]
+    assert elapsed == sorted(elapsed) and elapsed[stopped_at + 1] > elapsed[stopped_at], elapsed
     # The steps before the checkpoint were not re-run: their records are the interrupted run's own.
     assert json.loads((interrupted / "run_state.json").read_text()) == {"step": 5, "finished": True}
 
