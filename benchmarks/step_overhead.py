@@ -844,7 +844,17 @@ import megatron_rl.cli as cli
 events.append(("import megatron_rl.cli", started, time.time()))
 started = time.time()
 import megatron_rl.trainer
-events.append(("import megatron_rl.trainer (torch, Megatron-Core, rollout, ...)", started, time.time()))
+events.append(("import megatron_rl.trainer", started, time.time()))
+# The heavy libraries the phases below import on first use, imported here one by one so that each
+# phase's duration is its own work (the total to the first progress line stays the same).
+for module in ("torch.distributed", "megatron.core.parallel_state", "megatron.core.tensor_parallel",
+               "megatron.core.models.gpt", "megatron.core.optimizer", "transformers", "vllm"):
+    started = time.time()
+    try:
+        __import__(module)
+    except ImportError:
+        continue
+    events.append(("import " + module, started, time.time()))
 wrap("megatron_rl.trainer", None, "preflight", "preflight (config, reward functions, datasets)")
 wrap("megatron_rl.platform.runtime", None, "start_runtime", "start_runtime (process group, CPU layer, Megatron state)")
 wrap("megatron_rl.trainer", "Trainer", "__init__", "Trainer.__init__")
@@ -1058,8 +1068,9 @@ def markdown(args, models: dict, startup: dict | None, training: dict | None) ->
         if instrumented and instrumented["phases"]:
             first = instrumented["first_progress_s"]
             lines += ["", "Start-up phases, from a second run of the same command in-process with timers around the "
-                      f"trainer's phases (its first progress line after {first or float('nan'):.2f} s). Seconds since "
-                      "launch, duration; nested phases overlap their parent:", "", "```text"]
+                      f"trainer's phases (its first progress line after {first or float('nan'):.2f} s). The heavy "
+                      "libraries are imported one by one up front, so each later phase shows its own work. Seconds "
+                      "since launch, duration; nested phases overlap their parent:", "", "```text"]
             lines += [f"{start:7.2f} s  {duration:6.2f} s  {label}" for label, start, duration in instrumented["phases"]]
             lines += ["```"]
     if training:
