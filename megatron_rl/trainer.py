@@ -145,13 +145,7 @@ class Trainer:
         self.log = MetricsLog(self.out, config.rl.steps, wandb_mode=config.logging.wandb_mode,
                               wandb_project=config.logging.wandb_project, run_name=config.logging.run_name,
                               config=to_dict(config), resume_step=start_step, enabled=self.is_driver)
-        self.engine = build_engine(config, self.engine_dir, local_rank=runtime.launch.local_rank, seed=config.seed)
-        self.nccl = None
-        if weight_transport(config) == "nccl":
-            from megatron_rl.platform.launch_env import free_port
-
-            self.nccl = build_nccl_transport(config, self.engine, self.policy, master_address=runtime.launch.master_addr,
-                                             master_port=free_port())
+        self.engine, self.nccl, self.engine_started = None, None, False  # at the first weight push
         self.reference = None
 
     # ---- the loop ---------------------------------------------------------------------------
@@ -160,16 +154,16 @@ class Trainer:
         config = self.config
         self._install_signal_handlers()
         try:
-            self.sync_weights()
             if self.resume_state is None:
                 if config.warm_start.steps:
                     from megatron_rl.warm_start import warm_start
 
                     warm_start(self.policy, self.tokenizer, self.train_set, config, self.runtime, self.log)
-                    self.sync_weights()
+                self.sync_weights()
                 self.log.step(0, self.evaluate())
                 start = 1
             else:
+                self.sync_weights()
                 start = self.resume_state["step"] + 1
                 self.log.message(f"resumed from {self.resume_state['path']} at step {start - 1}")
             self._prepare_reference(fresh=self.resume_state is None)
@@ -376,6 +370,8 @@ class Trainer:
     # ---- weights, checkpoints ----------------------------------------------------------------
 
     def sync_weights(self) -> None:
+        if not self.engine_started:
+            self._start_engine()
         if self.nccl is not None:
             self.nccl.push()
             return
@@ -385,6 +381,21 @@ class Trainer:
             self.engine.update_weights(stream)
         else:
             drain(stream)
+
+    def _start_engine(self) -> None:
+        """The rollout engine starts with the first weight push, after the supervised warm start,
+        which never generates: its start-up (seconds here) then no longer delays the first
+        training step, the warm start's weights are pushed once instead of random ones before
+        them, and on GPU a colocated engine does not hold its memory share while the warm start
+        trains. Every rank pushes at the same points, so they start it together."""
+        config, runtime = self.config, self.runtime
+        self.engine = build_engine(config, self.engine_dir, local_rank=runtime.launch.local_rank, seed=config.seed)
+        if weight_transport(config) == "nccl":
+            from megatron_rl.platform.launch_env import free_port
+
+            self.nccl = build_nccl_transport(config, self.engine, self.policy, master_address=runtime.launch.master_addr,
+                                             master_port=free_port())
+        self.engine_started = True
 
     def save(self, step: int) -> Path:
         state = {"sampler": self.sampler.state_dict(), "seed": self.config.seed, "config": to_dict(self.config)}
