@@ -32,9 +32,12 @@ Where the mode of item 2 is active: everywhere, except inside `suspended()`. It 
 call per torch operation, which was about a sixth of a tiny CPU RL step, while a step needs it
 only in Megatron's schedule and optimizer (their `device="cuda"` literals and `.type()` asserts).
 So the hot code that never names a CUDA device runs suspended: the model's forward and our loss
-(model/policy.py) and the in-process vLLM engine (rollout/vllm_colocated.py). The one literal a
-forward can reach (the MoE aux-loss tracker) re-enters the mode itself (item 11).
-11. `moe_utils.save_to_aux_losses_tracker` runs under the mode even inside `suspended()`.
+(model/policy.py) and the in-process vLLM engine (rollout/vllm_colocated.py). Measured over a
+step: no call inside them needed the mode (Megatron-Core's forward allocates with
+`torch.cuda.current_device()`, item 2's patched "cpu", or with its inputs' device); its CUDA
+literals sit in the schedule, the optimizer, checkpointing and `track_moe_metrics`, which runs in
+Megatron's own training loop, not ours. A forward that did reach one would fail loudly ("Torch not
+compiled with CUDA enabled"), never compute wrongly.
 """
 
 from __future__ import annotations
@@ -208,9 +211,6 @@ def _patch_megatron() -> None:
     rope_utils._apply_rotary_pos_emb_thd = _rope_thd_gathered(rope_utils._apply_rotary_pos_emb_thd,
                                                               rope_utils._apply_rotary_pos_emb_bshd)
 
-    # 11
-    moe_utils.save_to_aux_losses_tracker = _under_mode(moe_utils.save_to_aux_losses_tracker)
-
     # 9: mappings' autograd functions look these up as module globals at call time.
     mappings._gather_along_first_dim = _gather_along_first_dim(mappings._gather_along_first_dim)
     mappings._reduce_scatter_along_first_dim = _reduce_scatter_along_first_dim(
@@ -258,15 +258,6 @@ def _rope_thd_gathered(original, apply_bshd):
                           multi_latent_attention=multi_latent_attention, mscale=mscale).squeeze(1)
 
     return apply_thd
-
-
-def _under_mode(function):
-    @functools.wraps(function)
-    def run(*args, **kwargs):
-        with _CudaToCpuMode():
-            return function(*args, **kwargs)
-
-    return run
 
 
 def _maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
