@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import json
 import sys
-import warnings
 
 from megatron_rl.config import ConfigError, load_config
 

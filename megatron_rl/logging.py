@@ -6,8 +6,9 @@
 
 Every metric of a step goes to OUTPUT_DIR/metrics.jsonl as one JSON object with "step". On
 resume the file is cut back to the checkpoint's step first, so steps the interrupted run
-logged after its last checkpoint are not duplicated; a fresh run starts an empty file. wandb is offline by default (files under
-OUTPUT_DIR/wandb, `wandb sync` uploads them later) and online when configured.
+logged after its last checkpoint are not duplicated; a fresh run starts an empty file. wandb is
+offline by default (files under OUTPUT_DIR/wandb, `wandb sync` uploads them later) and online
+when configured.
 
 Every row also carries two wall-clock keys (never compared by the exact-resume check):
 

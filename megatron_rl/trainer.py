@@ -71,9 +71,10 @@ class TrainResult:
 # ---------------------------------------------------------------------------------------------
 
 
-def preflight(config: RunConfig) -> None:
+def preflight(config: RunConfig):
     """Everything checkable before a process group or model exists: fast checks first (no torch),
-    then the slower ones (imports, files, reward functions)."""
+    then the slower ones (imports, files, reward functions). Returns the (train, held-out) prompt
+    datasets it read, so the trainer does not read them a second time."""
     from megatron_rl.preflight import check_layout_and_paths
 
     check_layout_and_paths(config)
@@ -92,30 +93,32 @@ def preflight(config: RunConfig) -> None:
     check_engine_installed(config)
     check_wandb_available(config.logging.wandb_mode)
     build_scorer(config.rewards).close()  # resolves every reward function now
-    train_set, _ = load_datasets(config.data)
+    datasets = load_datasets(config.data)
     if config.warm_start.steps:
         from megatron_rl.warm_start import check_targets
 
-        check_targets(train_set)
+        check_targets(datasets[0])
+    return datasets
 
 
 # ---------------------------------------------------------------------------------------------
 
 
 def train(config: RunConfig) -> TrainResult:
-    preflight(config)
+    datasets = preflight(config)
     from megatron_rl.platform import start_runtime
 
     runtime = start_runtime(config)
     try:
-        return Trainer(config, runtime).run()
+        return Trainer(config, runtime, datasets).run()
     finally:
         runtime.shutdown()
 
 
 class Trainer:
-    def __init__(self, config: RunConfig, runtime):
-        from megatron_rl.data import PromptSampler, load_datasets
+    def __init__(self, config: RunConfig, runtime, datasets):
+        """`datasets`: the (train, held-out) prompt datasets preflight() read."""
+        from megatron_rl.data import PromptSampler
         from megatron_rl.model.policy import Policy
         from megatron_rl.model.routing import RouterTrace
         from megatron_rl.rewards import build_scorer
@@ -127,7 +130,7 @@ class Trainer:
         self.use_kl = self.recipe.loss.kl_coef > 0
         self.stop_signal: str | None = None
 
-        self.train_set, self.heldout = load_datasets(config.data)
+        self.train_set, self.heldout = datasets
         self.sampler = PromptSampler(len(self.train_set), config.rl.prompts_per_step,
                                      seed=config.data.seed if config.data.seed is not None else config.seed,
                                      shuffle=config.data.shuffle)

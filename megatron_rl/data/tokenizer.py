@@ -113,10 +113,11 @@ def write_run_tokenizer(config, directory: str | Path) -> Path:
     if config.data.train == "synthetic":
         return write_char_tokenizer(directory)
     from megatron_rl.bridge.hf_checkpoint import copy_tokenizer_files
+    from megatron_rl.convert import is_megatron_checkpoint
 
     source = Path(config.checkpoint.init_from or config.model.hf_config)
     source = source if source.is_dir() else source.parent
-    if (source / "megatron_rl.json").is_file():  # megatron_rl.convert's checkpoint format
+    if is_megatron_checkpoint(source):
         source = source / "hf_config"
     if not copy_tokenizer_files(source, directory):
         raise ConfigError(f"no tokenizer files in {source}: set checkpoint.init_from to a Hugging Face model directory")
