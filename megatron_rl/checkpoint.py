@@ -1,28 +1,43 @@
-"""Save and resume everything an exact continuation needs; never leave a half-written checkpoint.
+"""One checkpoint on disk: write it (synchronously or in the background), verify it, load it.
 
     OUTPUT_DIR/checkpoints/
         step_000020/
-            weights/                 torch_dist: model + optimizer (moments, fp32 main weights)
-            rng/rank_00000.pt        python, numpy, torch CPU/CUDA and Megatron's CUDA RNG tracker
-            trainer_state.json       step, data cursor, LR schedule and Adam step, seed, config
-            MANIFEST.json            every file with its size; written last
+            weights/             torch_dist: the model, Adam's moments (and fp32 main weights of a
+                                 bf16 model) and the KL reference weights, every per-parameter
+                                 tensor sharded like its weight: loads at any TP/PP/EP/DP layout
+            rng/rank_00000.pt    python, numpy, torch CPU/CUDA and Megatron's CUDA RNG tracker
+            hf_config/           config.json and tokenizer files: the checkpoint describes its model
+            megatron_rl.json     format tag, padded vocabulary size, layout and precision
+                                 (what `megatron-rl convert megatron-to-hf` and init_from read)
+            trainer_state.json   step, data cursor, LR schedule and Adam step, seed, config
+            MANIFEST.json        every file with its size and CRC-32; written last
         step_000030/ ...
-        latest                       the name of the newest complete checkpoint
+        latest                   the name of the newest complete checkpoint
 
-A checkpoint is written into a hidden staging directory and renamed into place only after every
-rank finished (megatron_rl.atomic_dir), then `latest` is replaced atomically and checkpoints
-beyond `keep_last` are deleted, oldest first. On resume, a checkpoint whose manifest is missing or
-disagrees with the files (a crash during a copy, a truncated file) is reported by name and the
-previous one is used.
+A checkpoint is written into a hidden staging directory `.step_000020.partial-<id>` and renamed
+into place only when every rank has finished and the manifest is written; then `latest` is
+replaced atomically and checkpoints beyond `keep_last` are deleted, oldest first.
+
+Asynchronous saves: Megatron-Core plans the save (collectives, a fraction of a second), then a
+forked process per rank writes the files while training continues. The fork is the snapshot:
+the child sees the weights as they were when it started (copy-on-write), so the training
+steps that follow cannot tear the checkpoint (on CPU, Megatron-Core's own "preload" makes no
+copy). Each writer checksums the files it wrote; `PendingCheckpoint.poll()` at a step boundary
+finalizes the save on all ranks together and publishes it.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import random
 import shutil
-from dataclasses import dataclass
+import threading
+import time
+import uuid
+import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,73 +45,214 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_rl.atomic_dir import AtomicDirectory
-
 MANIFEST = "MANIFEST.json"
 STATE = "trainer_state.json"
 LATEST = "latest"
+STATE_VERSION = 2  # 1: optimizer saved dp_reshardable, reference weights as per-rank files
+_CHUNK = 16 << 20
 
 
 @dataclass
-class Resumed:
-    path: Path
-    state: dict[str, Any]  # the trainer_state.json content
-    skipped: list[str]  # checkpoints found unusable, with the reason
+class SaveStats:
+    step: int
+    bytes: int = 0
+    blocked_s: float = 0.0  # the training loop waited this long for the save (both modes)
+    write_s: float = 0.0  # writing the files (in the background when asynchronous)
+    checksum_s: float = 0.0  # CRC-32 of every file (measured where the files were written)
+    path: Path | None = None
 
 
 def checkpoint_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def save_checkpoint(root: Path, step: int, policy, trainer_state: dict[str, Any], keep_last: int) -> Path:
-    """Collective: every rank calls it. Returns the published checkpoint directory."""
-    root = Path(root)
-    final = root / checkpoint_name(step)
-    rank = dist.get_rank()
-    # A checkpoint of the same step can exist when a run resumed from an earlier one re-reaches it.
-    with AtomicDirectory(final, force=True) as staging:
-        policy_state = policy.save_training_state(str(staging / "weights"))
-        (staging / "rng").mkdir(exist_ok=True)
-        torch.save(capture_rng(), staging / "rng" / f"rank_{rank:05d}.pt")
+# ---------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PendingCheckpoint:
+    """A save in progress. Collective methods: every rank calls them at the same points."""
+
+    root: Path
+    final: Path
+    staging: Path
+    request: Any  # Megatron-Core's AsyncRequest
+    describe: dict[str, Any]  # rank 0: {"state": ..., "metadata": ..., "hf_files": {name: bytes}}
+    keep_last: int
+    device: torch.device
+    stats: SaveStats
+    process: Any = None  # the forked writer (asynchronous mode)
+    started: float = field(default_factory=time.perf_counter)
+
+    def poll(self, blocking: bool) -> bool:
+        """True once the checkpoint is published (on every rank). Without `blocking`, returns
+        False at once if any rank's writer is still running."""
+        tick = time.perf_counter()
+        running = torch.tensor(int(self.process is not None and self.process.is_alive()), device=self.device)
+        dist.all_reduce(running, op=dist.ReduceOp.MAX)
+        if int(running) and not blocking:
+            return False
+        if self.process is not None:
+            self.process.join()
+            failed = torch.tensor(int(self.process.exitcode != 0), device=self.device)
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+            if int(failed):
+                self.abandon()
+                raise RuntimeError(f"writing checkpoint {self.final.name} failed on a rank (writer exit code "
+                                   f"{self.process.exitcode} here); the previous checkpoint is still the latest")
+        self._finalize()
+        self.stats.blocked_s += time.perf_counter() - tick
+        return True
+
+    def abandon(self) -> None:
+        if dist.get_rank() == 0:
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+    def _finalize(self) -> None:
+        for finalize in self.request.finalize_fns:  # gathers write results, writes torch_dist metadata
+            finalize()
+        mine = _read_side_checksums(self.staging)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        if dist.get_rank() == 0:
+            checksums: dict[str, dict] = {}
+            write_s = checksum_s = 0.0
+            for part in gathered:
+                checksums.update(part["files"])
+                write_s, checksum_s = max(write_s, part["write_s"]), max(checksum_s, part["checksum_s"])
+            self._write_description()
+            tick = time.perf_counter()
+            files = _inventory(self.staging, known=checksums)
+            checksum_s += time.perf_counter() - tick
+            _write_json(self.staging / MANIFEST, {"step": self.stats.step, "checksum": "crc32", "files": files})
+            _publish(self.staging, self.final)
+            _replace_file(self.root / LATEST, self.final.name + "\n")
+            _prune(self.root, self.keep_last)
+            self.stats.bytes = sum(entry["bytes"] for entry in files.values())
+            self.stats.write_s, self.stats.checksum_s = write_s, checksum_s
+        self.stats.path = self.final
         dist.barrier()
-        if rank == 0:
-            state = dict(trainer_state, step=step, policy=policy_state, world_size=dist.get_world_size())
-            _write_json(staging / STATE, state)
-            _write_json(staging / MANIFEST, {"step": step, "files": _inventory(staging)})
-    if rank == 0:
-        _replace_file(root / LATEST, final.name + "\n")
-        _prune(root, keep_last)
-    dist.barrier()
-    return final
+
+    def _write_description(self) -> None:
+        """Rank 0: the small files that describe the checkpoint."""
+        _write_json(self.staging / STATE, self.describe["state"])
+        _write_json(self.staging / "megatron_rl.json", self.describe["metadata"])
+        (self.staging / "hf_config").mkdir(exist_ok=True)
+        for name, content in self.describe["hf_files"].items():
+            (self.staging / "hf_config" / name).write_bytes(content)
 
 
-def find_resumable(root: Path) -> tuple[Path | None, list[str]]:
-    """The newest complete checkpoint under `root` (None if there is none), and the skipped ones.
-
-    Candidates are tried newest first: `latest` first if it names one, then the step_* directories."""
+def begin_save(root: Path, step: int, policy, trainer_state: dict[str, Any], *, keep_last: int,
+               keyed_like_weights: dict, metadata: dict, hf_files: dict[str, bytes], async_save: bool,
+               device: torch.device) -> PendingCheckpoint:
+    """Collective. Starts writing checkpoint `step`; with `async_save` the files are written by a
+    forked process and the caller must `poll()` the result at later step boundaries (the
+    training loop continues meanwhile). Otherwise the checkpoint is published on return."""
     root = Path(root)
-    skipped: list[str] = []
-    if not root.is_dir():
-        return None, skipped
-    candidates = sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_")),
-                        key=lambda p: p.name, reverse=True)
-    latest = root / LATEST
-    if latest.is_file():
-        named = root / latest.read_text().strip()
-        if named in candidates:
-            candidates.remove(named)
-            candidates.insert(0, named)
-    for candidate in candidates:
-        problem = verify(candidate)
-        if problem is None:
-            return candidate, skipped
-        skipped.append(f"{candidate}: {problem}")
-    return None, skipped
+    tick = time.perf_counter()
+    final = root / checkpoint_name(step)
+    name = [f".{final.name}.partial-{uuid.uuid4().hex[:8]}"]
+    dist.broadcast_object_list(name, src=0)
+    staging = root / name[0]
+    if dist.get_rank() == 0:
+        staging.mkdir(parents=True)
+    dist.barrier()
+    small, request = policy.save_training_state(str(staging / "weights"), keyed_like_weights=keyed_like_weights,
+                                                async_save=True)
+    (staging / "rng").mkdir(exist_ok=True)
+    torch.save(capture_rng(), staging / "rng" / f"rank_{dist.get_rank():05d}.pt")
+    state = dict(trainer_state, step=step, policy=small, world_size=dist.get_world_size(), version=STATE_VERSION,
+                 keyed_like_weights=sorted(keyed_like_weights))
+    describe = {"state": state, "metadata": dict(metadata, step=step), "hf_files": hf_files}
+    pending = PendingCheckpoint(root, final, staging, request, describe, keep_last, device, SaveStats(step))
+    writer = _checksummed_writer(request, staging)
+    if async_save:
+        args = _preloaded_args(request)
+        pending.process = multiprocessing.get_context("fork").Process(target=writer, args=args)
+        pending.process.start()
+        pending.stats.blocked_s = time.perf_counter() - tick
+        return pending
+    writer(*_preloaded_args(request))
+    pending.stats.blocked_s = time.perf_counter() - tick
+    pending.poll(blocking=True)
+    return pending
 
 
-def verify(path: Path) -> str | None:
-    """None if the checkpoint is complete, else what is wrong with it."""
+def _preloaded_args(request) -> list:
+    args = list(request.async_fn_args)
+    if request.preload_fn is not None:
+        args[1] = request.preload_fn()  # device tensors staged to host; on CPU the fork snapshots them
+    return args
+
+
+class _checksummed_writer:
+    """Runs Megatron-Core's file writer, then CRC-32s the files it wrote (still in the page
+    cache) and leaves them in a side file for rank 0's manifest. A class, not a closure, so a
+    forked process can run it."""
+
+    def __init__(self, request, staging: Path):
+        self.request, self.staging = request, staging
+
+    def __call__(self, *args) -> None:
+        tick = time.perf_counter()
+        written = []
+        if self.request.async_fn is not None:
+            self.request.async_fn(*args)
+            written = sorted({bucket[0] for bucket in args[1]})  # WriteBucket: (file name, key, data)
+        write_s = time.perf_counter() - tick
+        tick = time.perf_counter()
+        files = {}
+        for file in written:
+            path = Path(file)
+            files[str(path.relative_to(self.staging))] = {"bytes": path.stat().st_size, "crc32": file_crc32(path)}
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        _write_json(self.staging / f".checksums_rank{rank:05d}.json",
+                    {"files": files, "write_s": write_s, "checksum_s": time.perf_counter() - tick})
+
+
+def _read_side_checksums(staging: Path) -> dict:
+    path = staging / f".checksums_rank{dist.get_rank():05d}.json"
+    if not path.is_file():  # this rank had nothing to write
+        return {"files": {}, "write_s": 0.0, "checksum_s": 0.0}
+    value = json.loads(path.read_text())
+    path.unlink()
+    return value
+
+
+def _publish(staging: Path, final: Path) -> None:
+    """Rename into place; a checkpoint of the same step (a resumed run re-reaching it) is
+    replaced only after the new one is complete."""
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+        final.rename(old)
+    staging.rename(final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Verifying
+# ---------------------------------------------------------------------------------------------
+
+
+def file_crc32(path: Path) -> str:
+    value = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            value = zlib.crc32(chunk, value)
+    return f"{value:08x}"
+
+
+def verify(path: Path, checksums: bool = True, share: tuple[int, int] = (0, 1)) -> str | None:
+    """None if the checkpoint is complete and intact, else what is wrong with it (naming the
+    file). `checksums=False`: sizes only (fast). `share=(i, n)`: check only every n-th file from
+    the i-th (ranks split the reading); the small files are always checked."""
     manifest_path = path / MANIFEST
+    if not path.is_dir():
+        return "not a directory"
     if not manifest_path.is_file():
         return f"no {MANIFEST} (the save did not finish)"
     try:
@@ -104,32 +260,92 @@ def verify(path: Path) -> str | None:
         files = manifest["files"]
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         return f"{MANIFEST} is unreadable ({exc})"
-    for relative, size in files.items():
+    for index, (relative, entry) in enumerate(sorted(files.items())):
         file = path / relative
+        size = entry["bytes"] if isinstance(entry, dict) else entry
         if not file.is_file():
             return f"missing file {relative}"
         if file.stat().st_size != size:
             return f"file {relative} has {file.stat().st_size} bytes, the manifest says {size}"
+        mine = index % share[1] == share[0] or file.stat().st_size < (1 << 20)
+        if checksums and mine and isinstance(entry, dict) and "crc32" in entry:
+            found = file_crc32(file)
+            if found != entry["crc32"]:
+                return f"file {relative} is corrupt (CRC-32 {found}, the manifest says {entry['crc32']})"
     try:
-        json.loads((path / STATE).read_text())
+        state = json.loads((path / STATE).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         return f"{STATE} is unreadable ({exc})"
+    if state.get("version") != STATE_VERSION:
+        return (f"written by an older megatron-rl (checkpoint format {state.get('version', 1)}, this one reads "
+                f"{STATE_VERSION}); convert it with that version or start over")
     return None
 
 
-def load_checkpoint(path: Path, policy) -> dict[str, Any]:
-    """Collective: restores model, optimizer, LR schedule and this rank's RNG; returns the trainer state."""
+def candidates(root: Path) -> list[Path]:
+    """Checkpoint directories under `root`, newest first (`latest` first if it names one)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_")),
+                   key=lambda p: p.name, reverse=True)
+    latest = root / LATEST
+    if latest.is_file():
+        named = root / latest.read_text().strip()
+        if named in found:
+            found.remove(named)
+            found.insert(0, named)
+    return found
+
+
+def find_resumable(root: Path, checksums: bool = True) -> tuple[Path | None, list[str]]:
+    """The newest intact checkpoint under `root` (None if there is none), and the skipped ones
+    with the reason. Collective when a process group exists."""
+    skipped: list[str] = []
+    for candidate in candidates(root):
+        problem = verify_shared(candidate, checksums=checksums)
+        if problem is None:
+            return candidate, skipped
+        skipped.append(f"{candidate}: {problem}")
+    return None, skipped
+
+
+def verify_shared(path: Path, checksums: bool = True) -> str | None:
+    """verify() with the reading split over the ranks of the process group (if there is one);
+    every rank gets the same answer."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return verify(path, checksums=checksums)
+    problem = verify(path, checksums=checksums, share=(dist.get_rank(), dist.get_world_size()))
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    return next((p for p in problems if p), None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+def load_checkpoint(path: Path, policy, keyed_like_weights: tuple[str, ...] = ()) -> tuple[dict[str, Any], dict]:
+    """Collective: restores model, optimizer, LR schedule and (same world size) this rank's RNG,
+    at this layout whatever layout wrote it. Returns the trainer state and the per-parameter
+    tensors asked for ({prefix: {name: tensor}}; a prefix the checkpoint lacks is left out)."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
     state = json.loads((path / STATE).read_text())
-    if state.get("world_size") != dist.get_world_size():
-        # Weights and optimizer reshard (torch_dist, dp_reshardable); per-rank RNG streams cannot.
-        rng_note = "per-rank RNG streams are re-seeded, so sampling will not repeat the original run exactly"
-        if dist.get_rank() == 0:
-            print(f"resume: checkpoint was written by {state.get('world_size')} ranks, now {dist.get_world_size()}; {rng_note}")
-    policy.load_training_state(str(path / "weights"), state["policy"])
+    if state.get("world_size") != dist.get_world_size() and dist.get_rank() == 0:
+        print(f"resume: checkpoint was written by {state.get('world_size')} ranks, now {dist.get_world_size()}; "
+              "weights, optimizer state and reference weights are resharded, the per-rank RNG streams are "
+              "re-seeded (sampling will not repeat the original run exactly)")
+    saved_prefixes = tuple(p for p in keyed_like_weights if p in state.get("keyed_like_weights", []))
+    try:
+        extra = policy.load_training_state(str(path / "weights"), state["policy"], keyed_like_weights=saved_prefixes)
+    except CheckpointingException as exc:
+        raise RuntimeError(f"checkpoint {path} could not be loaded: {exc}") from exc
     rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if rng_file.is_file() and state.get("world_size") == dist.get_world_size():
         restore_rng(torch.load(rng_file, weights_only=False))
-    return state
+    return state, extra
 
 
 def capture_rng() -> dict[str, Any]:
@@ -157,9 +373,23 @@ def restore_rng(state: dict[str, Any]) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_cuda_tracker"])
 
 
-def _inventory(directory: Path) -> dict[str, int]:
-    return {str(p.relative_to(directory)): p.stat().st_size
-            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST}
+# ---------------------------------------------------------------------------------------------
+
+
+def _inventory(directory: Path, known: dict[str, dict] | None = None) -> dict[str, dict]:
+    """{relative path: {"bytes", "crc32"}} of every file but the manifest; `known`: checksums
+    computed already (by the ranks that wrote those files)."""
+    known = known or {}
+    files = {}
+    for path in sorted(directory.rglob("*")):
+        if not path.is_file() or path.name == MANIFEST:
+            continue
+        relative = str(path.relative_to(directory))
+        entry = known.get(relative)
+        if entry is None or entry["bytes"] != path.stat().st_size:
+            entry = {"bytes": path.stat().st_size, "crc32": file_crc32(path)}
+        files[relative] = entry
+    return files
 
 
 def _write_json(path: Path, value: Any) -> None:
@@ -176,6 +406,13 @@ def _replace_file(path: Path, text: str) -> None:
 
 
 def _prune(root: Path, keep_last: int) -> None:
-    complete = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and verify(p) is None)
+    """Delete complete checkpoints beyond the newest `keep_last`. Each is renamed aside first (a
+    checkpoint is never half-deleted under its own name), then deleted by a background thread:
+    unlinking gigabytes takes a while and is no reason to hold up training. A leftover from a
+    process that exited meanwhile is removed at the next start (CheckpointManager.prepare)."""
+    complete = sorted(p for p in root.iterdir()
+                      if p.is_dir() and p.name.startswith("step_") and verify(p, checksums=False) is None)
     for old in complete[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        aside = old.with_name(f".{old.name}.old-{uuid.uuid4().hex[:8]}")
+        old.rename(aside)
+        threading.Thread(target=shutil.rmtree, args=(aside,), kwargs={"ignore_errors": True}, daemon=True).start()

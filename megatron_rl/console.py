@@ -40,6 +40,9 @@ def quiet_dependencies() -> None:
     # Raised by torch when Megatron-Core reads .grad of a non-leaf; it is attributed to the CPU
     # layer's frame because the access passes through its function mode.
     warnings.filterwarnings("ignore", message=r".*\.grad attribute of a Tensor that is not a leaf")
+    # Raised by torch.distributed.checkpoint inside Megatron-Core's checkpoint loading, attributed
+    # to the CPU layer's frame for the same reason.
+    warnings.filterwarnings("ignore", message=r"Please use DTensor instead and we are deprecating ShardedTensor")
     for name in DEPENDENCY_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     # Megatron-Core logs through the root logger's handler with basicConfig-style "WARNING:name:"

@@ -11,7 +11,8 @@ from megatron_rl.errors import ConfigError
 
 def check_layout_and_paths(config, *, rl: bool = True) -> None:
     """`config`: a loaded RunConfig. Raises ConfigError naming the key and the reason.
-    `rl=False` (`megatron-rl sft`): no rollout engine and no run directory, so not their checks."""
+    `rl=False` (`megatron-rl sft`): no rollout engine, so not its check. The run directory and
+    its checkpoints are checked by megatron_rl.checkpoint_manager.check_run_directory."""
     from megatron_rl.model.hf_config import load_hf_config, parse_hf_config
     from megatron_rl.model.layout_checks import check_divisibility
     from megatron_rl.platform.launch_env import read_launch_env
@@ -29,9 +30,3 @@ def check_layout_and_paths(config, *, rl: bool = True) -> None:
         )
     if config.checkpoint.init_from and not Path(config.checkpoint.init_from).exists():
         raise ConfigError(f"checkpoint.init_from: {config.checkpoint.init_from} does not exist")
-    if not rl:
-        return
-    root = Path(config.output_dir) / "checkpoints"
-    if config.checkpoint.resume == "none" and any(root.glob("step_*")):
-        raise ConfigError(f"{root} already holds checkpoints and checkpoint.resume=none: use resume=auto to "
-                          "continue, or another output_dir")

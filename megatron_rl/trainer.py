@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_rl import checkpoint as ckpt
 from megatron_rl.config import ConfigError, RunConfig, to_dict
 from megatron_rl.experience import (
     StepRollout,
@@ -82,10 +81,9 @@ def preflight(config: RunConfig):
         config.rl.algorithm()
     except ValueError as exc:
         raise ConfigError(f"rl: {exc}") from None
-    if config.checkpoint.resume not in ("auto", "none"):
-        problem = ckpt.verify(Path(config.checkpoint.resume))
-        if problem:
-            raise ConfigError(f"checkpoint.resume: {config.checkpoint.resume}: {problem}")
+    from megatron_rl.checkpoint_manager import check_run_directory
+
+    check_run_directory(config)
 
     from megatron_rl.data import load_datasets
     from megatron_rl.rewards import build_scorer
@@ -142,9 +140,14 @@ class Trainer:
         self.engine_dir = self.out / "engine_model"
         self.tokenizer = self._prepare_engine_model()
         self.scorer = build_scorer(config.rewards) if self.is_driver else None
-        self.checkpoints = self.out / "checkpoints"
-        self.resume_state = self._resume_or_init()
-        start_step = self.resume_state["step"] if self.resume_state else 0
+        from megatron_rl.checkpoint_manager import CheckpointManager
+
+        self.checkpoints = CheckpointManager(config, runtime, self.policy, model_dir=self.engine_dir)
+        self.checkpoints.prepare()
+        self.resumed = self.checkpoints.resume_or_init()
+        if self.resumed is not None:
+            self.sampler.load_state_dict(self.resumed.state["sampler"])
+        start_step = self.resumed.step if self.resumed else 0
         self.log = MetricsLog(self.out, config.rl.steps, wandb_mode=config.logging.wandb_mode,
                               wandb_project=config.logging.wandb_project, run_name=config.logging.run_name,
                               config=to_dict(config), resume_step=start_step, enabled=self.is_driver)
@@ -156,8 +159,9 @@ class Trainer:
     def run(self) -> TrainResult:
         config = self.config
         self._install_signal_handlers()
+        clean = False
         try:
-            if self.resume_state is None:
+            if self.resumed is None:
                 if config.warm_start.steps:
                     from megatron_rl.warm_start import warm_start
 
@@ -167,9 +171,10 @@ class Trainer:
                 start = 1
             else:
                 self.sync_weights()
-                start = self.resume_state["step"] + 1
-                self.log.message(f"resumed from {self.resume_state['path']} at step {start - 1}")
-            self._prepare_reference(fresh=self.resume_state is None)
+                start = self.resumed.step + 1
+                self.log.message(f"resumed from {self.resumed.path} at step {start - 1}")
+            if self.use_kl:
+                self.reference = self.checkpoints.reference_weights()
 
             last_saved = None
             step = start - 1
@@ -179,17 +184,23 @@ class Trainer:
                     metrics.update(self.evaluate())
                 self.log.step(step, metrics)
                 stop = self._stop_requested()
-                every = config.checkpoint.every_steps
-                if stop or step == config.rl.steps or (every and step % every == 0):
-                    last_saved = self.save(step)
+                for saved in self.checkpoints.after_step(step, self._trainer_state(), stop=bool(stop),
+                                                         last=step == config.rl.steps):
+                    last_saved = saved.path
+                    self._report_save(saved)
                 if stop:
                     self.log.message(f"stopped by {stop} after step {step}; checkpoint {last_saved}. "
                                      f"Continue with the same command (checkpoint.resume=auto).")
                     self._write_run_state(step, finished=False)
+                    clean = True
                     return self._result(step, finished=False, checkpoint=last_saved)
+            if config.checkpoint.export_hf:
+                self.export_hf(step, last_saved)
             self._write_run_state(step, finished=True)
+            clean = True
             return self._result(step, finished=True, checkpoint=last_saved)
         finally:
+            self.checkpoints.close(clean=clean)
             self._shutdown()
 
     def rl_step(self, step: int) -> dict:
@@ -400,45 +411,34 @@ class Trainer:
                                              master_port=free_port())
         self.engine_started = True
 
-    def save(self, step: int) -> Path:
-        state = {"sampler": self.sampler.state_dict(), "seed": self.config.seed, "config": to_dict(self.config)}
-        return ckpt.save_checkpoint(self.checkpoints, step, self.policy, state, self.config.checkpoint.keep_last)
+    def _trainer_state(self) -> dict:
+        """What a checkpoint needs besides the policy (read when the save starts)."""
+        return {"sampler": self.sampler.state_dict(), "seed": self.config.seed, "config": to_dict(self.config)}
 
-    def _resume_or_init(self) -> dict | None:
-        setting = self.config.checkpoint.resume
-        path, skipped = (None, []) if setting == "none" else (
-            ckpt.find_resumable(self.checkpoints) if setting == "auto" else (Path(setting), []))
-        for problem in skipped:
-            if self.is_driver:
-                print(f"resume: skipping unusable checkpoint {problem}")
-        if path is None:
-            self._load_initial_weights()
-            return None
-        state = ckpt.load_checkpoint(path, self.policy)
-        self.sampler.load_state_dict(state["sampler"])
-        state["path"] = str(path)
-        return state
+    def _report_save(self, saved) -> None:
+        mode = "in the background" if self.config.checkpoint.async_save else "synchronously"
+        self.log.message(f"checkpoint {saved.path.name}: {saved.bytes / 2**20:.1f} MiB written {mode} in "
+                         f"{saved.write_s:.2f} s (CRC-32 {saved.checksum_s:.2f} s); training waited {saved.blocked_s:.2f} s")
 
-    def _load_initial_weights(self) -> None:
-        source = self.config.checkpoint.init_from
-        if source is None:
-            return  # the random initialization (seeded) of the built-in default
-        from megatron_rl.convert import load_initial_weights
-
-        load_initial_weights(self.policy, source)  # a HF model, or `convert hf-to-megatron` / `sft` output
-
-    def _prepare_reference(self, fresh: bool) -> None:
-        from megatron_rl.reference import ReferenceWeights
-
-        if not self.use_kl:
-            return
-        path = self.checkpoints / "reference" / f"rank_{dist.get_rank():05d}.pt"
-        if fresh or not path.is_file():
-            self.reference = ReferenceWeights.snapshot(self.policy.module)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.reference.save(path)
-        else:
-            self.reference = ReferenceWeights.load(path, self.policy.module)
+    def export_hf(self, step: int, checkpoint: Path | None) -> None:
+        """The final policy as a Hugging Face model in OUTPUT_DIR/hf_model (checkpoint.export_hf)."""
+        rl, data, tokenizer = self.config.rl, self.config.data, self.tokenizer
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        generation = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+                      "pad_token_id": pad, "do_sample": rl.temperature > 0, "temperature": rl.temperature,
+                      "top_p": rl.top_p, "max_new_tokens": rl.max_response_tokens}
+        provenance = {
+            "run": str(self.out.resolve()), "checkpoint": str(checkpoint) if checkpoint else None,
+            "recipe": rl.recipe, "precision": self.config.model.precision,
+            "prompt_format": data.prompt_format, "system_prompt": data.system_prompt,
+            "prompt_format_help": ("the prompt text tokenized as it is, with the tokenizer's special tokens"
+                                   if data.prompt_format == "raw" else
+                                   "tokenizer.apply_chat_template(messages, add_generation_prompt=True), "
+                                   "the system prompt first"),
+            "eval_temperature": rl.eval_temperature,
+        }
+        path = self.checkpoints.export_hf(step, generation, provenance)
+        self.log.message(f"exported the policy at step {step} as a Hugging Face model: {path}")
 
     def _prepare_engine_model(self):
         """The engine's model directory: config, generation config and tokenizer (weights are pushed)."""

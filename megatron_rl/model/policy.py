@@ -181,39 +181,67 @@ class Policy:
         # The optimizer keeps fp32 main copies (bf16) or shard views; refresh them from the model.
         self.optimizer.reload_model_params()
 
-    def save_training_state(self, directory: str) -> dict:
-        """Model and optimizer (moments, fp32 main weights, step) as one `torch_dist` checkpoint.
+    def save_training_state(self, directory: str, keyed_like_weights: dict[str, dict[str, torch.Tensor]] | None = None,
+                            async_save: bool = False):
+        """Model and optimizer (Adam's moments, fp32 main weights of a bf16 model) as one
+        `torch_dist` checkpoint that reshards across TP, PP, EP and DP (see optimizer_state).
 
-        The optimizer state is saved "dp_reshardable", so a run can resume at another DP size.
+        `keyed_like_weights`: more per-parameter tensors ({prefix: {parameter name: tensor}},
+        e.g. the KL reference weights), stored sharded exactly like the weights.
         Returns the small state the caller stores with its own trainer state (JSON): the LR
-        schedule and Adam's step count."""
+        schedule and Adam's step count; with `async_save`, also Megatron-Core's AsyncRequest
+        (the files are written when the caller runs it), as (state, request)."""
         from megatron.core import dist_checkpointing
 
         os.makedirs(directory, exist_ok=True)
-        dist_checkpointing.save(self._training_sharded_state_dict(is_loading=False), directory)
-        return {"scheduler": self.scheduler.state_dict(), "adam_step": _adam_step(self.optimizer)}
+        gathered = self._optimizer_view().gather()
+        sharded = self._training_sharded_state_dict(gathered, keyed_like_weights or {})
+        small = {"scheduler": self.scheduler.state_dict(), "adam_step": _adam_step(self.optimizer)}
+        if async_save:
+            return small, dist_checkpointing.save(sharded, directory, async_sharded_save=True)
+        dist_checkpointing.save(sharded, directory)
+        return small
 
-    def load_training_state(self, directory: str, saved: dict) -> None:
-        """`saved`: what save_training_state returned."""
+    def load_training_state(self, directory: str, saved: dict, keyed_like_weights: tuple[str, ...] = ()) -> dict:
+        """`saved`: what save_training_state returned. Loads at this layout whatever layout the
+        checkpoint was written at. Returns the `keyed_like_weights` prefixes asked for, as
+        {prefix: {parameter name: tensor (CPU)}}."""
         from megatron.core import dist_checkpointing
 
-        # A fresh optimizer has no state yet, and Megatron-Core's DistributedOptimizer.state_dict()
-        # (used to build the loading template) asserts one common Adam step without Apex/TE. Its own
-        # helper fills the state with a zero-gradient step; the loaded values then replace it.
-        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            if hasattr(optimizer, "_init_optimizer_states_with_dummy_values") and not optimizer.optimizer.state:
-                optimizer._init_optimizer_states_with_dummy_values()
-        state = dist_checkpointing.load(self._training_sharded_state_dict(is_loading=True), directory)
+        view = self._optimizer_view()
+        template_values = {key: {name: torch.empty_like(p, dtype=torch.float32) for name, p in self.module.named_parameters()}
+                           for key in view.states}
+        extra_values = {prefix: {name: torch.empty_like(p, device="cpu") for name, p in self.module.named_parameters()}
+                        for prefix in keyed_like_weights}
+        template = self._training_sharded_state_dict(template_values, extra_values)
+        state = dist_checkpointing.load(template, directory)
         with torch.no_grad():  # the optimizer copies into views of parameters that require grad
             self.module.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.optimizer.reload_model_params()  # main weights from the loaded model weights
+            view.scatter(state["optimizer"])  # then the saved moments (and fp32 main weights)
         _set_adam_step(self.optimizer, saved["adam_step"])
         self.scheduler.load_state_dict(saved["scheduler"])
+        return {prefix: {name: tensor.cpu() for name, tensor in state[prefix].items()} for prefix in keyed_like_weights}
 
-    def _training_sharded_state_dict(self, is_loading: bool) -> dict:
+    def _optimizer_view(self):
+        from megatron_rl.model.optimizer_state import OptimizerStateView
+
+        return OptimizerStateView(self.optimizer, self.module, with_main_params=self.config.model.precision != "fp32")
+
+    def _training_sharded_state_dict(self, optimizer_values: dict, keyed_like_weights: dict) -> dict:
+        """{"model": the weights, "optimizer": {state: {name: ...}}, prefix: {name: ...}}: every
+        per-parameter tensor sharded like its weight."""
+        from megatron_rl.model.optimizer_state import keyed_like, param_entries
+
         model = self.module.sharded_state_dict()
-        kwargs = {"metadata": {"distrib_optim_sharding_type": "dp_reshardable"}} if self.config.parallel.distributed_optimizer else {}
-        return {"model": model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=is_loading, **kwargs)}
+        entries = param_entries(self.module, model)
+        sharded = {"model": model,
+                   "optimizer": {state: {name: keyed_like(entries[name], tensor, f"optimizer.{state}")
+                                         for name, tensor in values.items()}
+                                 for state, values in optimizer_values.items()}}
+        for prefix, values in keyed_like_weights.items():
+            sharded[prefix] = {name: keyed_like(entries[name], tensor, prefix) for name, tensor in values.items()}
+        return sharded
 
     # ------------------------------------------------------------------------------------------
 

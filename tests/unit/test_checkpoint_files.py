@@ -1,22 +1,36 @@
-"""Checkpoint directory handling without processes: completeness checks, the fallback to the
-previous checkpoint, and the metrics file cut back to the checkpoint on resume."""
+"""Checkpoint directory handling without processes: completeness and checksum checks, the
+fallback to the previous checkpoint, the refusals before a resume, and the metrics file cut back
+to the checkpoint on resume."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
-from megatron_rl.checkpoint import LATEST, MANIFEST, STATE, _inventory, _prune, find_resumable, verify
+import pytest
+
+from megatron_rl.checkpoint import LATEST, MANIFEST, STATE, STATE_VERSION, _inventory, _prune, find_resumable, verify
+from megatron_rl.checkpoint_manager import check_run_directory, config_differences
+from megatron_rl.config import ConfigError, load_config, to_dict
 from megatron_rl.logging import WALL_CLOCK, MetricsLog, read_metrics, truncate_metrics
 
 
-def fake_checkpoint(root: Path, step: int) -> Path:
+def fake_checkpoint(root: Path, step: int, config: dict | None = None) -> Path:
     path = root / f"step_{step:06d}"
     (path / "weights").mkdir(parents=True)
     (path / "weights" / "shard.distcp").write_bytes(b"x" * (100 + step))
-    (path / STATE).write_text(json.dumps({"step": step}))
+    (path / STATE).write_text(json.dumps({"step": step, "version": STATE_VERSION, "config": config or {}}))
     (path / MANIFEST).write_text(json.dumps({"step": step, "files": _inventory(path)}))
     return path
+
+
+def flip_bytes_in_place(path: Path) -> None:
+    """Corrupt the middle of a file without changing its size."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle: middle + 8] = bytes(b ^ 0xFF for b in data[middle: middle + 8])
+    path.write_bytes(data)
 
 
 def test_complete_checkpoint_verifies(tmp_path):
@@ -31,6 +45,59 @@ def test_truncated_file_is_named_and_previous_checkpoint_used(tmp_path):
     found, skipped = find_resumable(tmp_path)
     assert found == tmp_path / "step_000002"
     assert len(skipped) == 1 and "step_000004" in skipped[0] and "weights/shard.distcp has 5 bytes" in skipped[0]
+
+
+def test_bytes_flipped_in_place_are_named_and_previous_checkpoint_used(tmp_path):
+    fake_checkpoint(tmp_path, 2)
+    newest = fake_checkpoint(tmp_path, 4)
+    flip_bytes_in_place(newest / "weights" / "shard.distcp")
+    assert verify(newest, checksums=False) is None  # same size: a size check cannot see it
+    found, skipped = find_resumable(tmp_path)
+    assert found == tmp_path / "step_000002"
+    assert "weights/shard.distcp is corrupt (CRC-32" in skipped[0], skipped
+
+
+def test_checkpoint_of_an_older_format_is_named(tmp_path):
+    path = fake_checkpoint(tmp_path, 1)
+    (path / STATE).write_text(json.dumps({"step": 1}))
+    (path / MANIFEST).write_text(json.dumps({"step": 1, "files": _inventory(path)}))
+    assert "older megatron-rl (checkpoint format 1" in verify(path)
+
+
+def run_config(tmp_path: Path, *overrides: str):
+    return load_config(None, [f"output_dir={tmp_path}", *overrides])
+
+
+def test_resume_auto_refuses_when_every_checkpoint_is_unusable(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (2, 4):
+        (fake_checkpoint(root, step) / "weights" / "shard.distcp").write_bytes(b"short")
+    with pytest.raises(ConfigError) as error:
+        check_run_directory(run_config(tmp_path))
+    message = str(error.value)
+    assert "step_000004: file weights/shard.distcp has 5 bytes" in message and "step_000002" in message
+    assert "checkpoint.resume=none" in message and "previous-<time>" in message
+    check_run_directory(run_config(tmp_path, "checkpoint.resume=none"))  # starting over is allowed
+
+
+def test_resume_with_another_config_is_refused_naming_the_keys(tmp_path):
+    recorded = to_dict(run_config(tmp_path))
+    del recorded["rl"]["temperature"]  # a key the recorded config lacks counts as its default
+    fake_checkpoint(tmp_path / "checkpoints", 3, config=recorded)
+    check_run_directory(run_config(tmp_path, "parallel.tp=1", "logging.wandb_mode=disabled"))
+    with pytest.raises(ConfigError, match=r"rl.steps: 150 -> 7") as error:
+        check_run_directory(run_config(tmp_path, "rl.steps=7", "optimizer.lr=0.5"))
+    assert "optimizer.lr" in str(error.value) and "rl.temperature" not in str(error.value)
+    check_run_directory(run_config(tmp_path, "rl.steps=7", "checkpoint.allow_config_change=true"))
+
+
+def test_config_differences_ignore_layout_logging_and_checkpoint_keys(tmp_path):
+    base = to_dict(run_config(tmp_path))
+    other = to_dict(run_config(tmp_path / "elsewhere", "parallel.ep=2", "checkpoint.keep_last=5",
+                               "logging.wandb_mode=disabled", "micro_batch_tokens=1024"))
+    assert config_differences(base, other) == []
+    changed = to_dict(run_config(tmp_path, "rl.recipe=grpo"))
+    assert config_differences(base, changed) == ["rl.recipe: 'dapo' -> 'grpo'"]
 
 
 def test_partial_save_without_manifest_is_skipped(tmp_path):
@@ -54,6 +121,10 @@ def test_prune_keeps_the_newest_complete(tmp_path):
     for step in (1, 2, 3, 4):
         fake_checkpoint(tmp_path, step)
     _prune(tmp_path, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["step_000003", "step_000004"]
+    deadline = time.monotonic() + 10  # the pruned ones are deleted in the background
+    while time.monotonic() < deadline and len(list(tmp_path.iterdir())) > 2:
+        time.sleep(0.05)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003", "step_000004"]
 
 

@@ -1,0 +1,309 @@
+"""The one owner of a run's checkpoints: the folder, the cadence, which checkpoint a run resumes
+from, the initial weights, the KL reference weights, and the final export as a HF model.
+
+    OUTPUT_DIR/
+        run.json            the config of the run that owns this directory
+        checkpoints/        step_*/ and `latest` (megatron_rl.checkpoint describes one)
+        hf_model/           the final policy as a Hugging Face model (checkpoint.export_hf)
+        previous-<time>/    an earlier run's checkpoints and logs, moved aside by resume=none
+
+Start-up, in order: `check_run_directory` (preflight, no torch: refuses a resume into a run with
+another config, or when no checkpoint is complete), then on the trainer's ranks `prepare()`
+(moves an earlier run aside when starting over) and `resume_or_init()` (the newest checkpoint
+that verifies, checksums included; else the initial weights).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.config import ConfigError, RunConfig, to_dict
+
+RUN_RECORD = "run.json"
+HF_EXPORT = "hf_model"
+# Keys that may differ between the run that wrote a checkpoint and the run resuming from it:
+# the layout (checkpoints reshard), where and how it logs and checkpoints, performance knobs.
+MAY_DIFFER = ("parallel.", "logging.", "checkpoint.", "output_dir", "device", "micro_batch_tokens",
+              "logprob_chunk_tokens")
+# What an earlier run leaves in its output directory (moved aside together by resume=none).
+RUN_ARTIFACTS = ("checkpoints", "metrics.jsonl", "run_state.json", RUN_RECORD, "learning_curve.png", HF_EXPORT,
+                 "wandb", "wandb_run_id")
+
+
+# ---------------------------------------------------------------------------------------------
+# Preflight: fast, no torch, no process group
+# ---------------------------------------------------------------------------------------------
+
+
+def check_run_directory(config: RunConfig) -> None:
+    """Refuse, before any expensive work: resuming with a config that differs from the recorded
+    one; resume=auto when checkpoints exist but none is complete; resume=PATH that is not one."""
+    from megatron_rl import checkpoint as ckpt
+
+    setting, root = config.checkpoint.resume, Path(config.output_dir) / "checkpoints"
+    if setting == "none":
+        return
+    if setting != "auto":
+        problem = ckpt.verify(Path(setting), checksums=False)
+        if problem:
+            raise ConfigError(f"checkpoint.resume: {setting}: {problem}")
+        _check_same_run(config, Path(setting))
+        return
+    found = ckpt.candidates(root)
+    if not found:
+        return
+    problems = [f"{path}: {problem}" for path in found if (problem := ckpt.verify(path, checksums=False))]
+    if len(problems) == len(found):
+        raise ConfigError(unusable_message(root, problems))
+    _check_same_run(config, next(p for p in found if ckpt.verify(p, checksums=False) is None))
+
+
+def unusable_message(root: Path, problems: list[str]) -> str:
+    listing = "\n  ".join(problems)
+    return (f"checkpoint.resume=auto: no checkpoint in {root} can be used:\n  {listing}\n"
+            "To start over in this directory, run with checkpoint.resume=none: the old checkpoints and "
+            "metrics are moved into previous-<time>/ (nothing is deleted). Or resume from a checkpoint "
+            "elsewhere with checkpoint.resume=PATH.")
+
+
+def config_differences(recorded: dict, current: dict) -> list[str]:
+    """'key: recorded -> current' for every key that differs and may not (keys missing from the
+    recorded config count as their defaults)."""
+    defaults = _flatten(to_dict(RunConfig()))
+    old = dict(defaults, **_flatten(recorded))
+    new = _flatten(current)
+    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(set(old) | set(new))
+            if old.get(key) != new.get(key) and not key.startswith(MAY_DIFFER)]
+
+
+def _check_same_run(config: RunConfig, checkpoint: Path) -> None:
+    from megatron_rl.checkpoint import STATE
+
+    if config.checkpoint.allow_config_change:
+        return
+    recorded = json.loads((checkpoint / STATE).read_text()).get("config")
+    if recorded is None:
+        return
+    differences = config_differences(recorded, to_dict(config))
+    if differences:
+        listing = "\n  ".join(differences)
+        raise ConfigError(f"{checkpoint} was written by a run with another config; resuming it with this one "
+                          f"would mix two experiments:\n  {listing}\nUse the original config, another output_dir, "
+                          "checkpoint.resume=none to start over here (the old run is moved aside), or "
+                          "checkpoint.allow_config_change=true if the change is intended.")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Resumed:
+    path: Path
+    step: int
+    state: dict[str, Any]  # trainer_state.json
+
+
+class CheckpointManager:
+    """Collective methods (every rank calls them at the same points): prepare, resume_or_init,
+    after_step, close(clean=True), export_hf."""
+
+    def __init__(self, config: RunConfig, runtime, policy, *, model_dir: Path):
+        """`model_dir`: the run's model description (config.json and tokenizer files), copied
+        into every checkpoint and the HF export so that each describes its model."""
+        self.config, self.runtime, self.policy = config, runtime, policy
+        self.out = Path(config.output_dir)
+        self.root = self.out / "checkpoints"
+        self.model_dir = Path(model_dir)
+        self.is_driver = runtime.rank == 0
+        self.reference = None  # ReferenceWeights, when the recipe has a KL term
+        self.pending = None  # a save being written in the background
+        self.saves: list = []  # SaveStats of published checkpoints
+
+    # ---- start-up -------------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Rank 0 tidies the directory before anyone reads it: staging directories of a save
+        that crashed are removed; starting over (resume=none) moves an earlier run aside."""
+        import torch.distributed as dist
+
+        if self.is_driver:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in list(self.root.glob(".step_*.partial-*")) + list(self.root.glob(".step_*.old-*")):
+                shutil.rmtree(stale, ignore_errors=True)
+                print(f"checkpoints: removed {stale.name}, left by a save that did not finish")
+            if self.config.checkpoint.resume == "none" or not _complete_candidates(self.root):
+                self._move_earlier_run_aside()
+            (self.out / RUN_RECORD).write_text(json.dumps({"config": to_dict(self.config)}, indent=1))
+        dist.barrier()
+
+    def _move_earlier_run_aside(self) -> None:
+        present = [self.out / name for name in RUN_ARTIFACTS if (self.out / name).exists()]
+        if self.root.is_dir() and not any(self.root.iterdir()):
+            present = [p for p in present if p != self.root]
+        if not [p for p in present if p.name != RUN_RECORD]:
+            return
+        target = self.out / f"previous-{time.strftime('%Y%m%d-%H%M%S')}"
+        target.mkdir()
+        for path in present:
+            path.rename(target / path.name)
+        self.root.mkdir(parents=True, exist_ok=True)
+        print(f"starting over: the earlier run's {', '.join(p.name for p in present)} moved into {target} "
+              "(nothing deleted)")
+
+    def resume_or_init(self) -> Resumed | None:
+        """Loads the checkpoint to continue from (verified, checksums included), or the initial
+        weights when there is none. A checkpoint that fails verification is named and the
+        previous one is used; if none is usable, resume=auto refuses."""
+        from megatron_rl import checkpoint as ckpt
+
+        setting = self.config.checkpoint.resume
+        if setting == "none":
+            path = None
+        elif setting == "auto":
+            path, skipped = ckpt.find_resumable(self.root)
+            for problem in skipped:
+                self._say(f"resume: skipping unusable checkpoint {problem}")
+            if path is None and skipped:
+                raise ConfigError(unusable_message(self.root, skipped))
+        else:
+            path = Path(setting)
+            problem = ckpt.verify_shared(path)
+            if problem:
+                raise ConfigError(f"checkpoint.resume: {path}: {problem}")
+        if path is None:
+            self._load_initial_weights()
+            return None
+        prefixes = ("reference",) if self._uses_kl else ()
+        state, extra = ckpt.load_checkpoint(path, self.policy, keyed_like_weights=prefixes)
+        if "reference" in extra:
+            from megatron_rl.reference import ReferenceWeights
+
+            self.reference = ReferenceWeights(extra["reference"])
+        return Resumed(path, state["step"], state)
+
+    def _load_initial_weights(self) -> None:
+        source = self.config.checkpoint.init_from
+        if source is None:
+            return  # the random initialization (seeded) of the built-in default
+        from megatron_rl.convert import load_initial_weights
+
+        load_initial_weights(self.policy, source)  # a HF model, a megatron-rl checkpoint or run directory
+
+    def reference_weights(self):
+        """The KL reference: the restored one on resume, else the policy as it is now (after the
+        warm start), kept in every later checkpoint so a resumed run keeps the same reference."""
+        from megatron_rl.reference import ReferenceWeights
+
+        if self.reference is None:
+            self.reference = ReferenceWeights.snapshot(self.policy.module)
+        return self.reference
+
+    @property
+    def _uses_kl(self) -> bool:
+        return self.config.rl.algorithm().loss.kl_coef > 0
+
+    # ---- during the run -----------------------------------------------------------------------
+
+    def after_step(self, step: int, trainer_state: dict, *, stop: bool, last: bool):
+        """Checkpoint when due (every_steps, the last step, a stop signal). Returns the SaveStats
+        of checkpoints published during this call (a background save finishing counts)."""
+        published = self._poll(blocking=False)
+        every = self.config.checkpoint.every_steps
+        if stop or last or (every and step % every == 0):
+            published += self._poll(blocking=True)  # one save in flight at a time
+            self.pending = self._begin(step, trainer_state, async_save=self.config.checkpoint.async_save)
+            if stop or last:  # the process is about to exit: wait for the files
+                published += self._poll(blocking=True)
+            elif self.pending.process is None:  # written synchronously, published already
+                published.append(self.pending.stats)
+                self.pending = None
+        return published
+
+    def _begin(self, step: int, trainer_state: dict, async_save: bool):
+        from megatron_rl import checkpoint as ckpt
+
+        extra = {"reference": self.reference.tensors} if self.reference is not None else {}
+        return ckpt.begin_save(self.root, step, self.policy, trainer_state, keep_last=self.config.checkpoint.keep_last,
+                               keyed_like_weights=extra, metadata=self._metadata(), hf_files=self._model_files(),
+                               async_save=async_save, device=self.runtime.device)
+
+    def _poll(self, blocking: bool) -> list:
+        if self.pending is None or not self.pending.poll(blocking=blocking):
+            return []
+        stats, self.pending = self.pending.stats, None
+        self.saves.append(stats)
+        return [stats]
+
+    def close(self, clean: bool) -> list:
+        """Wait for a save in flight. `clean=False` (an error elsewhere): other ranks may not be
+        here, so no collective: the unfinished save stays unpublished (removed at next start)."""
+        if self.pending is None:
+            return []
+        if clean:
+            return self._poll(blocking=True)
+        if self.pending.process is not None:
+            self.pending.process.join()
+        self.pending = None
+        return []
+
+    # ---- describing the model -------------------------------------------------------------------
+
+    def _metadata(self) -> dict:
+        from megatron_rl.convert import FORMAT
+
+        p = self.config.parallel
+        return {"format": FORMAT, "weights_dir": "weights", "padded_vocab_size": self.policy.module.vocab_size,
+                "precision": self.config.model.precision, "source": str(self.out.resolve()),
+                "saved_layout": {"tp": p.tp, "pp": p.pp, "ep": p.ep, "etp": p.expert_tp, "dp": self.runtime.dp_size,
+                                 "distributed_optimizer": p.distributed_optimizer}}
+
+    def _model_files(self) -> dict[str, bytes]:
+        if not self.is_driver:
+            return {}
+        return {path.name: path.read_bytes() for path in sorted(self.model_dir.iterdir()) if path.is_file()}
+
+    # ---- the end ---------------------------------------------------------------------------------
+
+    def export_hf(self, step: int, generation: dict, provenance: dict) -> Path:
+        """Collective: the policy as a Hugging Face model in OUTPUT_DIR/hf_model, at the model's
+        precision (whatever model.export_fp8 says for rollout), with a full generation config
+        and a record of where it came from and how prompts must be formatted."""
+        import torch
+
+        from megatron_rl.atomic_dir import AtomicDirectory
+        from megatron_rl.bridge.hf_checkpoint import write_hf_checkpoint
+
+        target = self.out / HF_EXPORT
+        dtype = torch.bfloat16 if self.config.model.precision == "bf16" else torch.float32
+        with AtomicDirectory(target, force=True) as staging:
+            write_hf_checkpoint(self.policy.module, self.policy.arch, self.policy.raw_hf_config, staging,
+                                template_dir=self.model_dir, dtype=dtype, fp8=False)
+            if self.is_driver:
+                (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+                (staging / "megatron_rl_export.json").write_text(json.dumps(dict(provenance, step=step), indent=2) + "\n")
+        return target
+
+    def _say(self, text: str) -> None:
+        if self.is_driver:
+            print(text, flush=True)
+
+
+def _complete_candidates(root: Path) -> list[Path]:
+    from megatron_rl import checkpoint as ckpt
+
+    return [p for p in ckpt.candidates(root) if ckpt.verify(p, checksums=False) is None]
