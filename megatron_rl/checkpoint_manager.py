@@ -9,8 +9,10 @@ from, the initial weights, the KL reference weights, and the final export as a H
 
 Start-up, in order: `check_run_directory` (preflight, no torch: refuses a resume into a run with
 another config, or when no checkpoint is complete), then on the trainer's ranks `prepare()`
-(moves an earlier run aside when starting over) and `resume_or_init()` (the newest checkpoint
-that verifies, checksums included; else the initial weights).
+(moves an earlier run aside when starting over), `choose()` (the newest checkpoint that
+verifies, checksums included), `policy_config()` (the padded vocabulary of the checkpoint the
+weights come from: Megatron pads it to a multiple of 128 x TP, so another TP would not fit),
+then `load(policy, chosen)` (that checkpoint, else the initial weights).
 """
 
 from __future__ import annotations
@@ -119,13 +121,14 @@ class Resumed:
 
 
 class CheckpointManager:
-    """Collective methods (every rank calls them at the same points): prepare, resume_or_init,
+    """Collective methods (every rank calls them at the same points): prepare, choose, load,
     after_step, close(clean=True), export_hf."""
 
-    def __init__(self, config: RunConfig, runtime, policy, *, model_dir: Path):
+    def __init__(self, config: RunConfig, runtime, *, model_dir: Path):
         """`model_dir`: the run's model description (config.json and tokenizer files), copied
         into every checkpoint and the HF export so that each describes its model."""
-        self.config, self.runtime, self.policy = config, runtime, policy
+        self.config, self.runtime = config, runtime
+        self.policy = None  # given to load()
         self.out = Path(config.output_dir)
         self.root = self.out / "checkpoints"
         self.model_dir = Path(model_dir)
@@ -165,26 +168,50 @@ class CheckpointManager:
         print(f"starting over: the earlier run's {', '.join(p.name for p in present)} moved into {target} "
               "(nothing deleted)")
 
-    def resume_or_init(self) -> Resumed | None:
-        """Loads the checkpoint to continue from (verified, checksums included), or the initial
-        weights when there is none. A checkpoint that fails verification is named and the
-        previous one is used; if none is usable, resume=auto refuses."""
+    def choose(self) -> Path | None:
+        """The checkpoint to continue from (verified, checksums included), or None to start from
+        the initial weights. A checkpoint that fails verification is named and the previous one
+        is used; if none is usable, resume=auto refuses."""
         from megatron_rl import checkpoint as ckpt
 
         setting = self.config.checkpoint.resume
         if setting == "none":
-            path = None
-        elif setting == "auto":
+            return None
+        if setting == "auto":
             path, skipped = ckpt.find_resumable(self.root)
             for problem in skipped:
                 self._say(f"resume: skipping unusable checkpoint {problem}")
             if path is None and skipped:
                 raise ConfigError(unusable_message(self.root, skipped))
-        else:
-            path = Path(setting)
-            problem = ckpt.verify_shared(path)
-            if problem:
-                raise ConfigError(f"checkpoint.resume: {path}: {problem}")
+            return path
+        path = Path(setting)
+        problem = ckpt.verify_shared(path)
+        if problem:
+            raise ConfigError(f"checkpoint.resume: {path}: {problem}")
+        return path
+
+    def policy_config(self, chosen: Path | None) -> RunConfig:
+        """The config to build the policy from: model.padded_vocab_size pinned to the row count of
+        the checkpoint its weights will come from (the chosen one, else checkpoint.init_from),
+        unless the config sets it."""
+        from megatron_rl.convert import pin_checkpoint_vocab, read_metadata
+
+        if chosen is None:
+            return pin_checkpoint_vocab(self.config)
+        if self.config.model.padded_vocab_size is not None:
+            return self.config
+        import dataclasses
+
+        rows = read_metadata(chosen)["padded_vocab_size"]
+        return dataclasses.replace(self.config, model=dataclasses.replace(self.config.model, padded_vocab_size=rows))
+
+    def load(self, policy, chosen: Path | None) -> Resumed | None:
+        """Collective: the chosen checkpoint into `policy` (model, optimizer, schedule, RNG, KL
+        reference), or, with none chosen, the initial weights."""
+        from megatron_rl import checkpoint as ckpt
+
+        self.policy = policy
+        path = chosen
         if path is None:
             self._load_initial_weights()
             return None

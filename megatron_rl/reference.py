@@ -7,7 +7,8 @@ training device and swapped into the live model only for its forward pass.
 
 Only this rank's shards are copied (host memory: one model shard per rank), so no second model
 is built and no extra device memory is held between steps. The live weights are parked on the
-host during the swap and copied back bit-exactly.
+host during the swap and copied back bit-exactly. Checkpoints store the tensors sharded like the
+weights (checkpoint_manager), so a run resumed at another layout keeps the same reference.
 """
 
 from __future__ import annotations
@@ -38,17 +39,3 @@ class ReferenceWeights:
             with torch.no_grad():
                 for name, param in module.named_parameters():
                     param.copy_(parked[name])
-
-    def save(self, path) -> None:
-        """This rank's shards (a resumed run needs the same reference, not its own restart point)."""
-        torch.save(self.tensors, path)
-
-    @classmethod
-    def load(cls, path, module: torch.nn.Module) -> ReferenceWeights:
-        tensors = torch.load(path, weights_only=True)
-        expected = {name: tuple(p.shape) for name, p in module.named_parameters()}
-        found = {name: tuple(t.shape) for name, t in tensors.items()}
-        if expected != found:
-            raise ValueError(f"reference weights in {path} were saved with another parallel layout; "
-                             "resume with the layout of the original run")
-        return cls(tensors)

@@ -133,18 +133,18 @@ class Trainer:
                                      seed=config.data.seed if config.data.seed is not None else config.seed,
                                      shuffle=config.data.shuffle)
         updates = config.rl.steps * config.rl.updates_per_rollout
-        from megatron_rl.convert import pin_checkpoint_vocab
-
-        self.policy = Policy(pin_checkpoint_vocab(config), runtime, total_steps=updates)
-        self.routing = RouterTrace.attach()
-        self.engine_dir = self.out / "engine_model"
-        self.tokenizer = self._prepare_engine_model()
-        self.scorer = build_scorer(config.rewards) if self.is_driver else None
         from megatron_rl.checkpoint_manager import CheckpointManager
 
-        self.checkpoints = CheckpointManager(config, runtime, self.policy, model_dir=self.engine_dir)
+        self.engine_dir = self.out / "engine_model"
+        # Owns OUTPUT_DIR/checkpoints: which checkpoint to continue from, saves, the final export.
+        self.checkpoints = CheckpointManager(config, runtime, model_dir=self.engine_dir)
         self.checkpoints.prepare()
-        self.resumed = self.checkpoints.resume_or_init()
+        chosen = self.checkpoints.choose()
+        self.policy = Policy(self.checkpoints.policy_config(chosen), runtime, total_steps=updates)
+        self.routing = RouterTrace.attach()
+        self.tokenizer = self._prepare_engine_model()
+        self.scorer = build_scorer(config.rewards) if self.is_driver else None
+        self.resumed = self.checkpoints.load(self.policy, chosen)
         if self.resumed is not None:
             self.sampler.load_state_dict(self.resumed.state["sampler"])
         start_step = self.resumed.step if self.resumed else 0

@@ -109,16 +109,17 @@ def write_run_tokenizer(config, directory: str | Path) -> Path:
     """The tokenizer files of a run (`config`: a RunConfig) into `directory` (the rollout engine's
     model directory, an sft checkpoint): this character tokenizer for synthetic data, else the
     files of checkpoint.init_from (a Hugging Face model directory, or the hf_config/ of a
-    megatron-rl checkpoint) or of the directory holding model.hf_config."""
+    megatron-rl checkpoint, training checkpoints and run directories included) or of the
+    directory holding model.hf_config."""
     if config.data.train == "synthetic":
         return write_char_tokenizer(directory)
     from megatron_rl.bridge.hf_checkpoint import copy_tokenizer_files
-    from megatron_rl.convert import is_megatron_checkpoint
+    from megatron_rl.convert import names_megatron_checkpoint, resolve_checkpoint
 
     source = Path(config.checkpoint.init_from or config.model.hf_config)
     source = source if source.is_dir() else source.parent
-    if is_megatron_checkpoint(source):
-        source = source / "hf_config"
+    if names_megatron_checkpoint(source):  # a checkpoint, or a run directory meaning its latest
+        source = resolve_checkpoint(source) / "hf_config"
     if not copy_tokenizer_files(source, directory):
         raise ConfigError(f"no tokenizer files in {source}: set checkpoint.init_from to a Hugging Face model directory")
     return Path(directory)

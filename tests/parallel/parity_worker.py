@@ -61,6 +61,16 @@ def gather_distributed_optimizer_grads(ddp) -> None:
             dist.all_reduce(bucket.grad_data, group=group)
 
 
+def built_distributed_optimizer(optimizer) -> bool | str:
+    """Whether the optimizer Megatron built is its DistributedOptimizer (for an MoE model, a
+    ChainedOptimizer of a dense and an expert one: both), whatever the config asked for."""
+    from megatron.core.optimizer import DistributedOptimizer
+
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    kinds = {isinstance(part, DistributedOptimizer) for part in parts}
+    return kinds.pop() if len(kinds) == 1 else f"mixed: {[type(part).__name__ for part in parts]}"
+
+
 def save_grads(policy: Policy, directory: Path) -> None:
     from megatron.core import dist_checkpointing
 
@@ -170,7 +180,7 @@ def main() -> None:
     for step in range(3):
         loss, _ = policy.forward_backward(batches, loss_fn)
         if step == 0:
-            if config.parallel.distributed_optimizer:
+            if policy.model.ddp_config.use_distributed_optimizer:  # the gradients are DP-sharded
                 gather_distributed_optimizer_grads(policy.model)
             save_grads(policy, out / "grads")
         result = policy.optimizer_step(loss)
@@ -186,7 +196,8 @@ def main() -> None:
             "ep": ps.get_expert_model_parallel_world_size(),
             "etp": ps.get_expert_tensor_parallel_world_size(),
             "dp": ps.get_data_parallel_world_size(),
-            "distributed_optimizer": config.parallel.distributed_optimizer,
+            "distributed_optimizer": built_distributed_optimizer(policy.optimizer),
+            "config_distributed_optimizer": config.parallel.distributed_optimizer,
             "precision": config.model.precision,
         }
         (out / "losses.json").write_text(json.dumps({"loss": losses, "grad_norm": grad_norms, "layout": layout}))

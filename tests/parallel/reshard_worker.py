@@ -1,7 +1,8 @@
 """One rank of a resharding run, started by torchrun (see test_resharding.py).
 
     save:   start from shared weights, take 2 optimizer steps (so Adam's moments are not zero
-            and the LR schedule has moved), save the training state with KL reference weights
+            and the LR schedule has moved), save the training state with KL reference weights,
+            then continue with the 2 steps a resume takes (what a same-layout resume must equal)
     resume: load that state at THIS layout, write the reference weights as full tensors, take
             2 more steps and write their losses and grad norms
 
@@ -100,6 +101,8 @@ def main() -> None:
         small = policy.save_training_state(str(ckpt), keyed_like_weights={"reference": reference})
         if runtime.rank == 0:
             (ckpt / "small.json").write_text(json.dumps(small))
+        # What a resume at this layout must reproduce exactly: the same run simply continuing.
+        result["continued"] = take_steps(policy, runtime, 2, shift=5)
     else:
         small = json.loads((ckpt / "small.json").read_text())
         loaded = policy.load_training_state(str(ckpt), small, keyed_like_weights=("reference",))

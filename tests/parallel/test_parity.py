@@ -34,14 +34,16 @@ BF16_LOGPROB_TOL = 0.02
 BF16_GRAD_REL_TOL = 0.1
 BF16_LOSS_TOL = 2e-3
 
-# name: (processes, overrides, the layout Megatron must report)
+# name: (processes, overrides, the layout Megatron must report). distributed_optimizer: whether
+# the optimizer built is Megatron's DistributedOptimizer (parallel.distributed_optimizer, on by default).
 LAYOUTS = {
-    "tp2": (2, ["parallel.tp=2", "parallel.etp=2"], dict(tp=2, pp=1, ep=1, etp=2, dp=1)),
-    "ep2": (2, ["parallel.ep=2", "parallel.etp=1"], dict(tp=1, pp=1, ep=2, etp=1, dp=2)),
-    "pp2": (2, ["parallel.pp=2"], dict(tp=1, pp=2, ep=1, etp=1, dp=1)),
-    "tp2_ep2_etp2": (4, ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2"], dict(tp=2, pp=1, ep=2, etp=2, dp=2)),
-    "dp2_distopt": (2, ["parallel.distributed_optimizer=true"], dict(tp=1, pp=1, ep=1, etp=1, dp=2)),
-    "dp2_ddp": (2, ["parallel.distributed_optimizer=false"], dict(tp=1, pp=1, ep=1, etp=1, dp=2)),
+    "tp2": (2, ["parallel.tp=2", "parallel.etp=2"], dict(tp=2, pp=1, ep=1, etp=2, dp=1, distributed_optimizer=True)),
+    "ep2": (2, ["parallel.ep=2", "parallel.etp=1"], dict(tp=1, pp=1, ep=2, etp=1, dp=2, distributed_optimizer=True)),
+    "pp2": (2, ["parallel.pp=2"], dict(tp=1, pp=2, ep=1, etp=1, dp=1, distributed_optimizer=True)),
+    "tp2_ep2_etp2": (4, ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2"],
+                     dict(tp=2, pp=1, ep=2, etp=2, dp=2, distributed_optimizer=True)),
+    "dp2_distopt": (2, ["parallel.distributed_optimizer=true"], dict(tp=1, pp=1, ep=1, etp=1, dp=2, distributed_optimizer=True)),
+    "dp2_ddp": (2, ["parallel.distributed_optimizer=false"], dict(tp=1, pp=1, ep=1, etp=1, dp=2, distributed_optimizer=False)),
 }
 
 
@@ -87,9 +89,11 @@ def reference(tmp_path_factory):
 
 
 def check_layout(directory: Path, nproc: int, expected: dict) -> None:
-    """The run really used the layout (an ignored override must not pass as parity)."""
+    """The run really used the layout (an ignored override must not pass as parity): Megatron's
+    parallel state, and the kind of optimizer actually built, against what the config asked for."""
     reported = json.loads((directory / "losses.json").read_text())["layout"]
     assert reported["world"] == nproc
+    assert reported["distributed_optimizer"] == reported["config_distributed_optimizer"], reported
     assert {k: reported[k] for k in expected} == expected, reported
 
 

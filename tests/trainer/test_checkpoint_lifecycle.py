@@ -189,20 +189,40 @@ def test_every_checkpoint_corrupt_refuses_then_resume_none_moves_the_run_aside(t
     assert sorted(metrics(copy)) == [0, 1]
 
 
-def test_ep2_checkpoint_resumes_on_one_process(tmp_path):
-    out = tmp_path / "run"
-    overrides = ["rl.steps=3", "warm_start.steps=4", "rl.recipe=grpo", "parallel.ep=2", "parallel.etp=1"]
+def test_tp2_ep2_checkpoint_resumes_on_one_process_and_converts(tmp_path):
+    """Written by 2 processes at TP2 x EP2 with a 300-token vocabulary (Megatron pads it to 512
+    rows at TP2, to 384 at TP1): resumed on 1 process, KL reference included, then converted."""
+    from megatron_rl.model.hf_config import load_hf_config
     from megatron_rl.platform.distributed import free_port
 
+    raw, _ = load_hf_config("tiny-qwen3-moe")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(dict(raw, vocab_size=300)))
+    out = tmp_path / "run"
+    common = ["rl.steps=3", "warm_start.steps=4", "rl.recipe=grpo", f"model.hf_config={tmp_path / 'model'}"]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-               "-m", "megatron_rl.cli", "train", "--output-dir", str(out), *SHORT, *overrides]
+               "-m", "megatron_rl.cli", "train", "--output-dir", str(out), *SHORT, *common,
+               "parallel.tp=2", "parallel.ep=2", "parallel.etp=1"]
     result = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    state = json.loads((out / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
+    step2 = out / "checkpoints" / "step_000002"
+    state = json.loads((step2 / "trainer_state.json").read_text())
     assert state["world_size"] == 2 and "reference" in state["keyed_like_weights"]
-    shutil.rmtree(out / "checkpoints" / "step_000003")  # resume from step 2, written by 2 ranks
-    one = train(out, *overrides[:3], "parallel.ep=1")
+    assert json.loads((step2 / "megatron_rl.json").read_text())["padded_vocab_size"] == 512
+    shutil.rmtree(out / "checkpoints" / "step_000003")  # resume from step 2
+
+    one = train(out, *common)
     assert "checkpoint was written by 2 ranks, now 1" in one.stdout
-    assert "resumed from" in one.stdout and "at step 2" in one.stdout
+    assert f"resumed from {step2} at step 2" in one.stdout
     after = metrics(out)
     assert sorted(after) == [0, 1, 2, 3] and after[3]["train/grad_norm"] > 0
+    assert any(key.startswith("actor/kl") for key in after[3]), after[3]
+
+    # The 1-process checkpoint keeps the 512 rows; conversion reuses them and drops the padding.
+    assert json.loads((out / "checkpoints" / "step_000003" / "megatron_rl.json").read_text())["padded_vocab_size"] == 512
+    run(str(REPO / "tools" / "convert_megatron_to_hf.py"), "--ckpt", str(out), "--out", str(tmp_path / "hf"))
+    converted, exported = safetensors_of(tmp_path / "hf"), safetensors_of(out / "hf_model")
+    assert converted["model.embed_tokens.weight"].shape[0] == 300
+    assert sorted(converted) == sorted(exported)
+    for name in exported:
+        assert torch.equal(converted[name], exported[name]), name

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -115,17 +116,86 @@ def test_failing_reward_function_is_counted_and_run_completes(tmp_path):
     assert json.loads((out / "run_state.json").read_text())["finished"] is True
 
 
+# One RL step of two updates, made so that both updates have a real signal: a task the
+# warm-started policy solves about half the time (sums of operands in [0, 3]), so the refill
+# keeps all 8 groups (4 per update, each with mixed rewards), and a learning rate high enough that
+# the first update moves some tokens' top-2 experts (of 4) before the second update runs.
+ROUTING = ["rl.steps=1", "rl.updates_per_rollout=2", "rl.prompts_per_step=8", "rl.group_size=4",
+           "data.synthetic.max_operand=3", "data.num_heldout=2", "optimizer.lr=1e-2",
+           "checkpoint.every_steps=0", "rl.eval_every=0"]
+
+# Runs the CLI in a process whose RouterTrace also counts, per mode, how many (token, layer)
+# routes the training forward actually USED differ from the ones recorded in the old-logprob
+# forward. The `moe/routing_drift` metric counts the freshly computed routes instead, with or
+# without replay (how much replay corrects), so it cannot show that replay forces the recording.
+ROUTE_PROBE = r"""
+import json, os, sys
+from megatron_rl.model import routing
+
+used = {"replay": [0, 0], "compare": [0, 0]}
+make_topk = routing.RouterTrace._make_topk
+
+def probed(self, layer, original):
+    inner = make_topk(self, layer, original)
+    def topk(*args, **kwargs):
+        probs, indices = inner(*args, **kwargs)
+        if self.mode in used and self._current is not None:
+            recorded = self._recorded[self._current][layer]
+            same = (indices.sort(dim=-1).values == recorded.sort(dim=-1).values).all(dim=-1)
+            used[self.mode][0] += int((~same).sum())
+            used[self.mode][1] += same.numel()
+        return probs, indices
+    return topk
+
+routing.RouterTrace._make_topk = probed
+from megatron_rl.cli import main
+code = main(sys.argv[1:])
+with open(os.environ["ROUTES_USED"], "w") as file:
+    json.dump(used, file)
+sys.exit(code)
+"""
+
+
+def run_with_route_probe(out: Path, *overrides: str) -> tuple[dict, dict]:
+    """(step 1's metrics, {mode: [routes used that differ from the recorded ones, routes used]})."""
+    counts = out.parent / f"{out.name}_routes.json"
+    cmd = [sys.executable, "-c", ROUTE_PROBE, *command(out, *overrides)[3:]]
+    result = subprocess.run(cmd, env=dict(environment(), ROUTES_USED=str(counts)), capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, f"{' '.join(cmd[3:])} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return metrics(out)[1], json.loads(counts.read_text())
+
+
 def test_routing_replay_and_drift_metric(tmp_path):
-    out = tmp_path / "replay"
-    run(out, "rl.steps=2", "rl.updates_per_rollout=2", "rl.routing_replay=true", "checkpoint.every_steps=0",
-        "rl.eval_every=0")
-    records = metrics(out)
-    for step in (1, 2):
-        drift = records[step]["moe/routing_drift"]
-        assert 0.0 <= drift <= 1.0
-        assert records[step]["train/updates"] == 2
-        # With two updates the second one sees a changed policy: the ratio departs from 1.
-        assert "actor/ratio_max" in records[step]
+    with ThreadPoolExecutor(2) as pool:  # two single-threaded processes side by side
+        runs = [pool.submit(run_with_route_probe, tmp_path / name, *ROUTING, f"rl.routing_replay={flag}")
+                for name, flag in (("compare", "false"), ("replay", "true"))]
+        (free, free_routes), (replay, replay_routes) = (future.result() for future in runs)
+
+    for record in (free, replay):
+        # Both updates train on 4 groups with mixed rewards; the last one's gradient is not zero.
+        assert record["train/updates"] == 2 and record["rollout/groups_kept"] == 8, record
+        assert record["count/sequences"] == 32 and record["train/grad_norm"] > 0, record
+        # The old logprobs of the second mini-batch come from before the first update (which saw
+        # ratio exactly 1): its ratio departs from 1.
+        assert record["actor/ratio_max"] > 1.05 and record["actor/ratio_min"] < 0.95, record
+    # The same samples in both runs: only the routes of the training forward differ.
+    for key in ("reward/mean", "count/tokens", "mismatch/logp_abs_diff_mean"):
+        assert free[key] == replay[key], key
+
+    # Without replay the second update routes some tokens to other experts than recorded, and the
+    # metric counts exactly those routes.
+    changed, total = free_routes["compare"]
+    assert changed > 0 and free["moe/routing_drift"] == pytest.approx(changed / total), (free_routes, free)
+    assert free_routes["replay"] == [0, 0]
+    # With replay every route the training forward used is the recorded one ...
+    assert replay_routes["replay"] == [0, total] and replay_routes["compare"] == [0, 0], replay_routes
+    # ... while the metric still reports the fresh routes' drift (the same weights reach the second
+    # update in both runs, the first one running on the recorded weights and routes) ...
+    assert replay["moe/routing_drift"] == free["moe/routing_drift"]
+    # ... and the different routes give a different update.
+    assert replay["train/loss"] != free["train/loss"]
+    assert (replay["actor/ratio_min"], replay["actor/ratio_max"]) != (free["actor/ratio_min"], free["actor/ratio_max"])
 
 
 @pytest.mark.parametrize("override,expected", [

@@ -1,0 +1,58 @@
+"""Under CI a skipped test fails, unless it is skipped because it needs a GPU.
+
+vLLM, math-verify, pyarrow and SLURM are installed in CI, so a test that skips there (an
+`importorskip`, a `skipif`, a fixture calling `pytest.skip`) has lost its dependency and would
+hide a regression behind an "s". With the environment variable CI set (non-empty and not "0" or
+"false") every skip, at collection, setup or call time, is turned into a failure that quotes the
+skip reason. Expected failures (xfail) are left alone.
+
+The exception: tests that need a GPU. Their skip reason says so, with "needs" or "requires"
+followed by "GPU" or "CUDA", as in
+
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+and they stay skipped on a machine without one, CI included.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+GPU_REASON = re.compile(r"\b(needs?|requires?)\b[^.;:]*\b(GPU|CUDA)\b", re.IGNORECASE)
+
+
+def ci_enabled() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false")
+
+
+def skip_reason(report) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def fail_skip_under_ci(report) -> None:
+    """Turns a skipped report into a failed one, in place, under CI unless the test needs a GPU."""
+    if not report.skipped or hasattr(report, "wasxfail") or not ci_enabled():
+        return
+    reason = skip_reason(report)
+    if GPU_REASON.search(reason):
+        return
+    report.outcome = "failed"
+    report.longrepr = (f"skipped under CI, where every dependency of the tests is installed and only "
+                       f"GPU tests may skip: {reason}")
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    fail_skip_under_ci(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    fail_skip_under_ci(outcome.get_result())  # a module-level importorskip / pytest.skip

@@ -1,0 +1,22 @@
+"""benchmarks/checkpoint.py --quick must keep working: it saves the trainer's checkpoints both ways,
+verifies each and prints the blocked-time ratio. Only that it runs and what it prints are checked,
+not the timings."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_quick_run_saves_both_ways_and_prints_the_ratio():
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="2")
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "checkpoint.py"), "--quick", "--saves", "1"],
+                            capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    output = result.stdout
+    assert re.search(r"sync  save \d+: blocked \d+\.\d+ s, wrote \d+ MiB", output), output
+    assert re.search(r"async save \d+: blocked \d+\.\d+ s", output), output
+    assert re.search(r"ratio asynchronous/synchronous blocked time: \d+\.\d+ \(goal <= 0.2: (met|GOAL MISSED)\)", output), output
