@@ -3,7 +3,7 @@
     megatron-rl train [--config FILE] [--output-dir DIR] [key=value ...]   (the RL loop; no config: the tiny default)
     megatron-rl sft [--config FILE] [--output-dir DIR] [--force] [key=value ...]   (the supervised warm start
         alone: writes a checkpoint, default OUTPUT_DIR/sft, for `train checkpoint.init_from=DIR warm_start.steps=0`)
-    megatron-rl smoke [--config FILE] [--steps N] [key=value ...]
+    megatron-rl smoke [--config FILE] [--steps N] [--output-dir DIR] [key=value ...]   (metrics: runs/smoke by default)
     megatron-rl inspect-model [--config FILE] [key=value ...]
     megatron-rl convert {hf-to-megatron,megatron-to-hf} ...   (see tools/convert_*.py)
     megatron-rl launch slurm --nodes N [--gpus-per-node G] [--partition P] ... [--dry-run] [key=value ...]
@@ -22,6 +22,10 @@ import json
 import sys
 
 from megatron_rl.config import ConfigError, load_config
+
+# A smoke run appends to OUTPUT_DIR/metrics.jsonl: by default it must not write into the directory
+# of the main job the same recipe names (its rows would mix with the real run's curve).
+SMOKE_OUTPUT_DIR = "runs/smoke"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     sft.add_argument("--force", action="store_true", help="replace an existing output directory")
     smoke = commands.add_parser("smoke", help="forward/backward smoke run of the policy")
     common(smoke)
-    smoke.add_argument("--output-dir")
+    smoke.add_argument("--output-dir", help=f"where its metrics.jsonl goes (default: {SMOKE_OUTPUT_DIR}, "
+                       "never the main job's directory from the recipe)")
     smoke.add_argument("--steps", type=int, default=5)
     inspect = commands.add_parser("inspect-model", help="print the architecture a config builds")
     common(inspect)
@@ -95,9 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_rl.console import quiet_dependencies
 
         quiet_dependencies()  # before anything imports torch
-    overrides = list(args.overrides)
-    if getattr(args, "output_dir", None) and args.command != "sft":  # sft: the checkpoint itself
-        overrides.append(f"output_dir={args.output_dir}")
+    overrides = command_overrides(args)
     try:
         if args.command == "launch":
             return _launch(args, overrides)
@@ -126,6 +129,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"megatron-rl: configuration error: {exc}", file=sys.stderr)
         return 2
+
+
+def command_overrides(args) -> list[str]:
+    """The `key=value` overrides of a parsed command line, with --output-dir folded in."""
+    overrides = list(args.overrides)
+    if getattr(args, "output_dir", None) and args.command != "sft":  # sft: the checkpoint itself
+        overrides.append(f"output_dir={args.output_dir}")
+    elif args.command == "smoke" and not any(item.split("=", 1)[0].strip() == "output_dir" for item in overrides):
+        overrides.append(f"output_dir={SMOKE_OUTPUT_DIR}")
+    return overrides
 
 
 def _sft(args, config, overrides: list[str]) -> int:

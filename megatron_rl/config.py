@@ -209,14 +209,19 @@ class OptimizerConfig:
             raise ConfigError(f"{where}.lr_decay_steps must be > lr_warmup_steps ({self.lr_warmup_steps})")
         if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
             raise ConfigError(f"{where}.min_lr ({self.min_lr}) must be in [0, lr={self.lr}]")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"{where}.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.adam_eps <= 0:
+            raise ConfigError(f"{where}.adam_eps must be > 0, got {self.adam_eps}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"{where}.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.clip_grad < 0:
+            raise ConfigError(f"{where}.clip_grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
 
     @property
     def effective_min_lr(self) -> float:
         return self.lr / 10 if self.min_lr is None else self.min_lr
-        if not 0 <= self.adam_beta1 < 1 or not 0 <= self.adam_beta2 < 1:
-            raise ConfigError(f"{where}.adam_beta1/adam_beta2 must be in [0, 1)")
-        if self.clip_grad < 0:
-            raise ConfigError(f"{where}.clip_grad must be >= 0 (0 disables clipping)")
 
 
 @dataclass
@@ -355,12 +360,21 @@ class WarmStartConfig:
 class CheckpointConfig:
     every_steps: int = 10  # 0: only on SIGTERM/SIGUSR1 and at the end
     keep_last: int = 2
-    # "auto": continue from OUTPUT_DIR/checkpoints if it holds one; "none": start fresh (an existing
-    # checkpoint directory is then refused); or a path to a checkpoint directory.
+    # "auto": continue from the newest intact checkpoint in OUTPUT_DIR/checkpoints, if there is
+    # one (refused when checkpoints exist but none is intact); "none": start over (an earlier run's
+    # checkpoints and metrics are moved into OUTPUT_DIR/previous-<time>/); or a checkpoint path.
     resume: str = "auto"
     # Initial weights: None (random init, for the built-in default), a Hugging Face model
-    # directory, or a directory written by `megatron-rl convert hf-to-megatron`.
+    # directory, a directory written by `megatron-rl convert hf-to-megatron` or `megatron-rl sft`,
+    # or a training checkpoint (a step_* directory, or a run directory meaning its latest).
     init_from: str | None = None
+    # Write checkpoints in the background (a forked writer per rank) while training continues.
+    async_save: bool = True
+    # At the end of the run, export the policy as a Hugging Face model into OUTPUT_DIR/hf_model.
+    export_hf: bool = True
+    # Resuming a checkpoint written with another config is refused (naming the keys) unless true;
+    # the layout, logging and checkpoint keys may always differ.
+    allow_config_change: bool = False
 
     def validate(self, where: str) -> None:
         if self.every_steps < 0 or self.keep_last < 1:
@@ -426,12 +440,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         path = Path(path)
         source = str(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        loaded = _read_yaml(path)
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
@@ -441,6 +450,49 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _apply_override(raw, item)
     config = _build(RunConfig, raw, source=source, prefix="")
     return config.validate(source)
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: Any, first_line: int, second_line: int):
+        super().__init__(key, first_line, second_line)
+        self.key, self.first_line, self.second_line = key, first_line, second_line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML silently keeps the last,
+    so a recipe edited in two places would run with whichever value happens to come later)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *anchor` then overriding a merged key is not a duplicate
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        raise _DuplicateKey(key, seen[key], line)
+                    seen[key] = line
+                except TypeError:
+                    pass  # an unhashable key: SafeLoader reports it below
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_yaml(path: Path) -> Any:
+    """The parsed content of a YAML config file, with errors that name the file."""
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; --config expects a YAML file "
+                          "(e.g. configs/tiny_cpu.yaml)")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        return yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
+    except _DuplicateKey as dup:
+        raise ConfigError(f"{path}: key {dup.key!r} is given twice (line {dup.first_line} and line "
+                          f"{dup.second_line}); keep one of them") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:

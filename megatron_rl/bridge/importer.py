@@ -4,7 +4,8 @@ Each rank reads only the slices its own parameters need (`safe_open(...).get_sli
 whole checkpoint. Before any parameter is written, every rank checks the names and full shapes
 it needs against the checkpoint's metadata, and the union of all ranks' needs is compared with
 the checkpoint's contents, so a missing tensor, an unexpected tensor or a shape mismatch is
-reported by name and nothing is half-loaded.
+reported by name and nothing is half-loaded. A file that cannot be read (truncated, not
+safetensors) or whose values are NaN/infinite is reported by path, with what to do.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from megatron_rl.bridge.layouts import merge, piece_rows
 from megatron_rl.bridge.mappings import expand
@@ -31,21 +32,60 @@ class CheckpointMismatch(ConfigError):
     """The HF checkpoint does not fit the model: names the tensors and shapes involved."""
 
 
+class CheckpointUnreadable(CheckpointMismatch):
+    """A file of the HF checkpoint is truncated, corrupt or missing: names the file."""
+
+
+REDOWNLOAD = "download the model again (or copy the file again from an intact copy)"
+
+
+def open_safetensors(file: Path):
+    """safe_open, with a one-line error naming the file instead of the Rust library's message alone
+    (a truncated download fails here: the header promises more bytes than the file has)."""
+    try:
+        return safe_open(str(file), "pt")
+    except (SafetensorError, OSError) as exc:
+        if not file.is_file():
+            raise CheckpointUnreadable(f"{file} is missing: {REDOWNLOAD}") from None
+        raise CheckpointUnreadable(f"{file} cannot be read as safetensors ({exc}); the file is truncated "
+                                   f"or corrupt: {REDOWNLOAD}") from None
+
+
 def checkpoint_index(hf_dir: str | Path) -> dict[str, Path]:
     """HF tensor name -> safetensors file holding it."""
     hf_dir = Path(hf_dir)
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointUnreadable(f"{index} is not a safetensors index ({exc!r}): {REDOWNLOAD}") from None
         return {name: hf_dir / file for name, file in weight_map.items()}
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
         raise CheckpointMismatch(f"{hf_dir} holds no *.safetensors files")
     located = {}
     for file in files:
-        with safe_open(str(file), "pt") as handle:
+        with open_safetensors(file) as handle:
             located.update({name: file for name in handle.keys()})
     return located
+
+
+def check_files(hf_dir: str | Path) -> None:
+    """Every safetensors file of the checkpoint opens (its header is whole): a truncated download
+    is named before any process starts."""
+    for file in sorted(set(checkpoint_index(hf_dir).values())):
+        with open_safetensors(file):
+            pass
+
+
+def non_finite(tensor: torch.Tensor) -> bool:
+    """True if any value is NaN or infinite (isfinite has no 8-bit float kernels: widen those)."""
+    if not tensor.is_floating_point():
+        return False
+    if tensor.element_size() == 1:
+        tensor = tensor.float()
+    return not bool(torch.isfinite(tensor).all())
 
 
 def load_hf_weights(module, arch: ArchitectureSpec, hf_dir: str | Path) -> None:
@@ -59,7 +99,7 @@ def load_hf_weights(module, arch: ArchitectureSpec, hf_dir: str | Path) -> None:
         def tensor_slice(name: str):
             file = located[name]
             if file not in handles:
-                handles[file] = stack.enter_context(safe_open(str(file), "pt"))
+                handles[file] = stack.enter_context(open_safetensors(file))
             return handles[file].get_slice(name)
 
         error = None
@@ -81,13 +121,37 @@ def load_hf_weights(module, arch: ArchitectureSpec, hf_dir: str | Path) -> None:
             error = str(exc)
         # Every rank learns every rank's verdict, so all raise together instead of some waiting.
         _check_all_ranks(located, needed, error, hf_dir, arch)
+        error = None
         with torch.no_grad():
             for placement, hf_names, layout, slices in plans:
                 pieces = [tensor_slice(name)[index] for name, index in zip(hf_names, slices)]
+                error = error or _non_finite_piece(hf_names, pieces, located)
                 value = merge(layout, pieces, arch)
                 if layout == "vocab":
                     value = _pad_rows(value, placement.param.shape[0])
                 placement.param.copy_(value.to(placement.param.dtype))
+        # The values are only seen while copying, each rank its own slices: agree before returning.
+        error = first_error(error)
+        if error:
+            raise CheckpointUnreadable(error)
+
+
+def _non_finite_piece(hf_names, pieces, located: dict) -> str | None:
+    """Safetensors carries no checksum; NaN/infinite weights are the damage that can be seen."""
+    for name, piece in zip(hf_names, pieces):
+        if non_finite(piece):
+            return (f"{located[name]}: tensor {name} holds NaN or infinite values: the file is corrupt or "
+                    f"the model itself is broken; {REDOWNLOAD}")
+    return None
+
+
+def first_error(error: str | None) -> str | None:
+    """Collective: the first rank's error, on every rank (None if no rank has one)."""
+    everyone = [error]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, error)
+    return next((e for e in everyone if e), None)
 
 
 def _slices(placement: Placement, hf_names, layout, arch, tensor_slice) -> list[tuple[slice, ...]]:

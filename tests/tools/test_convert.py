@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -109,3 +112,151 @@ def test_failed_conversion_leaves_no_partial_output(llama, tmp_path):
     assert result.returncode != 0
     assert "tensor model.layers.1.mlp.up_proj.weight is missing" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken"]  # no output, no staging left
+
+
+# ---- interrupted conversions: SIGINT/SIGTERM stop every rank and publish nothing ----------------
+
+HOOK = Path(__file__).parent / "pause_hook"  # sitecustomize.py: pauses a conversion at a known point
+TOKENIZER_COPY = "megatron_rl.bridge.hf_checkpoint:copy_tokenizer_files"  # rank 0, inside the staging dir
+# Megatron-Core's checkpoint writer starting its multiprocessing Manager (on the first save)
+MANAGER_START = "megatron.core.dist_checkpointing.strategies.filesystem_async:_get_write_results_queue"
+
+
+def start_paused(name: str, args: list[str], pause: str, marker: Path, sleep: float) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=f"{HOOK}{os.pathsep}{REPO}", OMP_NUM_THREADS="1",
+               CONVERT_TEST_PAUSE=pause, CONVERT_TEST_MARKER=str(marker), CONVERT_TEST_SLEEP=str(sleep))
+    return subprocess.Popen([sys.executable, str(REPO / "tools" / name), *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+def signal_when_paused(process: subprocess.Popen, marker: Path, number: int, delay: float = 0.0):
+    """Send `number` to the conversion (its first process only) `delay` seconds after it reached
+    the pause; wait for it to exit. Returns the exit code, stderr and the pids that were paused."""
+    deadline = time.monotonic() + 300
+    while not marker.exists():
+        assert process.poll() is None, f"ended before the pause:\n{process.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, "never reached the pause"
+        time.sleep(0.01)
+    time.sleep(delay)
+    os.kill(process.pid, number)
+    paused = [int(line) for line in marker.read_text().split()]
+    try:
+        _, err = process.communicate(timeout=90)  # also waits for every process holding its stderr
+    except subprocess.TimeoutExpired:
+        for pid in paused:
+            os.kill(pid, signal.SIGKILL) if alive(pid) else None
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail(f"the conversion (or a process it started) still ran 90 s after {signal.Signals(number).name}")
+    return process.returncode, err, paused
+
+
+def assert_nothing_left(directory: Path, paused: list[int], expected: list[str]) -> None:
+    """No process of the conversion still runs (orphaned ranks would publish later), no output,
+    no staging directory."""
+    deadline = time.monotonic() + 45  # torchrun kills ranks that ignore its signal after 30 s
+    while any(alive(pid) for pid in paused) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    orphans = [pid for pid in paused if alive(pid)]
+    for pid in orphans:
+        os.kill(pid, signal.SIGKILL)
+    assert not orphans, f"processes {orphans} kept running after the conversion exited"
+    assert sorted(p.name for p in directory.iterdir()) == expected
+
+
+def test_sigterm_stops_every_rank_of_a_tp2_conversion(llama, tmp_path):
+    process = start_paused("convert_hf_to_megatron.py", ["--hf-dir", str(llama), "--out", str(tmp_path / "out"),
+                                                          "--tp", "2"], TOKENIZER_COPY, tmp_path / "paused", 120)
+    code, err, paused = signal_when_paused(process, tmp_path / "paused", signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, err[-3000:]
+    assert "stopped by SIGTERM; no output was published" in err
+    assert_nothing_left(tmp_path, paused, ["paused"])
+
+
+# SIGINT 0.3 s into the start of the writer's Manager process (it takes seconds: the spawned
+# process imports torch), SIGTERM while the output is half written.
+@pytest.mark.parametrize("number, pause, sleep, delay", [(signal.SIGINT, MANAGER_START, 0, 0.3),
+                                                         (signal.SIGTERM, TOKENIZER_COPY, 120, 0)],
+                         ids=["SIGINT-while-the-writer-starts", "SIGTERM-while-writing"])
+def test_signal_stops_a_single_process_conversion(llama, tmp_path, number, pause, sleep, delay):
+    process = start_paused("convert_hf_to_megatron.py", ["--hf-dir", str(llama), "--out", str(tmp_path / "out")],
+                           pause, tmp_path / "paused", sleep)
+    code, err, paused = signal_when_paused(process, tmp_path / "paused", number, delay)
+    assert code == 128 + number, err[-3000:]
+    assert f"stopped by {signal.Signals(number).name}" in err and "Traceback" not in err
+    assert_nothing_left(tmp_path, paused, ["paused"])
+
+
+# ---- damaged inputs: one line naming the file and what to do ------------------------------------
+
+
+def damage(file: Path, how: str) -> None:
+    """Truncate the file to half, or overwrite 64 bytes in its middle in place (same size) with
+    0xff: NaN as float32/bf16. Neither format has checksums, so damage that keeps the values finite
+    cannot be told from weights."""
+    size = file.stat().st_size
+    if how == "truncate":
+        os.truncate(file, size // 2)
+    else:
+        with open(file, "r+b") as handle:
+            handle.seek(size // 2)
+            handle.write(b"\xff" * 64)
+        assert file.stat().st_size == size
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("megatron-rl convert:")]
+    for needle in needles:
+        assert needle in line, line
+
+
+@pytest.mark.parametrize("how", ["truncate", "overwrite"])
+def test_damaged_safetensors_is_named(llama, tmp_path, how):
+    hf = tmp_path / "hf"
+    shutil.copytree(llama, hf)
+    damage(hf / "model.safetensors", how)
+    result = tool("convert_hf_to_megatron.py", "--hf-dir", str(hf), "--out", str(tmp_path / "out"), check=False)
+    assert_one_line_error(result, str(hf / "model.safetensors"), "download the model again")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+@pytest.fixture(scope="module")
+def llama_mcore(llama, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("mcore") / "llama"
+    tool("convert_hf_to_megatron.py", "--hf-dir", str(llama), "--out", str(out))
+    return out
+
+
+@pytest.mark.parametrize("how", ["truncate", "overwrite"])
+def test_damaged_distcp_is_named(llama_mcore, tmp_path, how):
+    ckpt = tmp_path / "mcore"
+    shutil.copytree(llama_mcore, ckpt)
+    damage(ckpt / "__0_1.distcp", how)
+    result = tool("convert_megatron_to_hf.py", "--ckpt", str(ckpt), "--out", str(tmp_path / "out"), check=False)
+    named = str(ckpt / "__0_1.distcp") if how == "truncate" else str(ckpt)
+    assert_one_line_error(result, named, "re-convert it, or use another checkpoint")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mcore"]
+
+
+def test_run_directory_converts_its_latest_step(llama, llama_mcore, tmp_path):
+    """A training run as the trainer lays it out: weights in step_*/weights/ (megatron_rl.json's
+    weights_dir), `latest` naming the newest step. The older step is broken: it must not be read."""
+    checkpoints = tmp_path / "run" / "checkpoints"
+    step = checkpoints / "step_000020"
+    shutil.copytree(llama_mcore, step / "weights", ignore=shutil.ignore_patterns("hf_config", "megatron_rl.json"))
+    shutil.copytree(llama_mcore / "hf_config", step / "hf_config")
+    metadata = json.loads((llama_mcore / "megatron_rl.json").read_text())
+    (step / "megatron_rl.json").write_text(json.dumps(dict(metadata, weights_dir="weights")))
+    (checkpoints / "step_000010").mkdir()
+    (checkpoints / "latest").write_text("step_000020\n")
+    result = tool("convert_megatron_to_hf.py", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "back"))
+    assert f"reading checkpoint {step}" in result.stdout
+    assert_same_checkpoint(llama, tmp_path / "back")

@@ -78,3 +78,51 @@ RECIPES = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 def test_shipped_recipes_validate(recipe):
     assert RECIPES, "configs/ has no recipes"
     load_config(recipe)
+
+
+@pytest.mark.parametrize(
+    "text, key, lines",
+    [
+        ("seed: 1\nparallel:\n  tp: 2\nseed: 2\n", "'seed'", (1, 4)),
+        ("parallel:\n  tp: 2\n  ep: 1\n  tp: 4\n", "'tp'", (2, 4)),  # nested mappings too
+    ],
+)
+def test_duplicate_keys_are_refused(tmp_path, text, key, lines):
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert str(path) in message and key in message
+    assert f"line {lines[0]}" in message and f"line {lines[1]}" in message
+
+
+def test_same_key_in_different_sections_and_merge_overrides_are_fine(tmp_path):
+    path = tmp_path / "ok.yaml"
+    path.write_text("optimizer:\n  lr: 0.001\nwarm_start:\n  lr: 0.01\n")
+    config = load_config(path)
+    assert config.optimizer.lr == pytest.approx(0.001) and config.warm_start.lr == pytest.approx(0.01)
+    # Overriding a key brought in by a YAML merge (`<<: *anchor`) is not a duplicate.
+    from megatron_rl.config import _read_yaml
+
+    path.write_text("base: &b {a: 1, b: 2}\nderived:\n  <<: *b\n  b: 3\n")
+    assert _read_yaml(path)["derived"] == {"a": 1, "b": 3}
+
+
+def test_config_that_is_a_directory(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory.*expects a YAML file"):
+        load_config(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optimizer.adam_beta1=2.0", "optimizer.adam_beta1 must be in [0, 1)"),
+        ("optimizer.adam_beta2=-0.1", "optimizer.adam_beta2 must be in [0, 1)"),
+        ("optimizer.clip_grad=-1", "optimizer.clip_grad must be >= 0"),
+    ],
+)
+def test_optimizer_ranges(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert message in str(info.value)
