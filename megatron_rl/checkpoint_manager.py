@@ -144,6 +144,9 @@ class CheckpointManager:
         that crashed are removed; starting over (resume=none) moves an earlier run aside."""
         import torch.distributed as dist
 
+        from megatron_rl.checkpoint import start_write_results_queue
+
+        start_write_results_queue()  # now, not at the first save (see there)
         if self.is_driver:
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in list(self.root.glob(".step_*.partial-*")) + list(self.root.glob(".step_*.old-*")):

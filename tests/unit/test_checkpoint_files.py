@@ -154,3 +154,29 @@ def test_metrics_log_writes_jsonl_and_console(tmp_path):
     console = "".join(lines)
     assert "step 1/10" in console and "reward 0.250" in console and "eval-acc 0.500" in console
     assert "generate 1.2" in console
+
+
+def test_write_results_queue_survives_the_stop_signals(tmp_path):
+    """SLURM's preemption warning (USR1) and SIGTERM reach every process of the job. The process
+    serving Megatron-Core's write-results queue must outlive them, or the stop checkpoint fails
+    (it did, in the live SLURM preemption test, before the queue was started our way)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "results_queue_check.py"  # not queue.py: it would shadow the stdlib module
+    script.write_text("""
+import os, signal, time
+from megatron_rl.checkpoint import start_write_results_queue
+start_write_results_queue()
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+queue = filesystem_async._results_queue
+server = queue._manager._process.pid
+for number in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+    os.kill(server, number)
+time.sleep(0.5)
+queue.put({"written": 1})
+print("alive", queue.get_nowait())
+""")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "alive {'written': 1}" in result.stdout
