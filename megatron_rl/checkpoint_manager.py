@@ -135,7 +135,6 @@ class CheckpointManager:
         self.is_driver = runtime.rank == 0
         self.reference = None  # ReferenceWeights, when the recipe has a KL term
         self.pending = None  # a save being written in the background
-        self.saves: list = []  # SaveStats of published checkpoints
 
     # ---- start-up -------------------------------------------------------------------------------
 
@@ -276,7 +275,6 @@ class CheckpointManager:
         if self.pending is None or not self.pending.poll(blocking=blocking):
             return []
         stats, self.pending = self.pending.stats, None
-        self.saves.append(stats)
         return [stats]
 
     def close(self, clean: bool) -> list:

@@ -209,7 +209,10 @@ class Policy:
         from megatron.core import dist_checkpointing
 
         view = self._optimizer_view()
-        template_values = {key: {name: torch.empty_like(p, dtype=torch.float32) for name, p in self.module.named_parameters()}
+        # Host buffers: whole-parameter optimizer tensors are DP times what a rank of the
+        # distributed optimizer keeps; only this rank's slice is copied to the device.
+        template_values = {key: {name: torch.empty_like(p, dtype=torch.float32, device="cpu")
+                                 for name, p in self.module.named_parameters()}
                            for key in view.states}
         extra_values = {prefix: {name: torch.empty_like(p, device="cpu") for name, p in self.module.named_parameters()}
                         for prefix in keyed_like_weights}
