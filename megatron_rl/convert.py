@@ -506,6 +506,12 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in COMMANDS:
         print(f"usage: megatron-rl convert {{{','.join(COMMANDS)}}} ...", file=sys.stderr)
         return 2
+    # Quiet like the CLI (the tools scripts and the ranks torchrun starts come here directly);
+    # MEGATRON_RL_VERBOSE=1 keeps the dependencies' warnings.
+    if os.environ.get("MEGATRON_RL_VERBOSE") != "1":
+        from megatron_rl.console import quiet_dependencies
+
+        quiet_dependencies()
     try:
         with _signals_raise():
             COMMANDS[argv[0]](argv[1:])
