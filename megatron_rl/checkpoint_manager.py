@@ -59,10 +59,11 @@ def check_run_directory(config: RunConfig) -> None:
     found = ckpt.candidates(root)
     if not found:
         return
-    problems = [f"{path}: {problem}" for path in found if (problem := ckpt.verify(path, checksums=False))]
-    if len(problems) == len(found):
-        raise ConfigError(unusable_message(root, problems))
-    _check_same_run(config, next(p for p in found if ckpt.verify(p, checksums=False) is None))
+    verdicts = [(path, ckpt.verify(path, checksums=False)) for path in found]
+    usable = [path for path, problem in verdicts if problem is None]
+    if not usable:
+        raise ConfigError(unusable_message(root, [f"{path}: {problem}" for path, problem in verdicts]))
+    _check_same_run(config, usable[0])
 
 
 def unusable_message(root: Path, problems: list[str]) -> str:
@@ -76,9 +77,9 @@ def unusable_message(root: Path, problems: list[str]) -> str:
 def config_differences(recorded: dict, current: dict) -> list[str]:
     """'key: recorded -> current' for every key that differs and may not (keys missing from the
     recorded config count as their defaults)."""
-    defaults = _flatten(to_dict(RunConfig()))
-    old = dict(defaults, **_flatten(recorded))
-    new = _flatten(current)
+    defaults = flatten_config(to_dict(RunConfig()))
+    old = dict(defaults, **flatten_config(recorded))
+    new = flatten_config(current)
     return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(set(old) | set(new))
             if old.get(key) != new.get(key) and not key.startswith(MAY_DIFFER)]
 
@@ -100,11 +101,12 @@ def _check_same_run(config: RunConfig, checkpoint: Path) -> None:
                           "checkpoint.allow_config_change=true if the change is intended.")
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+def flatten_config(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """{"rl.steps": 150, ...} from a nested config dict."""
     flat = {}
     for key, value in tree.items():
         if isinstance(value, dict) and value:
-            flat.update(_flatten(value, f"{prefix}{key}."))
+            flat.update(flatten_config(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat
@@ -196,16 +198,9 @@ class CheckpointManager:
         """The config to build the policy from: model.padded_vocab_size pinned to the row count of
         the checkpoint its weights will come from (the chosen one, else checkpoint.init_from),
         unless the config sets it."""
-        from megatron_rl.convert import pin_checkpoint_vocab, read_metadata
+        from megatron_rl.convert import pin_checkpoint_vocab, with_vocab_of
 
-        if chosen is None:
-            return pin_checkpoint_vocab(self.config)
-        if self.config.model.padded_vocab_size is not None:
-            return self.config
-        import dataclasses
-
-        rows = read_metadata(chosen)["padded_vocab_size"]
-        return dataclasses.replace(self.config, model=dataclasses.replace(self.config.model, padded_vocab_size=rows))
+        return pin_checkpoint_vocab(self.config) if chosen is None else with_vocab_of(self.config, chosen)
 
     def load(self, policy, chosen: Path | None) -> Resumed | None:
         """Collective: the chosen checkpoint into `policy` (model, optimizer, schedule, RNG, KL

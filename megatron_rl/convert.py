@@ -351,9 +351,17 @@ def pin_checkpoint_vocab(config: RunConfig) -> RunConfig:
     megatron-rl checkpoint and the size is not set: the padding depends on the TP size the
     checkpoint was saved at, and pinning it lets the checkpoint load at any other layout."""
     source = config.checkpoint.init_from
-    if source is None or config.model.padded_vocab_size is not None or not names_megatron_checkpoint(source):
+    if source is None or not names_megatron_checkpoint(source):
         return config
-    rows = read_metadata(resolve_checkpoint(source))["padded_vocab_size"]
+    return with_vocab_of(config, resolve_checkpoint(source))
+
+
+def with_vocab_of(config: RunConfig, ckpt: Path) -> RunConfig:
+    """`config` with model.padded_vocab_size set to the row count checkpoint `ckpt` recorded,
+    unless the config sets it."""
+    if config.model.padded_vocab_size is not None:
+        return config
+    rows = read_metadata(ckpt)["padded_vocab_size"]
     return dataclasses.replace(config, model=dataclasses.replace(config.model, padded_vocab_size=rows))
 
 

@@ -56,3 +56,18 @@ def pytest_runtest_makereport(item, call):
 def pytest_make_collect_report(collector):
     outcome = yield
     fail_skip_under_ci(outcome.get_result())  # a module-level importorskip / pytest.skip
+
+
+@pytest.fixture
+def flip_bytes_in_place():
+    """Corrupts the middle of a file (up to 64 bytes inverted) without changing its size: what a
+    size check cannot see."""
+
+    def flip(path) -> None:
+        data = bytearray(path.read_bytes())
+        start = len(data) // 2
+        end = min(len(data), start + 64)
+        data[start:end] = bytes(b ^ 0xFF for b in data[start:end])
+        path.write_bytes(data)
+
+    return flip

@@ -15,28 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 SUMMARY_KEYS = ("model.hf_config", "model.precision", "rl.recipe", "rl.steps", "rl.prompts_per_step",
                 "rl.group_size", "optimizer.lr", "data.train", "data.prompt_format", "checkpoint.init_from")
-
-
-def resolve(path: Path) -> Path:
-    """A checkpoint directory from PATH (run directory and checkpoints directory: the latest)."""
-    for candidate in (path / "checkpoints" / "latest", path / "latest"):
-        if candidate.is_file():
-            return candidate.parent / candidate.read_text().strip()
-    return path
-
-
-def flatten(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def human(size: int) -> str:
@@ -55,12 +36,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from megatron_rl.checkpoint import MANIFEST, STATE, verify
+    from megatron_rl.checkpoint_manager import flatten_config
+    from megatron_rl.config import ConfigError
+    from megatron_rl.convert import resolve_checkpoint
 
-    path = resolve(Path(args.path))
-    metadata_file = path / "megatron_rl.json"
-    if not path.is_dir() or not (metadata_file.is_file() or (path / STATE).is_file()):
-        print(f"{args.path}: not a megatron-rl checkpoint (no megatron_rl.json or {STATE} in {path})", file=sys.stderr)
+    try:
+        path = resolve_checkpoint(args.path)
+    except ConfigError as exc:
+        print(f"inspect_checkpoint: {exc}", file=sys.stderr)
         return 2
+    metadata_file = path / "megatron_rl.json"
     metadata = json.loads(metadata_file.read_text()) if metadata_file.is_file() else {}
     state = json.loads((path / STATE).read_text()) if (path / STATE).is_file() else {}
     print(f"checkpoint: {path}")
@@ -88,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     if state.get("sampler"):
         print(f"data cursor: {json.dumps(state['sampler'])[:200]}")
     if state.get("config"):
-        flat = flatten(state["config"])
+        flat = flatten_config(state["config"])
         print("config: " + ", ".join(f"{key}={flat[key]}" for key in SUMMARY_KEYS if key in flat))
 
     files = sorted(p for p in path.rglob("*") if p.is_file())

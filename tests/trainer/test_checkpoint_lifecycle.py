@@ -25,7 +25,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
 
-from megatron_rl.logging import WALL_CLOCK  # noqa: E402
+from run_records import comparable, metrics  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 # An easy task (sums of numbers up to 12) and a longer warm start so that the trained policy's accuracy is far from a
@@ -50,17 +50,6 @@ def train(out: Path, *overrides: str, check: bool = True) -> subprocess.Complete
     return run("-m", "megatron_rl.cli", "train", "--output-dir", str(out), *SHORT, *overrides, check=check)
 
 
-def metrics(out: Path) -> dict[int, dict]:
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r["step"] for r in records]
-    assert len(steps) == len(set(steps)), f"a step was logged twice: {steps}"
-    return {r["step"]: r for r in records}
-
-
-def comparable(record: dict) -> dict:
-    return {k: v for k, v in record.items() if not k.startswith("time/") and k not in WALL_CLOCK}
-
-
 def safetensors_of(directory: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -68,13 +57,6 @@ def safetensors_of(directory: Path) -> dict[str, torch.Tensor]:
     for file in sorted(directory.glob("*.safetensors")):
         tensors.update(load_file(str(file)))
     return tensors
-
-
-def flip_bytes_in_place(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    middle = len(data) // 2
-    data[middle: middle + 64] = bytes(b ^ 0xFF for b in data[middle: middle + 64])
-    path.write_bytes(data)
 
 
 @pytest.fixture(scope="module")
@@ -148,19 +130,21 @@ for prompt in prompts:
 print(json.dumps({{"served": served, "reference": reference}}))
 """)
     result = json.loads(run(str(script)).stdout.strip().splitlines()[-1])
-    trimmed = [[t for t in seq if t != -1] for seq in result["reference"]]
-    assert result["served"] == [seq[: len(s)] for seq, s in zip(trimmed, result["served"])], result
-    assert any(result["served"]), result
+    assert result["served"] == result["reference"] and all(result["served"]), result
 
 
-def test_corrupt_newest_checkpoint_is_named_and_the_rerun_step_is_bit_exact(trained, tmp_path):
+def test_corrupt_newest_checkpoint_is_named_and_the_rerun_step_is_bit_exact(trained, tmp_path, flip_bytes_in_place):
     copy = tmp_path / "run"
     shutil.copytree(trained, copy)
     original = metrics(trained)
     (shard, *_) = sorted((copy / "checkpoints" / "step_000005" / "weights").glob("*.distcp"))
     size = shard.stat().st_size
+    inspect = str(REPO / "tools" / "inspect_checkpoint.py")
+    assert "verify (sizes and CRC-32 checksums): ok" in run(inspect, str(copy)).stdout  # the latest: step 5
     flip_bytes_in_place(shard)
     assert shard.stat().st_size == size
+    damaged = run(inspect, str(copy), check=False)
+    assert damaged.returncode == 1 and f"FAILED: file weights/{shard.name} is corrupt" in damaged.stdout, damaged.stdout
     result = train(copy)
     assert f"skipping unusable checkpoint {copy / 'checkpoints' / 'step_000005'}: file weights/{shard.name} is corrupt" \
         in result.stdout, result.stdout[-3000:]
@@ -170,7 +154,7 @@ def test_corrupt_newest_checkpoint_is_named_and_the_rerun_step_is_bit_exact(trai
     assert comparable(after[5]) == comparable(original[5])
 
 
-def test_every_checkpoint_corrupt_refuses_then_resume_none_moves_the_run_aside(trained, tmp_path):
+def test_every_checkpoint_corrupt_refuses_then_resume_none_moves_the_run_aside(trained, tmp_path, flip_bytes_in_place):
     copy = tmp_path / "run"
     shutil.copytree(trained, copy)
     for step in ("step_000004", "step_000005"):

@@ -24,7 +24,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
 
-from megatron_rl.logging import WALL_CLOCK  # noqa: E402
+from run_records import comparable, metrics  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 # Small enough for CI: 30 warm-start steps, then 5 RL steps of 8 prompts x 4 samples.
@@ -46,18 +46,6 @@ def run(out: Path, *overrides: str, config: Path | None = None) -> subprocess.Co
     result = subprocess.run(cmd, env=environment(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"{' '.join(cmd)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result
-
-
-def metrics(out: Path) -> dict[int, dict]:
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r["step"] for r in records]
-    assert len(steps) == len(set(steps)), f"a step was logged twice: {steps}"
-    return {r["step"]: r for r in records}
-
-
-def comparable(record: dict) -> dict:
-    """Everything but wall-clock keys: phase times and each row's timestamp and elapsed run time."""
-    return {k: v for k, v in record.items() if not k.startswith("time/") and k not in WALL_CLOCK}
 
 
 def test_exact_resume_after_sigterm(tmp_path):

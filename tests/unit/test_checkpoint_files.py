@@ -25,14 +25,6 @@ def fake_checkpoint(root: Path, step: int, config: dict | None = None) -> Path:
     return path
 
 
-def flip_bytes_in_place(path: Path) -> None:
-    """Corrupt the middle of a file without changing its size."""
-    data = bytearray(path.read_bytes())
-    middle = len(data) // 2
-    data[middle: middle + 8] = bytes(b ^ 0xFF for b in data[middle: middle + 8])
-    path.write_bytes(data)
-
-
 def test_complete_checkpoint_verifies(tmp_path):
     assert verify(fake_checkpoint(tmp_path, 3)) is None
 
@@ -47,7 +39,7 @@ def test_truncated_file_is_named_and_previous_checkpoint_used(tmp_path):
     assert len(skipped) == 1 and "step_000004" in skipped[0] and "weights/shard.distcp has 5 bytes" in skipped[0]
 
 
-def test_bytes_flipped_in_place_are_named_and_previous_checkpoint_used(tmp_path):
+def test_bytes_flipped_in_place_are_named_and_previous_checkpoint_used(tmp_path, flip_bytes_in_place):
     fake_checkpoint(tmp_path, 2)
     newest = fake_checkpoint(tmp_path, 4)
     flip_bytes_in_place(newest / "weights" / "shard.distcp")
