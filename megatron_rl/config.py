@@ -72,6 +72,13 @@ class ModelConfig:
     moe_token_dispatcher: Dispatcher = "alltoall"
     # RL on verifiable rewards usually trains without the load-balancing loss; set > 0 to add it.
     moe_aux_loss_coeff: float = 0.0
+    # Aux-loss-free load balancing (DeepSeek-V3, GLM-4.5: models whose router carries
+    # e_score_correction_bias). After every optimizer step each router's bias moves by this rate
+    # toward even expert loads (Megatron-Core's expert-bias update; 1e-3 in DeepSeek-V3's
+    # pre-training). 0 keeps the checkpoint's bias fixed, the usual choice for RL fine-tuning.
+    # The bias is saved in checkpoints, exported and pushed to rollout engines as
+    # e_score_correction_bias, and frozen in the KL reference.
+    moe_router_bias_update_rate: float = 0.0
     # "auto": Transformer Engine layers when TE and CUDA are present, local layers otherwise.
     layer_spec: Literal["auto", "local", "transformer_engine"] = "auto"
 
@@ -86,6 +93,8 @@ class ModelConfig:
             raise ConfigError(f"{where}.padded_vocab_size must be >= 1")
         if self.moe_aux_loss_coeff < 0:
             raise ConfigError(f"{where}.moe_aux_loss_coeff must be >= 0")
+        if self.moe_router_bias_update_rate < 0:
+            raise ConfigError(f"{where}.moe_router_bias_update_rate must be >= 0, got {self.moe_router_bias_update_rate}")
         self._validate_fp8(where)
 
     def _validate_fp8(self, where: str) -> None:
@@ -124,6 +133,11 @@ class ParallelConfig:
     # None = on whenever tp > 1 (Megatron requires it for MoE with TP, and it saves activations).
     sequence_parallel: bool | None = None
     distributed_optimizer: bool = True
+    # Uneven pipeline stages (pp > 1): layers on the first / last stage; the other stages split
+    # the rest evenly. For layer counts pp does not divide (DeepSeek-V3's 61), and to give the
+    # stages holding the embedding and the output layer fewer transformer layers.
+    pp_first_stage_layers: int | None = None
+    pp_last_stage_layers: int | None = None
 
     @property
     def expert_tp(self) -> int:
@@ -139,6 +153,12 @@ class ParallelConfig:
                 raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
         if self.etp is not None and self.etp < 1:
             raise ConfigError(f"{where}.etp must be >= 1 (or null for 'same as tp'), got {self.etp}")
+        for name in ("pp_first_stage_layers", "pp_last_stage_layers"):
+            value = getattr(self, name)
+            if value is not None and (value < 1 or self.pp == 1):
+                raise ConfigError(f"{where}.{name}={value} needs pp > 1 and a value >= 1 (leave it null otherwise)")
+        if self.pp == 2 and self.pp_first_stage_layers is not None and self.pp_last_stage_layers is not None:
+            raise ConfigError(f"{where}: with pp=2 set pp_first_stage_layers or pp_last_stage_layers, not both")
         if self.sequence_parallel is False and self.tp > 1:
             # Megatron-Core's MoE layers refuse TP without sequence parallelism, and for dense
             # models it only costs memory; keep one supported path.

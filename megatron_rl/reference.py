@@ -7,8 +7,10 @@ training device and swapped into the live model only for its forward pass.
 
 Only this rank's shards are copied (host memory: one model shard per rank), so no second model
 is built and no extra device memory is held between steps. The live weights are parked on the
-host during the swap and copied back bit-exactly. Checkpoints store the tensors sharded like the
-weights (checkpoint_manager), so a run resumed at another layout keeps the same reference.
+host during the swap and copied back bit-exactly. The routers' expert bias is part of the copy
+(model/state.py): aux-loss-free balancing moves it during training, and the reference must route
+as the starting model did. Checkpoints store the tensors sharded like the weights
+(checkpoint_manager), so a run resumed at another layout keeps the same reference.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from contextlib import contextmanager
 
 import torch
 
+from megatron_rl.model.state import model_state
+
 
 class ReferenceWeights:
     def __init__(self, tensors: dict[str, torch.Tensor]):
@@ -24,18 +28,18 @@ class ReferenceWeights:
 
     @classmethod
     def snapshot(cls, module: torch.nn.Module) -> ReferenceWeights:
-        return cls({name: param.detach().to("cpu", copy=True) for name, param in module.named_parameters()})
+        return cls({name: tensor.detach().to("cpu", copy=True) for name, tensor in model_state(module)})
 
     @contextmanager
     def swapped_in(self, module: torch.nn.Module):
         parked = {}
         with torch.no_grad():
-            for name, param in module.named_parameters():
-                parked[name] = param.detach().to("cpu", copy=True)
-                param.copy_(self.tensors[name])
+            for name, tensor in model_state(module):
+                parked[name] = tensor.detach().to("cpu", copy=True)
+                tensor.copy_(self.tensors[name])
         try:
             yield
         finally:
             with torch.no_grad():
-                for name, param in module.named_parameters():
-                    param.copy_(parked[name])
+                for name, tensor in model_state(module):
+                    tensor.copy_(parked[name])

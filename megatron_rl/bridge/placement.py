@@ -11,6 +11,10 @@ Both layer specs are accepted: the local spec (one module per expert) and Transf
 (norms fused into the next linear, grouped-GEMM experts as one module with weight0..weightN-1).
 Names are canonicalized to the local spec's, which the mapping tables use, so both layouts
 export exactly the same HF tensors.
+
+Besides parameters, the model state includes the MoE routers' expert bias (model/state.py):
+imported, exported and pushed to rollout engines like a parameter (replicated on every rank of
+the layer's stage).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import re
 from dataclasses import dataclass
 
 import torch
+
+from megatron_rl.model.state import model_state
 
 
 @dataclass
@@ -44,6 +50,9 @@ _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 _TE_NAMES = [
     (re.compile(r"\.self_attention\.linear_qkv\.layer_norm_weight$"), ".input_layernorm.weight"),
     (re.compile(r"\.mlp\.linear_fc1\.layer_norm_weight$"), ".pre_mlp_layernorm.weight"),
+    # Multi-latent attention: the latent norms are fused into the up-projections.
+    (re.compile(r"\.self_attention\.linear_q_up_proj\.layer_norm_weight$"), ".self_attention.q_layernorm.weight"),
+    (re.compile(r"\.self_attention\.linear_kv_up_proj\.layer_norm_weight$"), ".self_attention.kv_layernorm.weight"),
     (re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$"), r".mlp.experts.local_experts.\2.\1.weight"),
 ]
 
@@ -80,7 +89,7 @@ def placements(module) -> list[Placement]:
     layers = module.decoder.layers if hasattr(module, "decoder") else []
     layer_global = {index: layer.layer_number - 1 for index, layer in enumerate(layers)}
     out = []
-    for name, param in module.named_parameters():
+    for name, param in model_state(module):
         name = canonical_name(name)
         global_name = name
         local_expert = None

@@ -100,7 +100,8 @@ def transformer_config(
     dtype = torch.bfloat16 if bf16 else torch.float32
     moe: dict = {}
     if arch.is_moe:
-        moe = dict(
+        moe = _router_fields(arch, config.model)
+        moe.update(
             num_moe_experts=arch.num_experts,
             moe_router_topk=arch.moe_top_k,
             moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
@@ -108,7 +109,7 @@ def transformer_config(
             # HF: softmax over all experts, top-k, then renormalize if norm_topk_prob. Megatron
             # without pre_softmax takes top-k logits then softmaxes them: the same numbers as
             # renormalizing; pre_softmax keeps the un-renormalized top-k probabilities.
-            moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+            moe_router_pre_softmax=not arch.moe_norm_topk_prob and arch.moe_router_score == "softmax",
             # Gives every router a RouterReplay hook: no effect unless a RouterTrace drives it
             # (routing replay and the routing-drift metric, megatron_rl/model/routing.py).
             moe_enable_routing_replay=True,
@@ -128,7 +129,13 @@ def transformer_config(
             "model.moe_token_dispatcher=allgather cannot run with parallel.pp > 1 (Megatron-Core "
             "needs fixed sequence lengths for it, and packed micro-batches vary); use alltoall"
         )
-    return TransformerConfig(
+    config_class, attention = TransformerConfig, {}
+    if arch.mla is not None:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        _repair_mla_without_transformer_engine()
+        config_class, attention = MLATransformerConfig, _mla_fields(arch)
+    return config_class(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_attention_heads,
@@ -141,7 +148,8 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_norm,
+        # MLA's q_layernorm / kv_layernorm are its latent norms (q_a_layernorm, kv_a_layernorm).
+        qk_layernorm=arch.qk_norm or arch.mla is not None,
         hidden_dropout=0.0,
         attention_dropout=arch.attention_dropout,
         init_method_std=arch.initializer_range,
@@ -153,6 +161,8 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
+        num_layers_in_first_pipeline_stage=parallel.pp_first_stage_layers,
+        num_layers_in_last_pipeline_stage=parallel.pp_last_stage_layers,
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.expert_tp,
         context_parallel_size=parallel.cp,
@@ -167,8 +177,66 @@ def transformer_config(
         bf16=bf16,
         use_cpu_initialization=device.type == "cpu",
         **moe,
+        **attention,
         **fp8.transformer_config_fields(config.model),
     )
+
+
+def _router_fields(arch: ArchitectureSpec, model: ModelConfig) -> dict:
+    """DeepSeek-V3 / GLM-4.5 routing: sigmoid scores, the score-correction bias (Megatron-Core's
+    expert bias: a float32 buffer added to the scores for the choice only), groups, scaling, and
+    the shared experts (one fused MLP of n_shared_experts * moe_intermediate_size, no gate)."""
+    if arch.moe_router_score != "sigmoid":
+        return {}
+    return dict(
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=arch.moe_expert_bias,
+        # Aux-loss-free balancing: the bias moves by this much per step toward even expert loads
+        # (0 keeps the checkpoint's bias fixed, the default for RL fine-tuning).
+        moe_router_bias_update_rate=model.moe_router_bias_update_rate,
+        moe_router_num_groups=arch.moe_num_groups,
+        moe_router_group_topk=arch.moe_group_topk,
+        moe_router_topk_scaling_factor=arch.moe_routed_scaling_factor,
+        moe_shared_expert_intermediate_size=arch.moe_shared_ffn_hidden_size,
+    )
+
+
+def _repair_mla_without_transformer_engine() -> None:
+    """Megatron-Core 0.16.1's MLA sets HAVE_TE when its TE extension module imports, which it does
+    without Transformer Engine installed (the TE classes are then placeholders, not classes), and
+    then calls isinstance(..., TELinear) while building every MLA layer. Record the truth; idempotent."""
+    from megatron.core.transformer import multi_latent_attention
+
+    if not isinstance(multi_latent_attention.TELinear, type):
+        multi_latent_attention.HAVE_TE = False
+
+
+def _mla_fields(arch: ArchitectureSpec) -> dict:
+    """Multi-latent attention and its RoPE (plain or YaRN) for MLATransformerConfig."""
+    mla, yarn = arch.mla, arch.yarn
+    fields = dict(
+        q_lora_rank=mla.q_lora_rank,
+        kv_lora_rank=mla.kv_lora_rank,
+        qk_head_dim=mla.qk_nope_head_dim,
+        qk_pos_emb_head_dim=mla.qk_rope_head_dim,
+        v_head_dim=mla.v_head_dim,
+        rotary_base=arch.rope_theta,
+        rope_type="yarn" if yarn else "rope",
+        rotary_percent=1.0,
+    )
+    if yarn:
+        fields.update(
+            rotary_scaling_factor=yarn.factor,
+            original_max_position_embeddings=yarn.original_max_position_embeddings,
+            beta_fast=yarn.beta_fast,
+            beta_slow=yarn.beta_slow,
+            mscale=yarn.mscale,
+            mscale_all_dim=yarn.mscale_all_dim,
+        )
+    else:
+        # MLA's softmax scale uses get_mscale(rotary_scaling_factor, mscale_all_dim): 1 without YaRN.
+        fields.update(mscale=1.0, mscale_all_dim=0.0)
+    return fields
 
 
 def layer_spec(tconfig, use_te: bool):
@@ -178,9 +246,14 @@ def layer_spec(tconfig, use_te: bool):
     from megatron_rl.model.varlen_attention import VarlenDotProductAttention
 
     block = get_gpt_decoder_block_spec(tconfig, use_transformer_engine=use_te, normalization="RMSNorm")
-    if not use_te:
-        for spec in block.layer_specs:
+    for spec in block.layer_specs:
+        if not use_te:
             spec.submodules.self_attention.submodules.core_attention = VarlenDotProductAttention
+        mlp = spec.submodules.mlp
+        if tconfig.moe_router_group_topk and hasattr(getattr(mlp, "submodules", None), "router"):
+            from megatron_rl.model.moe_router import GroupLimitedRouter
+
+            mlp.submodules.router = GroupLimitedRouter
     return block
 
 
@@ -200,7 +273,7 @@ def build_gpt_model(arch: ArchitectureSpec, tconfig, model: ModelConfig, use_te:
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=arch.rope_theta,
-        rotary_percent=1.0,
+        rotary_percent=arch.rotary_percent,
     )
     return gpt
 

@@ -7,7 +7,14 @@ windows, output-projection biases, router noise) is refused with the key, its va
 reason, before any model is built.
 
 Both spellings transformers has used are accepted: `rope_theta` (4.x) and `rope_parameters`
-(5.x); `num_experts` (Qwen3-MoE on the hub) and `num_local_experts` (Mixtral, transformers 5).
+(5.x); `num_experts` (Qwen3-MoE on the hub), `num_local_experts` (Mixtral, transformers 5) and
+`n_routed_experts` (DeepSeek-V3, GLM-4.5); `rope_scaling` and `rope_parameters` for YaRN.
+
+DeepSeek-V3 (also R1, Kimi-K2: the same `DeepseekV3ForCausalLM`) and GLM-4.5 (`Glm4MoeForCausalLM`)
+add multi-latent attention (`mla`), YaRN (`yarn`), partial rotary, shared experts and sigmoid
+routing with a score-correction bias and group-limited top-k. Their published checkpoints carry
+multi-token-prediction layers (`num_mtp_layers`, skipped on import) and may be block-wise FP8
+(`fp8_block`, dequantized on import).
 """
 
 from __future__ import annotations
@@ -28,6 +35,10 @@ class Family:
     qkv_bias: bool | None  # True/False fixed by the family; None: read `attention_bias`
     qk_norm: bool
     norm_topk_default: bool | None  # None: the family always renormalizes the top-k weights
+    router: str = "softmax"  # "sigmoid": DeepSeek-V3-style scores, correction bias, groups, scaling
+    mla: bool = False  # multi-latent attention (DeepSeek-V3)
+    # `attention_bias` also biases o_proj (Llama, Qwen3), which Megatron's bias-free linears lack.
+    attention_bias_on_o_proj: bool = True
 
 
 FAMILIES: dict[str, Family] = {
@@ -36,9 +47,43 @@ FAMILIES: dict[str, Family] = {
     "Qwen2ForCausalLM": Family("qwen2", moe=False, qkv_bias=True, qk_norm=False, norm_topk_default=None),
     "LlamaForCausalLM": Family("llama", moe=False, qkv_bias=None, qk_norm=False, norm_topk_default=None),
     "MixtralForCausalLM": Family("mixtral", moe=True, qkv_bias=False, qk_norm=False, norm_topk_default=None),
+    "DeepseekV3ForCausalLM": Family("deepseek_v3", moe=True, qkv_bias=False, qk_norm=False, norm_topk_default=True,
+                                    router="sigmoid", mla=True),
+    # GLM-4.5 biases q/k/v (not o_proj) when attention_bias is set; qk-norm only with use_qk_norm.
+    "Glm4MoeForCausalLM": Family("glm4_moe", moe=True, qkv_bias=None, qk_norm=False, norm_topk_default=True,
+                                 router="sigmoid", attention_bias_on_o_proj=False),
 }
 
-PRESETS = ("tiny-qwen3-moe", "tiny-qwen3", "tiny-llama")
+PRESETS = ("tiny-qwen3-moe", "tiny-qwen3", "tiny-llama", "tiny-deepseek-v3", "tiny-glm4-moe")
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-latent attention geometry (DeepSeek-V2/V3 names)."""
+
+    q_lora_rank: int | None  # None: one q_proj instead of q_a_proj -> q_a_layernorm -> q_b_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class YarnSpec:
+    """YaRN RoPE scaling, with the attention factor split the way Megatron-Core takes it:
+    cos/sin are scaled by get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim), and
+    MLA's softmax scale by get_mscale(factor, mscale_all_dim)**2."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+    mscale: float
+    mscale_all_dim: float
 
 
 @dataclass(frozen=True)
@@ -66,6 +111,17 @@ class ArchitectureSpec:
     moe_norm_topk_prob: bool = True
     # One entry per layer: True where the layer is MoE. Empty for dense models.
     moe_layer_pattern: tuple[bool, ...] = ()
+    moe_router_score: str = "softmax"  # or "sigmoid"
+    moe_expert_bias: bool = False  # the router carries e_score_correction_bias (sigmoid families)
+    moe_num_groups: int | None = None  # group-limited routing (n_group > 1)
+    moe_group_topk: int | None = None
+    moe_routed_scaling_factor: float | None = None
+    moe_shared_ffn_hidden_size: int | None = None  # shared experts, fused into one MLP
+    rotary_percent: float = 1.0  # partial rotary (GLM-4.5: 0.5)
+    mla: MLASpec | None = None
+    yarn: YarnSpec | None = None
+    num_mtp_layers: int = 0  # multi-token-prediction layers in the checkpoint (not built)
+    fp8_block: tuple[int, int] | None = None  # the checkpoint is block-wise e4m3 with these blocks
 
     @property
     def is_moe(self) -> bool:
@@ -115,8 +171,13 @@ def parse_hf_config(raw: dict[str, Any], where: str = "config.json") -> Architec
     if get("hidden_act", "silu") != "silu":
         refuse("hidden_act", raw["hidden_act"], "only SwiGLU with SiLU is built")
     rope_theta, rope_type = _rope(raw)
-    if rope_type not in ("default", None):
-        refuse("rope_scaling/rope_parameters.rope_type", rope_type, "RoPE scaling is not implemented; use an unscaled checkpoint")
+    yarn = None
+    if rope_type == "yarn" and family.mla:
+        yarn = _yarn(_rope_parameters(raw), get("max_position_embeddings", 4096), refuse)
+    elif rope_type not in ("default", None):
+        why = ("only YaRN with multi-latent attention (DeepSeek-V3) is built" if rope_type == "yarn"
+               else "this RoPE scaling is not implemented; use an unscaled checkpoint")
+        refuse("rope_scaling/rope_parameters.rope_type", rope_type, why)
     if raw.get("use_sliding_window") or (
         family.name == "mixtral" and raw.get("sliding_window") is not None
         and raw["sliding_window"] < get("max_position_embeddings", 1 << 30)
@@ -124,7 +185,7 @@ def parse_hf_config(raw: dict[str, Any], where: str = "config.json") -> Architec
         refuse("sliding_window", raw.get("sliding_window"), "sliding-window attention is not implemented")
     if raw.get("mlp_bias"):
         refuse("mlp_bias", True, "the MLP linears are built without bias")
-    if family.qkv_bias is None and raw.get("attention_bias"):
+    if family.qkv_bias is None and family.attention_bias_on_o_proj and raw.get("attention_bias"):
         # Llama and Qwen3 put this bias on o_proj as well, which Megatron's bias-free linears lack.
         refuse("attention_bias", True, "this family also biases o_proj, which is not built")
     if raw.get("router_jitter_noise"):
@@ -134,6 +195,9 @@ def parse_hf_config(raw: dict[str, Any], where: str = "config.json") -> Architec
     heads = get("num_attention_heads")
     num_layers = get("num_hidden_layers")
     head_dim = get("head_dim", hidden // heads)
+    mla = _mla(raw, get, refuse) if family.mla else None
+    if mla is not None:
+        head_dim = mla.qk_head_dim
     spec = dict(
         architecture=architecture,
         family=family.name,
@@ -148,17 +212,24 @@ def parse_hf_config(raw: dict[str, Any], where: str = "config.json") -> Architec
         rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(get("tie_word_embeddings", False)),
         qkv_bias=family.qkv_bias if family.qkv_bias is not None else bool(get("attention_bias", False)),
-        qk_norm=family.qk_norm,
+        qk_norm=family.qk_norm or bool(family.name == "glm4_moe" and get("use_qk_norm", False)),
         max_position_embeddings=get("max_position_embeddings", 4096),
         initializer_range=float(get("initializer_range", 0.02)),
         attention_dropout=float(get("attention_dropout", 0.0)),
+        rotary_percent=_rotary_percent(raw),
+        mla=mla,
+        yarn=yarn,
+        num_mtp_layers=int(get("num_nextn_predict_layers", 0)),
+        fp8_block=_fp8_block(raw, refuse),
     )
+    if mla is not None:
+        spec["num_key_value_heads"] = heads  # MLA has one key/value head per query head
     if heads % spec["num_key_value_heads"]:
         refuse("num_key_value_heads", spec["num_key_value_heads"], f"must divide num_attention_heads={heads}")
     if family.moe:
-        num_experts = raw.get("num_experts") or raw.get("num_local_experts")
+        num_experts = raw.get("num_experts") or raw.get("num_local_experts") or raw.get("n_routed_experts")
         if not num_experts:
-            raise ConfigError(f"{where}: an MoE architecture needs 'num_experts' or 'num_local_experts'")
+            raise ConfigError(f"{where}: an MoE architecture needs 'num_experts', 'num_local_experts' or 'n_routed_experts'")
         spec.update(
             num_experts=int(num_experts),
             moe_top_k=int(get("num_experts_per_tok")),
@@ -168,7 +239,119 @@ def parse_hf_config(raw: dict[str, Any], where: str = "config.json") -> Architec
         )
         if spec["moe_top_k"] > spec["num_experts"]:
             refuse("num_experts_per_tok", spec["moe_top_k"], f"more than the {num_experts} experts")
+        if family.router == "sigmoid":
+            spec.update(_sigmoid_router(raw, get, refuse, spec))
     return ArchitectureSpec(**spec)
+
+
+def _sigmoid_router(raw: dict[str, Any], get, refuse, spec: dict) -> dict[str, Any]:
+    """DeepSeek-V3 / GLM-4.5 routing: sigmoid scores, a correction bias added for the choice only,
+    group-limited top-k, renormalized weights times routed_scaling_factor, shared experts."""
+    experts, top_k = spec["num_experts"], spec["moe_top_k"]
+    if not spec["moe_norm_topk_prob"] and top_k > 1:
+        # Megatron-Core renormalizes sigmoid top-k weights whenever k > 1.
+        refuse("norm_topk_prob", False, "sigmoid routing is built with renormalized top-k weights only")
+    if get("topk_method", "noaux_tc") != "noaux_tc":
+        refuse("topk_method", raw["topk_method"], "only noaux_tc (sigmoid scores with correction bias) is built")
+    if get("scoring_func", "sigmoid") != "sigmoid":
+        refuse("scoring_func", raw["scoring_func"], "these families are built with sigmoid router scores")
+    groups, group_topk = int(get("n_group", 1)), int(get("topk_group", 1))
+    if groups > 1:
+        if experts % groups:
+            refuse("n_group", groups, f"must divide the {experts} routed experts")
+        if not 1 <= group_topk <= groups:
+            refuse("topk_group", group_topk, f"must be between 1 and n_group={groups}")
+        if experts // groups < 2:
+            refuse("n_group", groups, "each group needs at least 2 experts (groups are ranked by their top-2 scores)")
+        if top_k > group_topk * (experts // groups):
+            refuse("num_experts_per_tok", top_k, f"more than the {group_topk * (experts // groups)} experts "
+                   f"in the topk_group={group_topk} chosen groups")
+    shared = int(get("n_shared_experts", 0) or 0)
+    return dict(
+        moe_router_score="sigmoid",
+        moe_expert_bias=True,
+        moe_num_groups=groups if groups > 1 else None,
+        moe_group_topk=group_topk if groups > 1 else None,
+        moe_routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
+        moe_shared_ffn_hidden_size=shared * spec["moe_ffn_hidden_size"] if shared else None,
+        moe_layer_pattern=tuple(i >= int(get("first_k_dense_replace", 0)) for i in range(spec["num_layers"])),
+    )
+
+
+def _mla(raw: dict[str, Any], get, refuse) -> MLASpec:
+    if raw.get("attention_bias"):
+        refuse("attention_bias", True, "multi-latent attention is built without projection biases")
+    if not get("rope_interleave", True):
+        # Megatron-Core's MLA always reads the rotary half of q/k in interleaved pairs, as the
+        # published DeepSeek checkpoints store it.
+        refuse("rope_interleave", False, "multi-latent attention is built for interleaved rotary weights only")
+    q_lora_rank = raw.get("q_lora_rank")
+    return MLASpec(
+        q_lora_rank=int(q_lora_rank) if q_lora_rank else None,
+        kv_lora_rank=int(get("kv_lora_rank")),
+        qk_nope_head_dim=int(get("qk_nope_head_dim")),
+        qk_rope_head_dim=int(get("qk_rope_head_dim")),
+        v_head_dim=int(get("v_head_dim")),
+    )
+
+
+def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
+    params = raw.get("rope_parameters")
+    return params if isinstance(params, dict) else (raw.get("rope_scaling") or {})
+
+
+def _yarn(params: dict[str, Any], max_positions: int, refuse) -> YarnSpec:
+    """HF's YaRN attention factor, expressed in Megatron-Core's two mscale terms (see YarnSpec)."""
+    import math
+
+    factor = float(params.get("factor", 1.0))
+    if factor <= 1.0:
+        refuse("rope_scaling.factor", factor, "YaRN needs a factor above 1")
+    if params.get("attention_factor") is not None:
+        refuse("rope_scaling.attention_factor", params["attention_factor"], "an explicit YaRN attention factor is not built")
+    if params.get("truncate") is False:
+        refuse("rope_scaling.truncate", False, "YaRN is built with truncated correction bounds (the DeepSeek rule)")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        megatron_mscale, megatron_all_dim = float(mscale), float(mscale_all_dim)
+    else:
+        # HF then scales cos/sin by get_mscale(factor) = 0.1 ln(factor) + 1, while the softmax
+        # scale still uses mscale_all_dim (0 if absent). Megatron divides the first by
+        # get_mscale(factor, mscale_all_dim): choose its mscale so the quotient is HF's factor.
+        megatron_all_dim = float(mscale_all_dim or 0.0)
+        log = math.log(factor)
+        target = (0.1 * log + 1.0) * (0.1 * megatron_all_dim * log + 1.0)
+        megatron_mscale = (target - 1.0) / (0.1 * log)
+    return YarnSpec(
+        factor=factor,
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings") or max_positions),
+        beta_fast=float(params.get("beta_fast", 32.0)),
+        beta_slow=float(params.get("beta_slow", 1.0)),
+        mscale=megatron_mscale,
+        mscale_all_dim=megatron_all_dim,
+    )
+
+
+def _rotary_percent(raw: dict[str, Any]) -> float:
+    params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    value = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    return float(value if value is not None else 1.0)
+
+
+def _fp8_block(raw: dict[str, Any], refuse) -> tuple[int, int] | None:
+    """Block size of a block-wise FP8 checkpoint (DeepSeek-V3's published format), else None."""
+    quant = raw.get("quantization_config")
+    if not quant:
+        return None
+    if quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
+        refuse("quantization_config", {k: quant.get(k) for k in ("quant_method", "fmt")},
+               "only block-wise e4m3 FP8 checkpoints are dequantized on import; use a BF16 checkpoint")
+    block = quant.get("weight_block_size")
+    if not (isinstance(block, (list, tuple)) and len(block) == 2):
+        refuse("quantization_config.weight_block_size", block, "per-tensor FP8 is not read; a [rows, cols] block size is")
+    if quant.get("activation_scheme", "dynamic") != "dynamic":
+        refuse("quantization_config.activation_scheme", quant["activation_scheme"], "only dynamic activation scales are read")
+    return int(block[0]), int(block[1])
 
 
 def _rope(raw: dict[str, Any]) -> tuple[float, str | None]:

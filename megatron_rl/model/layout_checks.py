@@ -13,9 +13,15 @@ def check_divisibility(arch: ArchitectureSpec, config) -> None:
     checks = [
         ("num_attention_heads", arch.num_attention_heads, "tp", p.tp),
         ("num_key_value_heads", arch.num_key_value_heads, "tp", p.tp),
-        ("num_hidden_layers", arch.num_layers, "pp", p.pp),
         ("intermediate_size", arch.ffn_hidden_size, "tp", p.tp),
     ]
+    if arch.moe_shared_ffn_hidden_size:
+        checks.append(("n_shared_experts*moe_intermediate_size", arch.moe_shared_ffn_hidden_size, "tp", p.tp))
+    if arch.mla is not None:
+        # Megatron-Core's MLA splits the latent down-projections over TP too.
+        checks.append(("kv_lora_rank+qk_rope_head_dim", arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim, "tp", p.tp))
+        if arch.mla.q_lora_rank is not None:
+            checks.append(("q_lora_rank", arch.mla.q_lora_rank, "tp", p.tp))
     if arch.is_moe:
         checks.append(("moe_intermediate_size", arch.moe_ffn_hidden_size, "etp", p.expert_tp))
     for key, value, axis, size in checks:
@@ -23,3 +29,25 @@ def check_divisibility(arch: ArchitectureSpec, config) -> None:
             raise ConfigError(
                 f"model {key}={value} is not divisible by parallel.{axis}={size}; choose a layout that divides it"
             )
+    check_pipeline_stages(arch.num_layers, p)
+
+
+def check_pipeline_stages(num_layers: int, p) -> None:
+    """The layers split over pp stages: evenly, or with the first/last stage sizes given."""
+    first, last = p.pp_first_stage_layers, p.pp_last_stage_layers
+    if first is None and last is None:
+        if num_layers % p.pp:
+            raise ConfigError(
+                f"model num_hidden_layers={num_layers} is not divisible by parallel.pp={p.pp}; choose a pp that "
+                "divides it, or set parallel.pp_first_stage_layers / pp_last_stage_layers for uneven stages"
+            )
+        return
+    middle_layers = num_layers - (first or 0) - (last or 0)
+    middle_stages = p.pp - (first is not None) - (last is not None)
+    if middle_layers < 0 or (middle_stages == 0 and middle_layers) or (middle_stages and (
+            middle_layers % middle_stages or middle_layers == 0)):
+        raise ConfigError(
+            f"parallel.pp_first_stage_layers={first}, pp_last_stage_layers={last} with pp={p.pp} do not split the "
+            f"model's {num_layers} layers: the {max(middle_stages, 0)} other stage(s) must share the remaining "
+            f"{middle_layers} evenly (at least one each)"
+        )

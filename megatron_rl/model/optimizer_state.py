@@ -30,11 +30,14 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from megatron_rl.model.state import model_state
+
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def param_entries(module: torch.nn.Module, model_sharded: dict) -> dict[str, object]:
-    """{parameter name: the model sharded-state-dict entry (ShardedTensor or factory) holding it}."""
+    """{parameter name: the model sharded-state-dict entry (ShardedTensor or factory) holding it},
+    for every parameter and state buffer (model/state.py: the KL reference keeps those too)."""
     from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
@@ -43,7 +46,7 @@ def param_entries(module: torch.nn.Module, model_sharded: dict) -> dict[str, obj
     for entry in nested_values(sharded):
         by_id[id(entry.data)] = entry
     entries = {}
-    for name, param in module.named_parameters():
+    for name, param in model_state(module):
         if id(param) not in by_id:
             raise RuntimeError(f"parameter {name} has no entry in the model's sharded state dict; "
                                "its optimizer state could not be checkpointed")

@@ -29,6 +29,7 @@ from megatron_rl.model.fp8 import micro_batch_multiple
 from megatron_rl.model.hf_config import ArchitectureSpec
 from megatron_rl.model.logprobs import vocab_parallel_logprobs_entropy
 from megatron_rl.model.packing import PackedBatch, pack
+from megatron_rl.model.state import model_state
 from megatron_rl.platform import cpu_compat
 from megatron_rl.platform.runtime import Runtime
 
@@ -214,7 +215,7 @@ class Policy:
         template_values = {key: {name: torch.empty_like(p, dtype=torch.float32, device="cpu")
                                  for name, p in self.module.named_parameters()}
                            for key in view.states}
-        extra_values = {prefix: {name: torch.empty_like(p, device="cpu") for name, p in self.module.named_parameters()}
+        extra_values = {prefix: {name: torch.empty_like(t, device="cpu") for name, t in model_state(self.module)}
                         for prefix in keyed_like_weights}
         template = self._training_sharded_state_dict(template_values, extra_values)
         state = dist_checkpointing.load(template, directory)

@@ -69,6 +69,10 @@ class RouterTrace:
         """Fraction of (token, MoE layer) pairs whose top-k expert set differed from the recording."""
         return self._changed / self._total if self._total else None
 
+    def recorded_routes(self, microbatch: int) -> list[torch.Tensor]:
+        """The recorded [tokens, k] expert indices of one micro-batch, one tensor per MoE layer."""
+        return list(self._recorded[microbatch])
+
     def counts(self) -> tuple[int, int]:
         """(changed, total) (token, MoE layer) routes since the last recording."""
         return self._changed, self._total

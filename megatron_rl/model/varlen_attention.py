@@ -16,6 +16,10 @@ real work when lengths differ widely (one 4k-token sample among short ones gets 
 
 Without packed parameters it behaves like the local attention: causal, or the given mask
 (True = masked out) in `sbhd` layout.
+
+Multi-latent attention (DeepSeek-V3) has a value head size (`v_channels`) other than the
+query/key head size (`k_channels`, nope + rope dims) and its own softmax scale (YaRN's mscale):
+both come from the attention module that builds this one, and the output is heads * v_channels.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ class VarlenDotProductAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection=None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ):
         super().__init__(config=config)
         if config.context_parallel_size > 1:
@@ -51,7 +57,7 @@ class VarlenDotProductAttention(MegatronModule):
         )
         self.heads = config.num_attention_heads // tp_size
         self.groups = (config.num_query_groups or config.num_attention_heads) // tp_size
-        head_dim = config.kv_channels
+        head_dim = k_channels if k_channels is not None else config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
 

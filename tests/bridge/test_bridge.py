@@ -41,10 +41,36 @@ def family_configs() -> dict[str, dict]:
         "llama": dict(llama, vocab_size=VOCAB),
         "mixtral": dict(llama, vocab_size=VOCAB, architectures=["MixtralForCausalLM"], model_type="mixtral",
                         num_local_experts=4, num_experts_per_tok=2),
+        # MLA with a q LoRA, YaRN, one dense layer then MoE with a shared expert, sigmoid routing
+        # over 4 groups (2 chosen) with a correction bias, routed_scaling_factor.
+        "deepseek_v3": dict(
+            architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=VOCAB, hidden_size=64,
+            intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=24, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4,
+            topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True,
+            max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                 original_max_position_embeddings=512, beta_fast=32, beta_slow=1,
+                                 mscale=1.0, mscale_all_dim=1.0),
+            num_nextn_predict_layers=0,
+        ),
+        # Partial rotary, q/k/v bias and qk-norm, a dense first layer, shared expert, sigmoid routing.
+        "glm4_moe": dict(
+            architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", vocab_size=VOCAB, hidden_size=64,
+            intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+            n_group=1, topk_group=1, routed_scaling_factor=1.5, first_k_dense_replace=1, norm_topk_prob=True,
+            attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+            max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            num_nextn_predict_layers=0,
+        ),
     }
 
 
-MOE = {"qwen3_moe", "mixtral"}
+MOE = {"qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"}
+UNEVEN = {"deepseek_v3", "glm4_moe"}  # 3 layers: pipeline stages of 1 and 2
 
 
 def make_hf_model(raw: dict, directory: Path, seed: int = 0) -> None:
@@ -57,6 +83,10 @@ def make_hf_model(raw: dict, directory: Path, seed: int = 0) -> None:
         for name, param in model.named_parameters():
             # Norm weights away from 1 and biases away from 0, so a misplaced one changes the output.
             param.copy_(1 + 0.2 * torch.randn_like(param) if "norm" in name else 0.08 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                # Non-zero, on the scale of the sigmoid scores, so it changes which experts are chosen.
+                buffer.copy_(0.1 * torch.randn_like(buffer))
     model.save_pretrained(directory)
 
 
@@ -115,6 +145,8 @@ def test_round_trip_is_bit_exact_and_logits_match(models, tmp_path, family, layo
     nproc, overrides = LAYOUTS[layout]
     if layout == "tp2" and family in MOE:
         overrides = overrides + ["parallel.etp=2"]
+    if layout == "pp2" and family in UNEVEN:
+        overrides = overrides + ["parallel.pp_first_stage_layers=1"]  # 3 layers: 1 + 2
     run_worker("roundtrip", models[family], tmp_path, nproc, overrides)
 
     original, exported = read_checkpoint(models[family]), read_checkpoint(tmp_path / "hf")

@@ -40,7 +40,8 @@ def family_config(tmp_path: Path, architecture: str) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-llama"])
+# DeepSeek-V3: multi-latent attention (value heads narrower than query/key heads) on packed rows.
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-llama", "tiny-deepseek-v3", "tiny-glm4-moe"])
 def test_packed_samples_do_not_see_each_other(tmp_path, preset):
     result = run_worker("packing", preset, tmp_path)
     assert result["response_lengths"] == [13, 3, 23, 8]
@@ -49,7 +50,8 @@ def test_packed_samples_do_not_see_each_other(tmp_path, preset):
     assert result["cpu_layer_active"] and result["current_device"] == "cpu"
 
 
-@pytest.mark.parametrize("family", ["tiny-qwen3-moe", "tiny-qwen3", "tiny-llama", "Qwen2ForCausalLM", "MixtralForCausalLM"])
+@pytest.mark.parametrize("family", ["tiny-qwen3-moe", "tiny-qwen3", "tiny-llama", "Qwen2ForCausalLM", "MixtralForCausalLM",
+                                    "tiny-deepseek-v3", "tiny-glm4-moe"])
 def test_parameter_count_matches_transformers(tmp_path, family):
     hf_config = family if family.startswith("tiny") else family_config(tmp_path, family)
     result = run_worker("params", hf_config, tmp_path)
