@@ -15,10 +15,12 @@ transformers load as "fp8" with block-wise weight scales:
                                "activation_scheme": "dynamic", "weight_block_size": [128, 128],
                                "modules_to_not_convert": [...]}
 
-Quantized: the linear layers' weights (attention q/k/v/o, dense MLPs, every expert). Kept as
+Quantized: the linear layers' weights (attention q/k/v/o, the multi-latent attention
+projections, dense MLPs, shared experts, every expert). Kept as
 exported: embeddings, lm_head, norms and router gates, as in those checkpoints, and biases.
 Which HF tensors are linear weights is read from the mapping table's Megatron side (the
-linear_qkv / linear_proj / linear_fc1 / linear_fc2 modules), so no HF name is pattern-matched.
+linear_qkv / linear_proj / linear_fc1 / linear_fc2 / MLA linear_q*_proj and linear_kv*_proj
+modules), so no HF name is pattern-matched.
 
 Engines load block-wise FP8 per tensor-parallel shard: vLLM requires every fused piece
 (q/k/v, gate/up) and every TP shard of a linear to be a whole number of 128-row blocks, and
@@ -43,7 +45,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 SCALE_SUFFIX = "_scale_inv"  # "q_proj.weight" -> "q_proj.weight_scale_inv"
 # The Megatron modules whose weights are GEMM weights (fused or per expert).
-_LINEAR = re.compile(r"\.(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.weight$")
+_LINEAR = re.compile(r"\.(linear_qkv|linear_proj|linear_fc1|linear_fc2|linear_q_proj|linear_q_down_proj|"
+                     r"linear_q_up_proj|linear_kv_down_proj|linear_kv_up_proj)\.weight$")
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -94,11 +97,21 @@ def quantize_blockwise(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.
 
 
 def dequantize_blockwise(
-    quantized: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK, dtype: torch.dtype = torch.float32
+    quantized: torch.Tensor, scale_inv: torch.Tensor, block: int | tuple[int, int] = BLOCK,
+    dtype: torch.dtype = torch.float32, *, origin: tuple[int, int] = (0, 0),
 ) -> torch.Tensor:
-    """The weight an engine computes with: fp8 values times their block's scale."""
+    """The weight an engine computes with: fp8 values times their block's scale.
+
+    `block`: one size for square blocks, or (rows, cols) as a checkpoint's `weight_block_size`.
+    `origin`: where `quantized` starts in the full weight when it is only a window of it (the
+    importer reads each rank's own rows and columns); `scale_inv` then holds the scales of the
+    blocks the window touches, starting with block (origin[0] // rows, origin[1] // cols).
+    """
+    block_rows, block_cols = (block, block) if isinstance(block, int) else block
     rows, cols = quantized.shape
-    scales = scale_inv.repeat_interleave(block, dim=0)[:rows].repeat_interleave(block, dim=1)[:, :cols]
+    first_row, first_col = origin[0] % block_rows, origin[1] % block_cols
+    scales = scale_inv.float().repeat_interleave(block_rows, dim=0)[first_row:first_row + rows]
+    scales = scales.repeat_interleave(block_cols, dim=1)[:, first_col:first_col + cols]
     return (quantized.float() * scales).to(dtype)
 
 

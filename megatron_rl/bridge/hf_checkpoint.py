@@ -78,5 +78,9 @@ def write_hf_checkpoint(
         config["dtype" if "dtype" in config else "torch_dtype"] = DTYPE_NAMES[dtype]
     if fp8:
         config["quantization_config"] = fp8_quantization_config(arch)
+    else:
+        # The source may have been an FP8 checkpoint (DeepSeek-V3 is published so): these
+        # weights are not, and an engine reading the key would treat them as FP8.
+        config.pop("quantization_config", None)
     (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     copy_tokenizer_files(template_dir, staging)

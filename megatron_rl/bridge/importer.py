@@ -6,11 +6,25 @@ it needs against the checkpoint's metadata, and the union of all ranks' needs is
 the checkpoint's contents, so a missing tensor, an unexpected tensor or a shape mismatch is
 reported by name and nothing is half-loaded. A file that cannot be read (truncated, not
 safetensors) or whose values are NaN/infinite is reported by path, with what to do.
+
+Block-wise FP8 checkpoints (DeepSeek-V3/R1, Kimi-K2, and our own `model.export_fp8` exports;
+`arch.fp8_block` from config.json's quantization_config) are dequantized while loading: a
+float8_e4m3fn `<name>` is read with its float32 `<name>_scale_inv` ([ceil(rows / block_rows),
+ceil(cols / block_cols)], one scale per block, the last block of a dimension possibly partial)
+and becomes fp8 * scale in float32, then the parameter's dtype. Each rank reads only its own
+rows and columns of the weight and the scales of the blocks they touch. The scales count as
+used; a 1-byte weight without its scale, or without a quantization_config, is refused by name.
+The shape and NaN/infinity checks apply to the weight, its scale and the dequantized values.
+
+Multi-token-prediction layers (DeepSeek-V3's `num_nextn_predict_layers`, stored after the
+decoder layers as `model.layers.{num_hidden_layers + i}.*`) are not built: their tensors are
+skipped with one message instead of being refused as unused.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -18,6 +32,7 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
+from megatron_rl.bridge.fp8_export import SCALE_SUFFIX, dequantize_blockwise
 from megatron_rl.bridge.layouts import merge, piece_rows
 from megatron_rl.bridge.mappings import expand
 from megatron_rl.bridge.placement import Placement, placements
@@ -26,6 +41,12 @@ from megatron_rl.model.hf_config import ArchitectureSpec
 
 # Tensors some checkpoints carry that are not parameters of the model.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Decoder layers on disk, numbered from 0; multi-token-prediction layers follow the last one
+# (DeepSeek-V3 checkpoints; the mapping tables never name them because they are not built).
+HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# safetensors dtype names of 1-byte tensors: quantized weights, never usable without their scales.
+ONE_BYTE_DTYPES = ("F8_E4M3", "F8_E5M2", "F8_E8M0", "I8", "U8")
+FP8_DTYPE = "F8_E4M3"
 
 
 class CheckpointMismatch(ConfigError):
@@ -115,17 +136,20 @@ def load_hf_weights(module, arch: ArchitectureSpec, hf_dir: str | Path) -> None:
                     raise CheckpointMismatch(
                         f"{hf_dir}: tensor {missing[0]} is missing (needed for {placement.global_name})"
                     )
+                slices = _slices(placement, hf_names, layout, arch, tensor_slice)
+                scales = [_scale_name(name, arch, located, tensor_slice, hf_dir) for name in hf_names]
                 needed.update(hf_names)
-                plans.append((placement, hf_names, layout, _slices(placement, hf_names, layout, arch, tensor_slice)))
+                needed.update(scale for scale in scales if scale)
+                plans.append((placement, hf_names, layout, slices, scales))
         except CheckpointMismatch as exc:
             error = str(exc)
         # Every rank learns every rank's verdict, so all raise together instead of some waiting.
         _check_all_ranks(located, needed, error, hf_dir, arch)
         error = None
         with torch.no_grad():
-            for placement, hf_names, layout, slices in plans:
-                pieces = [tensor_slice(name)[index] for name, index in zip(hf_names, slices)]
-                error = error or _non_finite_piece(hf_names, pieces, located)
+            for placement, hf_names, layout, slices, scales in plans:
+                pieces = [_read(name, index, scale, arch, tensor_slice) for name, index, scale in zip(hf_names, slices, scales)]
+                error = error or _non_finite_piece(hf_names, pieces, located, scales)
                 value = merge(layout, pieces, arch)
                 if layout == "vocab":
                     value = _pad_rows(value, placement.param.shape[0])
@@ -136,13 +160,75 @@ def load_hf_weights(module, arch: ArchitectureSpec, hf_dir: str | Path) -> None:
             raise CheckpointUnreadable(error)
 
 
-def _non_finite_piece(hf_names, pieces, located: dict) -> str | None:
-    """Safetensors carries no checksum; NaN/infinite weights are the damage that can be seen."""
-    for name, piece in zip(hf_names, pieces):
+def _non_finite_piece(hf_names, pieces, located: dict, scales) -> str | None:
+    """Safetensors carries no checksum; NaN/infinite weights are the damage that can be seen.
+    A dequantized piece is checked after scaling, so a broken scale is caught as well."""
+    for name, piece, scale in zip(hf_names, pieces, scales):
         if non_finite(piece):
-            return (f"{located[name]}: tensor {name} holds NaN or infinite values: the file is corrupt or "
+            what = f"tensor {name}"
+            if scale:
+                elsewhere = f" in {located[scale]}" if located[scale] != located[name] else ""
+                what += f" (dequantized with {scale}{elsewhere})"
+            return (f"{located[name]}: {what} holds NaN or infinite values: the file is corrupt or "
                     f"the model itself is broken; {REDOWNLOAD}")
     return None
+
+
+def _scale_name(name: str, arch: ArchitectureSpec, located: dict, tensor_slice, hf_dir) -> str | None:
+    """The `_scale_inv` tensor to dequantize `name` with (None: it is read as stored), after checking
+    that the weight's dtype, the config and the scale's shape agree."""
+    weight = tensor_slice(name)
+    dtype, shape = weight.get_dtype(), list(weight.get_shape())
+    scale = name + SCALE_SUFFIX
+    if arch.fp8_block is None:
+        if dtype in ONE_BYTE_DTYPES:
+            raise CheckpointMismatch(
+                f"{hf_dir}: tensor {name} is stored as {dtype}, but config.json has no block-wise FP8 "
+                f"quantization_config to dequantize it with; use the checkpoint's own config.json (or a BF16 checkpoint)"
+            )
+        return None
+    if scale not in located:
+        if dtype in ONE_BYTE_DTYPES:
+            raise CheckpointMismatch(
+                f"{hf_dir}: tensor {name} is stored as {dtype} but its scale {scale} is missing: the checkpoint "
+                f"is incomplete; {REDOWNLOAD}"
+            )
+        return None  # kept in high precision (norms, embeddings, lm_head, router, biases)
+    if dtype != FP8_DTYPE:
+        raise CheckpointMismatch(
+            f"{hf_dir}: tensor {name} has a scale {scale} but is stored as {dtype}; only float8_e4m3fn "
+            f"({FP8_DTYPE}) weights are dequantized"
+        )
+    if len(shape) != 2:
+        raise CheckpointMismatch(f"{hf_dir}: tensor {name} of shape {shape} has a scale {scale}, but block-wise "
+                                 "FP8 quantizes 2-D weights only")
+    want = [-(-n // b) for n, b in zip(shape, arch.fp8_block)]
+    got = list(tensor_slice(scale).get_shape())
+    if got != want:
+        raise CheckpointMismatch(
+            f"tensor {scale} has shape {got} in the checkpoint but {name} of shape {shape} in blocks of "
+            f"{list(arch.fp8_block)} (quantization_config.weight_block_size) needs {want}"
+        )
+    return scale
+
+
+def _read(name: str, index: tuple[slice, ...], scale: str | None, arch: ArchitectureSpec, tensor_slice) -> torch.Tensor:
+    """This rank's slice of one HF tensor; a quantized one is dequantized to float32 from the weight's
+    own rows and columns and the scales of the blocks they touch (never the whole tensor)."""
+    weight = tensor_slice(name)
+    if scale is None:
+        return weight[index]
+    shape = weight.get_shape()
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    window, blocks = [], []
+    for part, size, block in zip(index, shape, arch.fp8_block):
+        start, stop, step = part.indices(size)
+        assert step == 1, "the importer reads contiguous slices"
+        stop = max(start, stop)
+        window.append(slice(start, stop))
+        blocks.append(slice(start // block, -(-stop // block) if stop > start else start // block))
+    return dequantize_blockwise(weight[tuple(window)], tensor_slice(scale)[tuple(blocks)], arch.fp8_block,
+                                origin=(window[0].start, window[1].start))
 
 
 def first_error(error: str | None) -> str | None:
@@ -196,10 +282,25 @@ def _check_all_ranks(located: dict, needed: set[str], error: str | None, hf_dir,
     ignored = {n for n in located if n.endswith(IGNORED_SUFFIXES)}
     if arch.tie_word_embeddings:
         ignored.add("lm_head.weight")  # some tied checkpoints store the shared matrix twice
-    extra = sorted(set(located) - used - ignored)
+    mtp = _mtp_tensors(set(located) - used, arch)
+    extra = sorted(set(located) - used - ignored - set(mtp))
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise CheckpointMismatch(f"{hf_dir}: tensor {extra[0]}{more} is not used by {arch.architecture}")
+    if mtp and (not dist.is_initialized() or dist.get_rank() == 0):
+        layers = ", ".join(f"model.layers.{layer}.*" for layer in sorted(set(mtp.values())))
+        print(f"skipping {len(mtp)} multi-token-prediction tensors ({layers}): not used for RL training", flush=True)
+
+
+def _mtp_tensors(names, arch: ArchitectureSpec) -> dict[str, int]:
+    """Name -> layer of the checkpoint's multi-token-prediction tensors (config.json's
+    num_nextn_predict_layers layers after the last decoder layer); none unless the config has them."""
+    found = {}
+    for name in names:
+        match = HF_LAYER.match(name)
+        if match and arch.num_layers <= int(match.group(1)) < arch.num_layers + arch.num_mtp_layers:
+            found[name] = int(match.group(1))
+    return found
 
 
 def _pad_rows(value: torch.Tensor, rows: int) -> torch.Tensor:

@@ -17,6 +17,10 @@ from megatron_rl.model.hf_config import load_hf_config, parse_hf_config
         ("decoder.layers.1.mlp.experts.linear_fc2.weight12", "decoder.layers.1.mlp.experts.local_experts.12.linear_fc2.weight"),
         ("decoder.layers.1.self_attention.linear_qkv.weight", "decoder.layers.1.self_attention.linear_qkv.weight"),
         ("decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight", "decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight"),
+        # Multi-latent attention: TE fuses the latent norms into the up-projections.
+        ("decoder.layers.2.self_attention.linear_q_up_proj.layer_norm_weight", "decoder.layers.2.self_attention.q_layernorm.weight"),
+        ("decoder.layers.2.self_attention.linear_kv_up_proj.layer_norm_weight", "decoder.layers.2.self_attention.kv_layernorm.weight"),
+        ("decoder.layers.2.self_attention.linear_kv_up_proj.weight", "decoder.layers.2.self_attention.linear_kv_up_proj.weight"),
     ],
 )
 def test_transformer_engine_names_map_to_the_local_layout(te_name, local_name):
@@ -24,7 +28,7 @@ def test_transformer_engine_names_map_to_the_local_layout(te_name, local_name):
 
 
 def test_tables_cover_each_family_once():
-    for preset in ("tiny-qwen3-moe", "tiny-qwen3", "tiny-llama"):
+    for preset in ("tiny-qwen3-moe", "tiny-qwen3", "tiny-llama", "tiny-deepseek-v3", "tiny-glm4-moe"):
         arch = parse_hf_config(*load_hf_config(preset))
         entries = expand(arch)
         hf_names = [n for _, names, _ in entries for n in names]
@@ -52,3 +56,22 @@ def test_unknown_family_is_refused():
     arch = replace(parse_hf_config(*load_hf_config("tiny-llama")), family="gpt2", architecture="GPT2LMHeadModel")
     with pytest.raises(ConfigError, match="no bridge mapping for GPT2LMHeadModel; supported: Qwen3MoeForCausalLM"):
         rules_for(arch)
+
+
+def test_sigmoid_router_families_map_bias_shared_experts_and_dense_layers():
+    deepseek = parse_hf_config(*load_hf_config("tiny-deepseek-v3"))  # layer 0 dense, layer 1 MoE
+    names = {m: hf for m, hf, _ in expand(deepseek)}
+    assert names["decoder.layers.1.mlp.router.expert_bias"] == ("model.layers.1.mlp.gate.e_score_correction_bias",)
+    assert names["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"] == (
+        "model.layers.1.mlp.shared_experts.gate_proj.weight", "model.layers.1.mlp.shared_experts.up_proj.weight")
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in names and "decoder.layers.0.mlp.router.weight" not in names
+    assert names["decoder.layers.0.self_attention.linear_q_up_proj.weight"] == ("model.layers.0.self_attn.q_b_proj.weight",)
+    raw, _ = load_hf_config("tiny-deepseek-v3")
+    without_q_lora = {m for m, _, _ in expand(parse_hf_config(dict(raw, q_lora_rank=None)))}
+    assert "decoder.layers.0.self_attention.linear_q_proj.weight" in without_q_lora
+    assert "decoder.layers.0.self_attention.q_layernorm.weight" not in without_q_lora
+    glm_raw, _ = load_hf_config("tiny-glm4-moe")
+    plain = {m for m, _, _ in expand(parse_hf_config(dict(glm_raw, attention_bias=False, use_qk_norm=False)))}
+    assert not any(n.endswith(("linear_qkv.bias", "q_layernorm.weight")) for n in plain)
+    full = {m for m, _, _ in expand(parse_hf_config(glm_raw))}
+    assert {"decoder.layers.0.self_attention.linear_qkv.bias", "decoder.layers.0.self_attention.q_layernorm.weight"} <= full
