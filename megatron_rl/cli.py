@@ -6,6 +6,8 @@
     megatron-rl smoke [--config FILE] [--steps N] [--output-dir DIR] [key=value ...]   (metrics: runs/smoke by default)
     megatron-rl inspect-model [--config FILE] [key=value ...]
     megatron-rl convert {hf-to-megatron,megatron-to-hf} ...   (see tools/convert_*.py)
+    megatron-rl verify-hf --hf-dir DIR [--tp N] [--pp N] [--ep N] [--etp N] [--tolerance T] [--tokens N]
+        [--seed S]   (Megatron's logits against transformers' for a HF model, at that layout)
     megatron-rl launch slurm --nodes N [--gpus-per-node G] [--partition P] ... [--dry-run] [key=value ...]
     megatron-rl launch local [--nproc-per-node N] [key=value ...]   (the same job under torchrun here)
 
@@ -53,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect-model", help="print the architecture a config builds")
     common(inspect)
     commands.add_parser("convert", help="HF <-> Megatron checkpoint conversion (see tools/)", add_help=False)
+    commands.add_parser("verify-hf", help="check that Megatron computes transformers' logits for a HF model "
+                        "directory (megatron-rl verify-hf --help)", add_help=False)
     launch = commands.add_parser("launch", help="start the training job on SLURM or with torchrun here")
     where = launch.add_subparsers(dest="where", required=True)
     slurm = where.add_parser("slurm", help="render an sbatch script from slurm/ and submit it")
@@ -95,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_rl import convert
 
         return convert.main(argv[1:])
+    if argv and argv[0] == "verify-hf":
+        from megatron_rl import verify_hf
+
+        return verify_hf.main(argv[1:])
     args = _parser().parse_args(argv)
     if not getattr(args, "verbose", False):
         from megatron_rl.console import quiet_dependencies

@@ -63,7 +63,15 @@ def _layout_args(parser: argparse.ArgumentParser) -> None:
     for name in ("tp", "pp", "ep"):
         parser.add_argument(f"--{name}", type=int, default=1)
     parser.add_argument("--etp", type=int, default=None, help="expert tensor parallel (default: same as --tp)")
+    stage_args(parser)
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
+
+
+def stage_args(parser: argparse.ArgumentParser) -> None:
+    """Uneven pipeline stages, for layer counts --pp does not divide (DeepSeek-V3's 61 layers)."""
+    parser.add_argument("--pp-first-stage-layers", type=int, default=None,
+                        help="layers on the first pipeline stage (the others split the rest evenly)")
+    parser.add_argument("--pp-last-stage-layers", type=int, default=None, help="layers on the last pipeline stage")
 
 
 def hf_to_megatron_parser() -> argparse.ArgumentParser:
@@ -90,7 +98,10 @@ def _config(hf_config: str, args, precision: str, extra: list[str] = ()) -> RunC
         "device=cpu", f"model.hf_config={hf_config}", f"model.precision={precision}",
         f"parallel.tp={args.tp}", f"parallel.pp={args.pp}", f"parallel.ep={args.ep}",
         # The distributed optimizer is irrelevant here (no optimizer is built).
-        *([f"parallel.etp={args.etp}"] if args.etp is not None else []), *extra,
+        *([f"parallel.etp={args.etp}"] if args.etp is not None else []),
+        *(f"parallel.{key}={getattr(args, key)}" for key in ("pp_first_stage_layers", "pp_last_stage_layers")
+          if getattr(args, key, None) is not None),
+        *extra,
     ]
     return load_config(None, overrides)
 
@@ -119,12 +130,19 @@ def _relaunch_if_needed(world: int, script: str, argv: list[str], env: dict[str,
     `env`: extra environment variables for the ranks."""
     if world == 1 or "RANK" in os.environ:
         return False
+    sys.exit(_torchrun(world, "megatron_rl.convert", [script, *argv], env))
+
+
+def _torchrun(world: int, module: str, argv: list[str], env: dict[str, str] | None = None) -> int:
+    """`python -m module *argv` on `world` local ranks under torchrun (also `megatron-rl verify-hf`);
+    its exit code. `env`: extra environment variables for the ranks. One thread per rank unless
+    OMP_NUM_THREADS says otherwise: the ranks share this machine's cores."""
     from megatron_rl.platform.distributed import free_port
 
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-               f"--master-port={free_port()}", "-m", "megatron_rl.convert", script, *argv]
+               f"--master-port={free_port()}", "-m", module, *argv]
     threads = os.environ.get("OMP_NUM_THREADS", "1")
-    sys.exit(_run_ranks(command, dict(os.environ, OMP_NUM_THREADS=threads, **(env or {}))))
+    return _run_ranks(command, dict(os.environ, OMP_NUM_THREADS=threads, **(env or {})))
 
 
 def _run_ranks(command: list[str], env: dict[str, str]) -> int:

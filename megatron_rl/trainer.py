@@ -41,6 +41,7 @@ from megatron_rl.experience import (
     store_logprobs,
 )
 from megatron_rl.logging import MetricsLog, check_wandb_available
+from megatron_rl.model.hf_config import with_implied_keys
 from megatron_rl.rollout import SamplingParams, drain, hf_weight_stream
 from megatron_rl.rollout.factory import (
     build_engine,
@@ -446,7 +447,10 @@ class Trainer:
 
         if self.is_driver:
             self.engine_dir.mkdir(parents=True, exist_ok=True)
-            raw = dict(self.policy.raw_hf_config)
+            raw = with_implied_keys(self.policy.raw_hf_config, self.policy.arch)
+            # The engine receives the trainer's weights at the training precision, even when the
+            # model came from an FP8 checkpoint (DeepSeek-V3 is published so).
+            raw.pop("quantization_config", None)
             (self.engine_dir / "config.json").write_text(json.dumps(raw, indent=1))
             generation = {key: raw[key] for key in ("bos_token_id", "eos_token_id") if key in raw}
             (self.engine_dir / "generation_config.json").write_text(json.dumps(generation))

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from megatron_rl.bridge.export import export_hf_weights
 from megatron_rl.bridge.fp8_export import fp8_quantization_config, quantize_fp8_blockwise
-from megatron_rl.model.hf_config import ArchitectureSpec
+from megatron_rl.model.hf_config import ArchitectureSpec, with_implied_keys
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -72,7 +72,7 @@ def write_hf_checkpoint(
         total += size
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    config = dict(raw_config)
+    config = with_implied_keys(raw_config, arch)
     if dtype is not None:
         # transformers 5 writes "dtype", 4.x "torch_dtype": keep the spelling the config uses.
         config["dtype" if "dtype" in config else "torch_dtype"] = DTYPE_NAMES[dtype]

@@ -244,6 +244,18 @@ def parse_hf_config(raw: dict[str, Any], where: str = "config.json") -> Architec
     return ArchitectureSpec(**spec)
 
 
+def with_implied_keys(raw: dict[str, Any], arch: ArchitectureSpec) -> dict[str, Any]:
+    """config.json with the keys transformers implies but rollout engines read explicitly.
+
+    transformers' DeepseekV3Config always routes with sigmoid scores and the correction bias and
+    writes neither `topk_method` nor `scoring_func`; vLLM's DeepSeek model reads both (measured:
+    without `topk_method: noaux_tc` it fails to load `e_score_correction_bias`; from its code, a
+    missing `scoring_func` means softmax routing). Written into every HF directory we export."""
+    if arch.family != "deepseek_v3":
+        return dict(raw)
+    return {"topk_method": "noaux_tc", "scoring_func": "sigmoid", **raw}
+
+
 def _sigmoid_router(raw: dict[str, Any], get, refuse, spec: dict) -> dict[str, Any]:
     """DeepSeek-V3 / GLM-4.5 routing: sigmoid scores, a correction bias added for the choice only,
     group-limited top-k, renormalized weights times routed_scaling_factor, shared experts."""

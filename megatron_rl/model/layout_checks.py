@@ -8,7 +8,7 @@ from megatron_rl.model.hf_config import ArchitectureSpec
 
 
 def check_divisibility(arch: ArchitectureSpec, config) -> None:
-    """`config`: the RunConfig (its `parallel` section)."""
+    """`config`: the RunConfig (its `parallel` section, and the model keys that need a model feature)."""
     p = config.parallel
     checks = [
         ("num_attention_heads", arch.num_attention_heads, "tp", p.tp),
@@ -30,6 +30,12 @@ def check_divisibility(arch: ArchitectureSpec, config) -> None:
                 f"model {key}={value} is not divisible by parallel.{axis}={size}; choose a layout that divides it"
             )
     check_pipeline_stages(arch.num_layers, p)
+    if config.model.moe_router_bias_update_rate > 0 and not arch.moe_expert_bias:
+        raise ConfigError(
+            f"model.moe_router_bias_update_rate={config.model.moe_router_bias_update_rate} needs a router with an "
+            f"expert bias (e_score_correction_bias: DeepSeek-V3, GLM-4.5); {arch.architecture} has none, "
+            "so leave it at 0 (or use model.moe_aux_loss_coeff for load balancing)"
+        )
 
 
 def check_pipeline_stages(num_layers: int, p) -> None:

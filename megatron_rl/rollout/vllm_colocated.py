@@ -31,7 +31,7 @@ from megatron_rl.rollout.protocol import (
     check_grouping,
 )
 from megatron_rl.rollout.vllm_common import samples_from_request_output, to_vllm_sampling, vllm_environment
-from megatron_rl.rollout.vllm_worker import WORKER_EXTENSION
+from megatron_rl.rollout.vllm_worker import WORKER_EXTENSION, fix_cpu_rotary_embedding
 
 
 class VllmColocatedEngine:
@@ -65,6 +65,11 @@ class VllmColocatedEngine:
         # trainer's world, and tensors could not be passed by reference.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
+
+        # The worker lives in this process and imported vllm_worker before vLLM: apply its
+        # pre-build fixes here (the server's workers get them when vLLM imports the extension).
+        if on_cpu:
+            fix_cpu_rotary_embedding()
 
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         world = torch.distributed.get_world_size() if distributed else 1

@@ -1,6 +1,8 @@
 """Weight sync into a real vLLM engine (the CPU build), checked against the trainer's own logprobs.
 
-For a tiny dense (Qwen3) and a tiny MoE (Qwen3-MoE) policy, in both engine modes:
+For a tiny dense (Qwen3) and a tiny MoE (Qwen3-MoE) policy, in both engine modes, and for
+DeepSeek-V3 (multi-latent attention, trainer and engine at TP2) colocated (GLM-4.5 and DeepSeek-V3
+on one process: tests/trainer/test_model_families.py and tests/rollout/test_vllm_families.py):
 - before training, engine and trainer agree (<= 1e-4, fp32);
 - after 3 optimizer steps WITHOUT a push they disagree (> 1e-3): the comparison can fail;
 - after the push they agree again (<= 1e-4). On vLLM's CPU build the MoE case fails without the
@@ -33,13 +35,23 @@ from vocab_tokenizer import write_tokenizer  # noqa: E402
 SYNC_TOL = 1e-4
 STALE_MIN = 1e-3
 
+# What the engine needs beyond the bridge test's configs: vLLM's CPU MLA backend takes only head
+# size 576 (kv_lora_rank 512 + rope 64); its DeepSeek model reads topk_method / scoring_func, which
+# transformers does not write (the engine starts from this directory here; the trainer's engine
+# directory adds them, hf_config.with_implied_keys); and expert widths the CPU MoE kernel takes
+# unpadded at engine TP2 (vllm_worker._cpu_moe_kernels).
+ENGINE_OVERRIDES = {
+    "deepseek_v3": dict(kv_lora_rank=512, qk_rope_head_dim=64, topk_method="noaux_tc", scoring_func="sigmoid",
+                        moe_intermediate_size=64),
+}
+
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
     dirs = {}
-    for name in ("qwen3", "qwen3_moe"):
-        raw = family_configs()[name]
+    for name in ("qwen3", "qwen3_moe", "deepseek_v3"):
+        raw = dict(family_configs()[name], **ENGINE_OVERRIDES.get(name, {}))
         make_hf_model(raw, root / name)
         write_tokenizer(root / name, raw["vocab_size"])
         dirs[name] = root / name
@@ -70,6 +82,7 @@ CASES = [
     ("qwen3_moe", "colocated", 2, ["parallel.ep=2", "parallel.etp=1"]),
     ("qwen3_moe", "server", 1, []),
     ("qwen3", "server", 2, ["parallel.tp=2"]),
+    ("deepseek_v3", "colocated", 2, ["parallel.tp=2"]),
 ]
 
 

@@ -3,11 +3,14 @@ sigmoid routing; GLM-4.5: partial rotary, q/k/v bias, qk-norm), end to end: warm
 on the real vLLM CPU engine, update, weight push, the next rollout.
 
 The router's expert bias moves every step (model.moe_router_bias_update_rate), so the engine
-serves the trainer's logprobs only if the push carries the bias as well as the parameters.
+serves the trainer's logprobs only if the push carries the bias as well as the parameters. The
+DeepSeek-V3 preset, like a config transformers writes, lacks `topk_method` / `scoring_func`,
+which vLLM needs to route with the bias: the trainer's engine directory must add them.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -40,3 +43,6 @@ def test_rl_steps_with_engine_parity(tmp_path, preset):
         assert record["mismatch/logp_abs_diff_max"] <= 1e-4, (step, record["mismatch/logp_abs_diff_max"])
         assert record["count/sequences"] > 0  # groups with mixed rewards were trained on
     assert any(record["train/grad_norm"] > 0 for record in steps.values())
+    engine_config = json.loads((out / "engine_model" / "config.json").read_text())
+    if preset == "tiny-deepseek-v3":
+        assert (engine_config["topk_method"], engine_config["scoring_func"]) == ("noaux_tc", "sigmoid")
