@@ -20,6 +20,7 @@ multi-token-prediction layers (`num_mtp_layers`, skipped on import) and may be b
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -314,8 +315,6 @@ def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
 
 def _yarn(params: dict[str, Any], max_positions: int, refuse) -> YarnSpec:
     """HF's YaRN attention factor, expressed in Megatron-Core's two mscale terms (see YarnSpec)."""
-    import math
-
     factor = float(params.get("factor", 1.0))
     if factor <= 1.0:
         refuse("rope_scaling.factor", factor, "YaRN needs a factor above 1")

@@ -41,6 +41,7 @@ class TransformerEngineView:
 
     def __init__(self, module, config):
         self.decoder = module.decoder
+        self.module = module
         explicit_expert_comm = config.parallel.expert_tp > 1 or config.parallel.ep > 1
         dense_layers = {i for i, layer in enumerate(module.decoder.layers) if not hasattr(layer.mlp, "experts")}
         experts: dict[str, dict[str, list]] = {}  # experts module -> linear -> tagged weights in order
@@ -82,6 +83,10 @@ class TransformerEngineView:
 
     def named_parameters(self):
         return iter(self.params)
+
+    def named_buffers(self):
+        # TE names the routers' expert bias as the local spec does (model/state.py).
+        return self.module.named_buffers()
 
 
 def exported(module, arch) -> dict[str, torch.Tensor]:
