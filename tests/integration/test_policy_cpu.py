@@ -40,8 +40,9 @@ def family_config(tmp_path: Path, architecture: str) -> str:
     return str(path)
 
 
-# DeepSeek-V3: multi-latent attention (value heads narrower than query/key heads) on packed rows.
-@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-llama", "tiny-deepseek-v3", "tiny-glm4-moe"])
+# DeepSeek-V3: multi-latent attention (value heads narrower than query/key heads, its own RoPE
+# path) on packed rows. GLM-4.5's attention is the standard one the others exercise.
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-llama", "tiny-deepseek-v3"])
 def test_packed_samples_do_not_see_each_other(tmp_path, preset):
     result = run_worker("packing", preset, tmp_path)
     assert result["response_lengths"] == [13, 3, 23, 8]
