@@ -1,6 +1,7 @@
-"""One short RL run per newer MoE family (DeepSeek-V3: multi-latent attention, group-limited
-sigmoid routing; GLM-4.5: partial rotary, q/k/v bias, qk-norm), end to end: warm start, rollout
-on the real vLLM CPU engine, update, weight push, the next rollout.
+"""A short RL run on DeepSeek-V3 (multi-latent attention, group-limited sigmoid routing with a
+correction bias, a shared expert), end to end: warm start, rollout on the real vLLM CPU engine,
+update, weight push, the next rollout. (`model.hf_config=tiny-glm4-moe` passed the same checks
+while it was a case here, and failed at 0.19 with the bias left out of the push.)
 
 The router's expert bias moves every step (model.moe_router_bias_update_rate), so the engine
 serves the trainer's logprobs only if the push carries the bias as well as the parameters. The
@@ -28,7 +29,9 @@ RUN = ["rl.steps=3", "rl.prompts_per_step=8", "rl.group_size=4", "rl.max_respons
        "logging.wandb_mode=disabled", "model.moe_router_bias_update_rate=0.05", "optimizer.lr=3e-3"]
 
 
-@pytest.mark.parametrize("preset", ["tiny-deepseek-v3", "tiny-glm4-moe"])
+# GLM-4.5 runs the same push code; its engine parity after pushes of new weights (the correction
+# bias included) is tests/rollout/test_vllm_families.py. One run here keeps the suite's time.
+@pytest.mark.parametrize("preset", ["tiny-deepseek-v3"])
 def test_rl_steps_with_engine_parity(tmp_path, preset):
     out = tmp_path / preset
     command = [sys.executable, "-m", "megatron_rl.cli", "train", "--output-dir", str(out),
