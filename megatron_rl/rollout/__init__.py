@@ -1,9 +1,13 @@
-"""Rollout engines behind one protocol, and the trainer side of weight sync.
+"""Rollout: engines behind one protocol, weight transports, and the client the trainer holds.
 
-    engine = VllmColocatedEngine(model_dir)                  # or VllmServerEngine / SglangServerEngine / EnginePool
-    groups = engine.generate(prompt_ids, SamplingParams(n=8, max_tokens=512, seed=seed))
-    engine.update_weights(hf_weight_stream(policy.module, policy.arch))
+    rollout = RolloutClient(config, model_dir, master_addr=..., local_rank=..., seed=...)  # client.py
+    groups = rollout.generate(prompt_ids, SamplingParams(n=8, max_tokens=512, seed=seed))
+    rollout.sync_weights(policy.module, policy.arch)
 
+    engine = VllmColocatedEngine(model_dir)    # or VllmServerEngine / SglangServerEngine (protocol.py)
+    engine.update_weights(hf_weight_stream(policy.module, policy.arch))   # one engine, by hand
+
+docs/architecture.md draws the layer.
 Engine modules import their engine's package lazily, so importing this package needs neither
 vLLM nor SGLang.
 """

@@ -1,7 +1,7 @@
-"""Build the configured rollout engine for this trainer rank (the only place that picks a class).
+"""Build the configured rollout engines and weight transport (the only place that picks classes).
 
-Colocated vLLM: every rank holds a share of one engine (SPMD). Servers: global rank 0 drives
-them (starts or connects, pushes weights, sends requests); the other ranks get None and take
+Colocated vLLM: every rank holds a share of one engine (SPMD). Servers: global rank 0 (the
+driver) starts or connects to them and sends their requests; the other ranks get None and take
 part in the weight export only.
 """
 
@@ -13,16 +13,18 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import ConfigError, RunConfig
-from megatron_rl.rollout.pool import EnginePool
 from megatron_rl.rollout.protocol import RolloutEngine
-
-BASE_PORT = 8100
+from megatron_rl.rollout.transport import CollectiveTransport, FilesTransport, InProcessTransport, WeightTransport
 
 
 def engine_dtype(config: RunConfig) -> str:
     if config.rollout.dtype != "auto":
         return config.rollout.dtype
     return "bfloat16" if config.model.precision == "bf16" else "float32"
+
+
+def torch_dtype(config: RunConfig) -> torch.dtype:
+    return torch.bfloat16 if engine_dtype(config) == "bfloat16" else torch.float32
 
 
 def check_engine_installed(config: RunConfig) -> None:
@@ -36,30 +38,55 @@ def check_engine_installed(config: RunConfig) -> None:
         )
 
 
-def build_engine(config: RunConfig, model_dir: Path, *, local_rank: int, seed: int) -> RolloutEngine | None:
+def weight_transport(config: RunConfig) -> str:
+    """stream (colocated), files, or collective / nccl (servers); see RolloutConfig.weight_transport."""
+    chosen = config.rollout.weight_transport
+    if chosen != "auto":
+        return chosen
+    if config.rollout.mode == "colocated":
+        return "stream"
+    return "collective" if config.rollout.engine == "vllm" else "files"
+
+
+def build_transport(config: RunConfig, master_addr: str) -> WeightTransport:
+    rollout, kind = config.rollout, weight_transport(config)
+    bucket_bytes = rollout.weight_bucket_mb << 20
+    if kind == "stream":
+        return InProcessTransport()
+    if kind == "files":
+        staging = Path(rollout.staging_dir) if rollout.staging_dir else Path(config.output_dir) / ".weights"
+        return FilesTransport(staging, bucket_bytes)
+    from megatron_rl.platform.distributed import free_port
+
+    backend = "nccl" if kind == "nccl" or torch.cuda.is_available() else "gloo"
+    return CollectiveTransport(host=master_addr, backend=backend, bucket_bytes=bucket_bytes,
+                               timeout_s=rollout.request_timeout_s, port=free_port() if dist.get_rank() == 0 else 0)
+
+
+def build_engines(config: RunConfig, model_dir: Path, *, local_rank: int, seed: int) -> list[RolloutEngine] | None:
     rollout = config.rollout
     output_dir = Path(config.output_dir)
     dtype = engine_dtype(config)
     if rollout.mode == "colocated":
         from megatron_rl.rollout.vllm_colocated import VllmColocatedEngine
 
-        return VllmColocatedEngine(
+        return [VllmColocatedEngine(
             model_dir, dtype=dtype, max_model_len=rollout.max_model_len, seed=seed,
             cpu_kv_cache_gib=rollout.cpu_kv_cache_gib, gpu_memory_utilization=rollout.gpu_memory_utilization,
             load_format="dummy", local_rank=local_rank,
-        )
+        )]
     if dist.get_rank() != 0:
         return None
+    # A files push through a single engine's own update_weights still needs a directory.
     staging = Path(rollout.staging_dir) if rollout.staging_dir else output_dir / ".weights"
     if rollout.engine == "sglang":
         from megatron_rl.rollout.sglang import SglangServerEngine
 
         if not rollout.server_urls:
             raise ConfigError("rollout.engine=sglang needs rollout.server_urls (SGLang servers are started by the launcher)")
-        engines = [SglangServerEngine(url, name=f"sglang-{index}", staging_dir=staging, hf_config_dir=model_dir,
-                                      request_timeout_s=rollout.request_timeout_s, max_retries=rollout.max_retries)
-                   for index, url in enumerate(rollout.server_urls)]
-        return engines[0] if len(engines) == 1 else EnginePool(engines)
+        return [SglangServerEngine(url, name=f"sglang-{index}", staging_dir=staging, hf_config_dir=model_dir,
+                                   request_timeout_s=rollout.request_timeout_s, max_retries=rollout.max_retries)
+                for index, url in enumerate(rollout.server_urls)]
 
     from megatron_rl.rollout.vllm_server import VllmServerEngine, VllmServerProcess
 
@@ -77,46 +104,13 @@ def build_engine(config: RunConfig, model_dir: Path, *, local_rank: int, seed: i
                     cpu_kv_cache_gib=rollout.cpu_kv_cache_gib,
                     gpu_memory_utilization=rollout.gpu_memory_utilization, load_format="dummy",
                     startup_timeout_s=rollout.startup_timeout_s,
-                    weight_transfer="nccl" if weight_transport(config) == "nccl" else None,
+                    extra_args=["--tensor-parallel-size", str(rollout.tp_of_server(index))],
                 ))
             servers = [(process.url, process) for process in started]
-        engines = [VllmServerEngine(url, name=f"vllm-{index}", process=process, staging_dir=staging,
-                                    request_timeout_s=rollout.request_timeout_s, max_retries=rollout.max_retries)
-                   for index, (url, process) in enumerate(servers)]
+        return [VllmServerEngine(url, name=f"vllm-{index}", process=process, staging_dir=staging,
+                                 request_timeout_s=rollout.request_timeout_s, max_retries=rollout.max_retries)
+                for index, (url, process) in enumerate(servers)]
     except BaseException:
         for process in started:
             process.stop()
         raise
-    return engines[0] if len(engines) == 1 else EnginePool(engines)
-
-
-def weight_transport(config: RunConfig) -> str:
-    """stream (colocated), nccl (servers on GPU) or files (servers on CPU, or asked for)."""
-    chosen = config.rollout.weight_transport
-    if chosen != "auto":
-        return chosen
-    if config.rollout.mode == "colocated":
-        return "stream"
-    return "nccl" if torch.cuda.is_available() and config.rollout.engine == "vllm" else "files"
-
-
-def build_nccl_transport(config: RunConfig, engine, policy, *, master_address: str, master_port: int):
-    """Trainer side of the NCCL weight transport to one vLLM server (GPU only; untested on the
-    CPU development machines, see rollout/nccl_transport.py). Collective: every rank calls it."""
-    from megatron_rl.rollout.nccl_transport import NcclWeightTransport
-
-    if isinstance(engine, EnginePool):
-        raise ConfigError("rollout.weight_transport=nccl supports one server; use files, or one server per job")
-    url = engine.url if engine is not None else ""
-    return NcclWeightTransport(url, policy.module, policy.arch, master_address=master_address,
-                               master_port=master_port, engine_world_size=1,
-                               bucket_bytes=config.rollout.weight_bucket_mb << 20, dtype=torch_dtype(config),
-                               timeout_s=config.rollout.request_timeout_s)
-
-
-def weight_destination(config: RunConfig) -> str:
-    return "all" if config.rollout.mode == "colocated" else "main"
-
-
-def torch_dtype(config: RunConfig) -> torch.dtype:
-    return torch.bfloat16 if engine_dtype(config) == "bfloat16" else torch.float32

@@ -22,9 +22,11 @@ class JsonClient:
         self.name, self.base_url = name, base_url.rstrip("/")
         self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
 
-    def post(self, path: str, body: dict | None = None, *, timeout_s: float | None = None, params: str = "") -> Any:
+    def post(self, path: str, body: dict | None = None, *, timeout_s: float | None = None, params: str = "",
+             retries: int | None = None) -> Any:
+        """`retries=0` for calls that must not run twice (a collective the other side joins once)."""
         data = json.dumps(body if body is not None else {}).encode()
-        return self._request("POST", path + (f"?{params}" if params else ""), data, timeout_s)
+        return self._request("POST", path + (f"?{params}" if params else ""), data, timeout_s, retries)
 
     def get(self, path: str, *, timeout_s: float | None = None, retries: int | None = None) -> Any:
         return self._request("GET", path, None, timeout_s, retries)

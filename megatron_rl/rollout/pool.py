@@ -4,6 +4,8 @@ Prompts are split into contiguous slices, one per engine, generated concurrently
 prompt order. Because each prompt's seed is derived from (request seed, prompt index) and the
 pool passes every engine the global indices, the samples do not depend on how many engines there
 are. An engine that fails is reported by name; the pool does not silently drop its prompts.
+Weights reach the pool's engines through a transport (rollout/transport.py), one engine at a time
+or all at once, never through the pool.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from megatron_rl.rollout.protocol import (
     RolloutEngine,
     Sample,
     SamplingParams,
-    WeightStream,
     check_grouping,
 )
 
@@ -51,18 +52,6 @@ class EnginePool:
             raise kind(f"{self.name}: {len(failures)} of {len(self.engines)} engines failed:\n  " + "\n  ".join(dead))
         check_grouping(self.name, prompts, params, groups)
         return groups
-
-    def update_weights(self, weights: WeightStream) -> int:
-        """A stream can be read once: one engine gets it as it comes; with several, the tensors are
-        kept until every engine has them (a model copy in host memory; servers on GPU should use
-        the NCCL transport, which broadcasts to all engines' workers at once)."""
-        if len(self.engines) == 1:
-            return self.engines[0].update_weights(weights)
-        tensors = list(weights)
-        counts = {engine.name: engine.update_weights(iter(tensors)) for engine in self.engines}
-        if len(set(counts.values())) != 1:
-            raise EngineError(f"{self.name}: engines loaded different tensor counts {counts}")
-        return next(iter(counts.values()))
 
     def pause(self) -> None:
         self._each("pause")

@@ -254,39 +254,45 @@ class SglangServerEngine(ServerEngineBase):
         return count
 
     def _push_disk(self, weights: WeightStream, bucket_bytes: int) -> int:
-        from safetensors.torch import save_file
+        from megatron_rl.rollout.transport import write_safetensors_dir
 
         push_dir = self.staging_dir / f"{self.name}-push-{self._pushes:06d}"
-        shutil.rmtree(push_dir, ignore_errors=True)
-        push_dir.mkdir(parents=True)
         try:
-            weight_map: dict[str, str] = {}
-            total_bytes = 0
-            for shard, bucket in enumerate(buckets(weights, bucket_bytes)):
-                file_name = f"model-{shard:05d}.safetensors"
-                # A copy per tensor: safetensors refuses tensors that share storage (tied weights).
-                save_file({name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in bucket},
-                          str(push_dir / file_name))
-                for name, tensor in bucket:
-                    weight_map[name] = file_name
-                    total_bytes += tensor.numel() * tensor.element_size()
-            if not weight_map:
+            if write_safetensors_dir(weights, push_dir, bucket_bytes) == 0:
                 return 0
-            index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
-            (push_dir / "model.safetensors.index.json").write_text(json.dumps(index))
-            for file_name in _HF_CONFIG_FILES:
-                if self.hf_config_dir is not None and (self.hf_config_dir / file_name).exists():
-                    shutil.copy(self.hf_config_dir / file_name, push_dir / file_name)
-            body: dict[str, Any] = {
-                "model_path": str(push_dir), "flush_cache": True, "weight_version": str(self._pushes),
-            }
-            if self.disk_load_format is not None:
-                body["load_format"] = self.disk_load_format
-            self._check_success("/update_weights_from_disk", self._client.post("/update_weights_from_disk", body))
-            self._flush_cache()
+            return self.load_weight_files(str(push_dir))
         finally:
             shutil.rmtree(push_dir, ignore_errors=True)
+
+    def load_weight_files(self, directory: str) -> int:
+        """The files transport: SGLang reloads the HF-style directory in place, then the cache is flushed."""
+        push_dir = Path(directory)
+        weight_map = json.loads((push_dir / "model.safetensors.index.json").read_text())["weight_map"]
+        for file_name in _HF_CONFIG_FILES:
+            if self.hf_config_dir is not None and (self.hf_config_dir / file_name).exists():
+                shutil.copy(self.hf_config_dir / file_name, push_dir / file_name)
+        body: dict[str, Any] = {"model_path": str(push_dir), "flush_cache": True, "weight_version": str(self._pushes)}
+        if self.disk_load_format is not None:
+            body["load_format"] = self.disk_load_format
+        self._check_success("/update_weights_from_disk", self._client.post("/update_weights_from_disk", body))
+        self._flush_cache()
         return len(weight_map)
+
+    def reset_prefix_cache(self) -> None:
+        self._flush_cache()
+
+    # The trainer's collective transport builds its groups on its own store (rollout/weight_group.py);
+    # SGLang's workers build theirs with SGLang's rendezvous, which is reachable through this
+    # engine's own `weight_transport="distributed"` only (untested live, see the module docstring).
+    def weight_receivers(self) -> int:
+        raise EngineError(f"{self.name}: SGLang servers take the trainer's weights through files "
+                          f"(rollout.weight_transport=files)")
+
+    def join_weight_group(self, spec_json: str, rank_offset: int) -> None:
+        self.weight_receivers()
+
+    def receive_weights(self) -> int:
+        return self.weight_receivers()
 
     def _push_distributed(self, weights: WeightStream, bucket_bytes: int) -> int:
         """GPU path (untested live): rank 0 broadcasts each bucket while the server receives it."""

@@ -1,13 +1,15 @@
-"""Trainer side of weight sync: the full HF-named model as one stream, on the ranks that need it.
+"""Trainer side of weight sync: the HF-named model as a stream, on the ranks that send it.
 
-    stream = hf_weight_stream(policy.module, policy.arch, destination="all")
-    engine.update_weights(stream) if engine else drain(stream)
+    stream = hf_weight_stream(policy.module, policy.arch, destination=transport.destination)
+    transport.push(stream)            # every rank (rollout/transport.py)
 
-Every trainer rank must consume the stream, engine or not: producing it takes collectives (TP and
-EP gathers inside each pipeline stage, and with pipeline parallelism one broadcast per bucket from
-the stage's leader). `destination="all"` gives every rank the full tensors (a colocated engine
-sharded across all ranks); `"main"` gives them to global rank 0 only (the rank that talks to
-rollout servers); the other ranks' streams yield nothing.
+Every trainer rank must consume the stream, tensors or not: producing it takes collectives (TP and
+EP gathers inside each pipeline stage). `destination="all"` gives every rank the full tensors (a
+colocated engine sharded across all ranks; with pipeline parallelism one broadcast per bucket from
+each stage's leader); `"main"` gives the whole model to global rank 0 only (the files transport);
+`"leaders"` gives each pipeline stage's leader its own stage's tensors and moves nothing between
+stages (the collective transport, whose leaders send to the engines directly). Other ranks'
+streams yield nothing.
 
 Memory: one bucket (bucket_bytes) plus the tensor being assembled, per rank. The bucket is
 dropped as soon as its tensors were handed on.
@@ -24,7 +26,7 @@ from megatron_rl.bridge import export_hf_weights
 from megatron_rl.bridge.export import is_stage_leader
 from megatron_rl.model.hf_config import ArchitectureSpec
 
-Destination = Literal["all", "main"]
+Destination = Literal["all", "main", "leaders"]
 
 
 def hf_weight_stream(
@@ -34,6 +36,10 @@ def hf_weight_stream(
     from megatron.core import parallel_state as ps
 
     pp = ps.get_pipeline_model_parallel_world_size()
+    if destination == "leaders":
+        for bucket in export_hf_weights(module, arch, bucket_bytes=bucket_bytes, dtype=dtype, every_rank=False):
+            yield from bucket
+        return
     if pp == 1:
         # Stage 0's leader is global rank 0, and every rank holds the whole model's layers.
         every_rank = destination == "all"

@@ -3,8 +3,10 @@
     python sync_worker.py --hf HF_DIR --out OUT.json --mode colocated|server [--override k=v ...]
 
 1. Build the Megatron policy (any layout) and load the HF weights.
-2. Start vLLM from the same HF directory (colocated: inside every rank, sharded across them;
-   server: an HTTP server started by rank 0, weights pushed through safetensors files).
+2. Start vLLM (colocated: from the same HF directory, inside every rank, sharded across them;
+   server: the trainer's RolloutClient starts the configured servers with dummy weights and
+   pushes the trainer's weights through the configured transport). With several servers every
+   check below is made on each engine separately.
 3. Generate, train the policy a few optimizer steps on those samples (lr 1e-3, so the weights
    move), and generate again WITHOUT pushing: the engine's logprobs must now disagree with the
    trainer's (this shows the comparison can fail).
@@ -30,9 +32,7 @@ from megatron_rl.config import load_config
 from megatron_rl.model.packing import pack_by_token_budget
 from megatron_rl.model.policy import Policy
 from megatron_rl.platform import start_runtime
-from megatron_rl.platform.distributed import free_port
 from megatron_rl.rollout import SamplingParams, hf_weight_stream
-from megatron_rl.rollout.weight_sync import drain
 
 PROMPTS = [[3, 17, 99, 250, 7], [42, 311, 5], [480, 64, 128, 2, 77, 199], [13, 401, 9, 333]]
 
@@ -86,8 +86,10 @@ def main() -> None:
     parser.add_argument("--override", action="append", default=[])
     args = parser.parse_args()
     out = Path(args.out)
+    server = ["rollout.mode=server", "rollout.max_model_len=256", "rollout.request_timeout_s=300",
+              "rollout.weight_bucket_mb=1"] if args.mode == "server" else []
     config = load_config(None, ["device=cpu", f"model.hf_config={args.hf}", "optimizer.lr=0.001",
-                                f"output_dir={out.parent}", *args.override])
+                                f"output_dir={out.parent}", *server, *args.override])
     runtime = start_runtime(config)
     pad = config.parallel.tp if config.parallel.uses_sequence_parallel else 1
     policy = Policy(config, runtime)
@@ -97,35 +99,47 @@ def main() -> None:
     report: dict = {"world": dist.get_world_size()}
     engine = None
     started = time.perf_counter()
+    engine = client = None
     if args.mode == "colocated":
         from megatron_rl.rollout.vllm_colocated import VllmColocatedEngine
 
         engine = VllmColocatedEngine(args.hf, dtype="float32", max_model_len=256, seed=0)
-        destination = "all"
     else:
-        from megatron_rl.rollout.vllm_server import VllmServerEngine, VllmServerProcess
+        # The trainer's own rollout client: servers started with dummy weights, so the first
+        # push (through the configured transport) is what makes them agree with the trainer.
+        from megatron_rl.rollout.client import RolloutClient
 
-        destination = "main"
-        if dist.get_rank() == 0:
-            server = VllmServerProcess.start(args.hf, port=free_port(), log_path=out.parent / "vllm-server.log",
-                                             name="vllm-test", dtype="float32", max_model_len=256)
-            engine = VllmServerEngine(server.url, name="vllm-test", process=server,
-                                      staging_dir=out.parent / "staging", request_timeout_s=120)
+        client = RolloutClient(config, Path(args.hf), master_addr=runtime.launch.master_addr,
+                               local_rank=runtime.launch.local_rank, seed=0)
+        report["first_push_tensors"] = client.sync_weights(policy.module, policy.arch)
+        report["engines"] = len(client.engines) if client.engines else None
     report["engine_start_s"] = time.perf_counter() - started
 
-    def generate(params: SamplingParams):
-        """Rank 0 (or every rank, colocated) generates; everyone gets the same samples."""
-        groups = engine.generate(PROMPTS, params) if engine is not None else None
-        holder = [groups]
-        if args.mode == "server":
-            dist.broadcast_object_list(holder, src=0)
+    def generate_each(params: SamplingParams) -> list:
+        """Every engine's samples for the same prompts (one list per engine), on every rank."""
+        if engine is not None:
+            return [engine.generate(PROMPTS, params)]
+        holder = [[one.generate(PROMPTS, params) for one in client.engines] if client.drives else None]
+        dist.broadcast_object_list(holder, src=0)
         return holder[0]
+
+    def generate(params: SamplingParams):
+        return generate_each(params)[0]
+
+    def diffs(params: SamplingParams) -> list[float]:
+        """Per engine: max |engine logprob - trainer logprob| over its samples."""
+        results = []
+        for groups in generate_each(params):
+            samples = flat(groups)
+            results.append(max_diff(samples, trainer_logprobs(policy, samples, pad)))
+        return results
 
     sampling = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=7)
     try:
         # Before training, engine and trainer hold the same weights.
+        report["initial_diffs"] = diffs(sampling)
+        report["initial_diff"] = max(report["initial_diffs"])
         groups = generate(sampling)
-        report["initial_diff"] = max_diff(flat(groups), trainer_logprobs(policy, flat(groups), pad))
 
         # A few optimizer steps on the engine's own samples (likelihood of the sampled responses).
         samples = flat(groups)
@@ -136,20 +150,21 @@ def main() -> None:
         for _ in range(3):
             policy.train_step(batches, lambda lp, ent, b: (-(lp * b.loss_mask[0]).sum() / normalizer, {}))
 
-        stale = flat(generate(sampling))
-        report["stale_diff"] = max_diff(stale, trainer_logprobs(policy, stale, pad))
+        report["stale_diffs"] = diffs(sampling)
+        report["stale_diff"] = min(report["stale_diffs"])
 
         started = time.perf_counter()
-        stream = hf_weight_stream(policy.module, policy.arch, destination=destination, bucket_bytes=1 << 16)
         if engine is not None:
-            report["pushed_tensors"] = engine.update_weights(stream)
+            report["pushed_tensors"] = engine.update_weights(
+                hf_weight_stream(policy.module, policy.arch, destination="all", bucket_bytes=1 << 16))
         else:
-            drain(stream)
+            report["pushed_tensors"] = client.sync_weights(policy.module, policy.arch)
         report["push_s"] = time.perf_counter() - started
+        report["synced_diffs"] = diffs(sampling)
 
         fresh_groups = generate(sampling)
         fresh = flat(fresh_groups)
-        report["synced_diff"] = max_diff(fresh, trainer_logprobs(policy, fresh, pad))
+        report["synced_diff"] = max(report["synced_diffs"])
         report["fresh_tokens"] = sum(len(s.response_token_ids) for s in fresh)
 
         # Grouping and order: prompt i's group holds samples (i, 0..n-1), prompts echoed back.
@@ -171,6 +186,8 @@ def main() -> None:
     finally:
         if engine is not None:
             engine.shutdown()
+        if client is not None:
+            client.shutdown()
     if dist.get_rank() == 0:
         out.write_text(json.dumps(report, indent=1))
     dist.barrier()

@@ -80,8 +80,12 @@ CASES = [
     ("qwen3", "colocated", 1, []),
     ("qwen3", "colocated", 2, ["parallel.tp=2"]),
     ("qwen3_moe", "colocated", 2, ["parallel.ep=2", "parallel.etp=1"]),
-    ("qwen3_moe", "server", 1, []),
-    ("qwen3", "server", 2, ["parallel.tp=2"]),
+    # Servers: the trainer's rollout client starts them with dummy weights and pushes through
+    # the transport. Files to one server; collective (gloo) from both pipeline stages' leaders
+    # to two servers, one of them at vLLM TP2, each checked on its own.
+    ("qwen3_moe", "server", 1, ["rollout.weight_transport=files"]),
+    ("qwen3_moe", "server", 2, ["parallel.pp=2", "rollout.weight_transport=collective", "rollout.num_servers=2",
+                                "rollout.server_tp=[1,2]"]),
     ("deepseek_v3", "colocated", 2, ["parallel.tp=2"]),
 ]
 
@@ -93,6 +97,11 @@ def test_vllm_sync_matches_trainer_logprobs(models, tmp_path, family, mode, npro
     # Without a push the engine serves the old weights: the same comparison must fail.
     assert report["stale_diff"] > STALE_MIN, report
     assert report["synced_diff"] <= SYNC_TOL, report
+    if mode == "server":
+        assert report["first_push_tensors"] == report["pushed_tensors"] > 0, report
+        expected = 2 if "rollout.num_servers=2" in layout else 1
+        for name in ("initial_diffs", "stale_diffs", "synced_diffs"):
+            assert len(report[name]) == expected, report
     assert report["fresh_tokens"] > 0
     assert report["pushed_tensors"] > 0
     assert report["grouping_ok"], report

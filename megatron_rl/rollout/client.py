@@ -1,0 +1,96 @@
+"""The trainer's one handle on rollout: generate on every rank, push weights from every rank.
+
+    rollout = RolloutClient(config, model_dir, master_addr=..., local_rank=..., seed=...)
+    groups = rollout.generate(prompts, SamplingParams(...))      # the same samples on every rank
+    rollout.sync_weights(policy.module, policy.arch)             # every rank, after each update
+    rollout.shutdown()
+
+It hides where the engines run. Colocated: every rank drives its share of one engine (SPMD) and
+generates the same samples. Servers: global rank 0 (the driver) sends the requests, split over
+the servers, and broadcasts the samples. A weight sync is the same sequence for both: the bridge's
+HF-named stream (on the ranks the transport needs it), engines paused, the transport's push,
+prefix caches dropped, engines resumed.
+
+The engines start with the first sync, after the supervised warm start, which never generates:
+the warm start's weights are pushed once, and on GPU a colocated engine does not hold its memory
+share while the warm start trains. Every rank syncs at the same points, so they start it together.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_rl.config import RunConfig
+from megatron_rl.rollout.factory import build_engines, build_transport, torch_dtype
+from megatron_rl.rollout.pool import EnginePool
+from megatron_rl.rollout.protocol import RolloutEngine, Sample, SamplingParams
+from megatron_rl.rollout.weight_sync import hf_weight_stream
+
+
+class RolloutClient:
+    def __init__(self, config: RunConfig, model_dir: Path, *, master_addr: str, local_rank: int, seed: int):
+        self.config, self.model_dir = config, model_dir
+        self.master_addr, self.local_rank, self.seed = master_addr, local_rank, seed
+        self.colocated = config.rollout.mode == "colocated"
+        self.engines: list[RolloutEngine] | None = None  # this rank's engines (None: not the driver)
+        self._requests = None  # the engine, or a pool splitting requests over several
+        self.transport = None
+        self.pushes = 0
+        self.last_push_s: float | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.transport is not None
+
+    @property
+    def drives(self) -> bool:
+        """Whether this rank talks to engines (every rank colocated, rank 0 with servers)."""
+        return self.engines is not None
+
+    def start(self) -> None:
+        self.engines = build_engines(self.config, self.model_dir, local_rank=self.local_rank, seed=self.seed)
+        if self.engines is not None:
+            self._requests = self.engines[0] if len(self.engines) == 1 else EnginePool(self.engines)
+        self.transport = build_transport(self.config, self.master_addr)
+        self.transport.connect(self.engines)
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+        timeout = self.config.rollout.request_timeout_s
+        if self.colocated:
+            return self._requests.generate(prompts, params, timeout_s=timeout)
+        holder = [self._requests.generate(prompts, params, timeout_s=timeout) if self.drives else None]
+        dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+
+    # ---- weights ------------------------------------------------------------------------------
+
+    def sync_weights(self, module, arch) -> int:
+        """Every trainer rank: the policy's current weights into every engine. Returns the number
+        of tensors each engine loaded."""
+        if not self.started:
+            self.start()
+        started = time.perf_counter()
+        stream = hf_weight_stream(module, arch, destination=self.transport.destination,
+                                  bucket_bytes=self.config.rollout.weight_bucket_mb << 20,
+                                  dtype=torch_dtype(self.config))
+        if self.drives:
+            self._requests.pause()
+        count = self.transport.push(stream)
+        if self.drives:
+            for engine in self.engines:
+                engine.reset_prefix_cache()
+            self._requests.resume()
+        self.pushes += 1
+        self.last_push_s = time.perf_counter() - started
+        return count
+
+    def shutdown(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        if self._requests is not None:
+            self._requests.shutdown()

@@ -1,0 +1,311 @@
+"""How a weight sync travels from the trainer to the rollout engines: one interface, three ways.
+
+    transport.connect(engines)     # once, on every trainer rank (engines: the driver's list, else None)
+    count = transport.push(stream) # every trainer rank, with its stream from hf_weight_stream(...,
+                                   # destination=transport.destination); returns the tensors each engine loaded
+
+- `InProcessTransport` (colocated engines): every rank holds the full tensors and passes them by
+  reference to its own share of the engine.
+- `FilesTransport` (a filesystem the trainer and the servers share): rank 0 writes the stream once
+  as an HF-style safetensors directory; every engine loads that one directory, concurrently.
+- `CollectiveTransport` (servers; gloo on CPU, NCCL on GPU): each pipeline stage's leader
+  broadcasts its own stage's tensors to every rank of every engine (rollout/weight_group.py),
+  while the driver asks each engine over HTTP to receive and load them. Engine world sizes come
+  from the engines themselves.
+
+Like Megatron-Core's resharding (a plan of who sends what, an executor, pluggable transports), the
+bridge decides *what* is sent (HF names, gathered tensors, per stage), the transport only *how*.
+Producing the stream takes collectives (TP/EP gathers), so every trainer rank consumes its
+stream in every transport, tensors or not. A push fails on every rank together: the driver's
+outcome is shared before anyone returns.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.bridge.export import buckets
+from megatron_rl.rollout.protocol import EngineError, RolloutEngine, WeightStream
+from megatron_rl.rollout.weight_sync import drain
+from megatron_rl.rollout.weight_group import GroupSpec, host_store, join_stage_group, send_bucket, send_end
+
+
+class WeightTransport(Protocol):
+    name: str
+    # Which trainer ranks' streams carry tensors (weight_sync.hf_weight_stream's destination).
+    destination: str
+
+    def connect(self, engines: list[RolloutEngine] | None) -> None: ...
+
+    def push(self, stream: WeightStream) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def agree(outcome: tuple[int | None, str | None], source: int = 0) -> int:
+    """The driver's (count, error) on every rank: a push fails everywhere or nowhere."""
+    holder = [outcome if dist.get_rank() == source else None]
+    dist.broadcast_object_list(holder, src=source)
+    count, error = holder[0]
+    if error is not None:
+        raise EngineError(error)
+    return count
+
+
+def on_every_engine(engines: list[RolloutEngine], method: str, *args) -> list:
+    """`engine.method(*args)` on every engine concurrently; every failure named, none hidden."""
+    with ThreadPoolExecutor(max_workers=len(engines)) as pool:
+        futures = [(engine, pool.submit(getattr(engine, method), *args)) for engine in engines]
+        results, failures = [], []
+        for engine, future in futures:
+            try:
+                results.append(future.result())
+            except Exception as exc:  # every engine's outcome, then one error naming all that failed
+                failures.append(f"{engine.name}: {exc}")
+    if failures:
+        raise EngineError(f"{method} failed on {len(failures)} of {len(engines)} engines:\n  " + "\n  ".join(failures))
+    return results
+
+
+def same_count(engines: list[RolloutEngine], counts: list[int]) -> int:
+    if len(set(counts)) != 1:
+        raise EngineError("engines loaded different tensor counts: "
+                          + ", ".join(f"{e.name}={c}" for e, c in zip(engines, counts)))
+    if counts[0] == 0:
+        raise EngineError("weight update delivered no tensors")
+    return counts[0]
+
+
+class InProcessTransport:
+    """Colocated: every trainer rank passes the full tensors to its share of the engine."""
+
+    name = "stream"
+    destination = "all"
+
+    def __init__(self):
+        self.engine = None
+
+    def connect(self, engines: list[RolloutEngine] | None) -> None:
+        (self.engine,) = engines
+
+    def push(self, stream: WeightStream) -> int:
+        return self.engine.update_weights(stream)
+
+    def close(self) -> None:
+        pass
+
+
+class FilesTransport:
+    """Rank 0 writes one safetensors directory per push; every engine loads it; it is deleted."""
+
+    name = "files"
+    destination = "main"
+
+    def __init__(self, staging_dir: str | Path, bucket_bytes: int):
+        self.staging_dir, self.bucket_bytes = Path(staging_dir), bucket_bytes
+        self.engines: list[RolloutEngine] | None = None
+        self._pushes = 0
+
+    def connect(self, engines: list[RolloutEngine] | None) -> None:
+        self.engines = engines
+
+    def push(self, stream: WeightStream) -> int:
+        if self.engines is None:
+            drain(stream)
+            return agree((None, None))
+        self._pushes += 1
+        directory = self.staging_dir / f"push-{self._pushes:06d}"
+        outcome: tuple[int | None, str | None]
+        try:
+            written = write_safetensors_dir(stream, directory, self.bucket_bytes)
+            counts = on_every_engine(self.engines, "load_weight_files", str(directory))
+            count = same_count(self.engines, counts)
+            if count != written:
+                raise EngineError(f"engines loaded {count} tensors of the {written} written to {directory}")
+            outcome = (count, None)
+        except EngineError as exc:
+            outcome = (None, f"weight push (files, {directory}): {exc}")
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        return agree(outcome)
+
+    def close(self) -> None:
+        pass
+
+
+def write_safetensors_dir(stream: WeightStream, directory: Path, bucket_bytes: int) -> int:
+    """The stream as `model-NNNNN.safetensors` files plus `model.safetensors.index.json` (the HF
+    layout, which every engine's loader reads); returns the number of tensors written."""
+    from safetensors.torch import save_file
+
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for index, bucket in enumerate(buckets(stream, bucket_bytes)):
+        file_name = f"model-{index:05d}.safetensors"
+        tensors = {}
+        for name, tensor in bucket:
+            tensor = tensor.detach()
+            if tensor.device.type != "cpu" or not tensor.is_contiguous():
+                tensor = tensor.to("cpu").contiguous()
+            tensors[name] = tensor
+            weight_map[name] = file_name
+            total += tensor.numel() * tensor.element_size()
+        try:
+            save_file(tensors, str(directory / file_name))
+        except RuntimeError:
+            # safetensors refuses tensors that share storage (tied weights): copy those.
+            save_file({name: tensor.clone() for name, tensor in tensors.items()}, str(directory / file_name))
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return len(weight_map)
+
+
+class CollectiveTransport:
+    """Each pipeline stage's leader broadcasts its stage's buckets to every engine rank.
+
+    A bucket goes as two broadcasts over the stage's group: a header (JSON metadata length,
+    payload length) and one uint8 buffer holding the metadata then every tensor's bytes; a
+    header of zeros ends the stage. The engines learn each bucket's contents in-band, so nothing
+    is planned ahead and a changed model cannot desynchronize the two sides."""
+
+    name = "collective"
+    destination = "leaders"
+
+    def __init__(self, *, host: str, backend: str, bucket_bytes: int, timeout_s: float, port: int):
+        self.host, self.backend, self.bucket_bytes = host, backend, bucket_bytes
+        self.timeout_s, self.port = timeout_s, port
+        self.engines: list[RolloutEngine] | None = None
+        self.group = None
+        self._store = None
+        self._stage, self._leader = _stage_and_leader()
+        self.spec: GroupSpec | None = None
+
+    @property
+    def device(self) -> torch.device:
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def connect(self, engines: list[RolloutEngine] | None) -> None:
+        """Every rank. The driver asks the engines for their world sizes and hosts the store;
+        stage leaders and engines then join their groups together."""
+        self.engines = engines
+        outcome = None
+        if engines is not None:
+            try:
+                sizes = on_every_engine(engines, "weight_receivers")
+                stages = _pipeline_stages()
+                self._store = host_store(self.host, self.port, self.timeout_s)
+                self.spec = GroupSpec(self.host, self.port, 1 + sum(sizes), stages, self.backend, self.timeout_s)
+                self._offsets = [1 + sum(sizes[:index]) for index in range(len(engines))]
+                outcome = (self.spec.to_json(), None)
+            except EngineError as exc:
+                outcome = (None, f"weight transport (collective): {exc}")
+        holder = [outcome]
+        dist.broadcast_object_list(holder, src=0)
+        spec_json, error = holder[0]
+        if error is not None:
+            raise EngineError(error)
+        self.spec = GroupSpec.from_json(spec_json)
+        joining = None
+        if engines is not None:
+            pool = ThreadPoolExecutor(max_workers=len(engines))
+            joining = [(engine, pool.submit(engine.join_weight_group, spec_json, offset))
+                       for engine, offset in zip(engines, self._offsets)]
+        error = None
+        try:
+            if self._leader:
+                self.group = join_stage_group(self.spec, self._stage, 0, store=self._store)
+        except Exception as exc:  # reported with the engines' side of the story below
+            error = f"stage {self._stage} leader could not join the weight group at {self.host}:{self.port}: {exc}"
+        if joining is not None:
+            failures = []
+            for engine, future in joining:
+                try:
+                    future.result()
+                except Exception as exc:
+                    failures.append(f"{engine.name}: {exc}")
+            pool.shutdown()
+            if failures:
+                error = (error + "; " if error else "") + "engines failed to join: " + "; ".join(failures)
+        flags = [error]
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, flags[0])
+        problems = [problem for problem in everyone if problem]
+        if problems:
+            raise EngineError(f"weight transport (collective, {self.backend}): " + " | ".join(problems))
+
+    def push(self, stream: WeightStream) -> int:
+        receiving = None
+        if self.engines is not None:
+            pool = ThreadPoolExecutor(max_workers=len(self.engines))
+            receiving = [(engine, pool.submit(engine.receive_weights)) for engine in self.engines]
+        sent, error = 0, None
+        try:
+            if self._leader:
+                sent = self._send(stream)
+            else:
+                drain(stream)
+        except Exception as exc:
+            error = f"stage {self._stage} leader failed while sending: {exc}"
+        counts = [sent]
+        # Every leader's count: the engines must have loaded the sum.
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (self._leader, sent, error))
+        total = sum(count for leader, count, _ in everyone if leader)
+        errors = [problem for _, _, problem in everyone if problem]
+        outcome: tuple[int | None, str | None] = (None, None)
+        if receiving is not None:
+            failures = []
+            counts = []
+            for engine, future in receiving:
+                try:
+                    counts.append(future.result())
+                except Exception as exc:
+                    failures.append(f"{engine.name}: {exc}")
+            pool.shutdown()
+            try:
+                if errors or failures:
+                    raise EngineError("; ".join(errors + failures))
+                count = same_count(self.engines, counts)
+                if count != total:
+                    raise EngineError(f"engines loaded {count} tensors, the stage leaders sent {total}")
+                outcome = (count, None)
+            except EngineError as exc:
+                outcome = (None, f"weight push (collective, {self.backend}): {exc}")
+        return agree(outcome)
+
+    def _send(self, stream: WeightStream) -> int:
+        sent = 0
+        for bucket in buckets(stream, self.bucket_bytes):
+            send_bucket(self.group, bucket, self.device)
+            sent += len(bucket)
+        send_end(self.group, self.device)
+        return sent
+
+    def close(self) -> None:
+        self.group = None
+        self._store = None
+
+
+def _stage_and_leader() -> tuple[int, bool]:
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.bridge.export import is_stage_leader
+
+    return ps.get_pipeline_model_parallel_rank(), is_stage_leader()
+
+
+def _pipeline_stages() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_world_size()
