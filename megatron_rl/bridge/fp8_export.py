@@ -1,8 +1,13 @@
 """FP8 weights for the rollout engine: 128x128 block-wise e4m3 quantization of the export stream.
 
     buckets = export_hf_weights(module, arch)                    # (hf_name, tensor) buckets
-    for bucket in quantize_fp8_blockwise(buckets, arch): ...     # weight sync, or
+    for bucket in quantize_fp8_blockwise(buckets, arch): ...     # bucketed, or
+    stream = fp8_rollout_stream(hf_weight_stream(...), arch)     # weight sync's flat stream, or
     write_hf_checkpoint(..., fp8=True)                           # an HF FP8 checkpoint
+    with_quantization_config(raw_config, arch, fp8=True)         # the matching config.json
+
+All of them quantize through one function (`_quantized_pairs`), so an engine fed by weight sync
+holds exactly the bytes an FP8 HF checkpoint of the same weights holds.
 
 The format is the one DeepSeek-V3 and the Qwen3 "-FP8" checkpoints use, which vLLM, SGLang and
 transformers load as "fp8" with block-wise weight scales:
@@ -115,6 +120,31 @@ def dequantize_blockwise(
     return (quantized.float() * scales).to(dtype)
 
 
+def with_quantization_config(config: dict, arch: ArchitectureSpec, *, fp8: bool, block: int = BLOCK) -> dict:
+    """A copy of an HF config.json dict whose `quantization_config` matches the weights that go
+    with it: the FP8 entry for an FP8 export or FP8 rollout stream, none otherwise (the source may
+    have been an FP8 checkpoint, DeepSeek-V3 is published so, while these weights are not; an
+    engine reading the key would treat them as FP8)."""
+    config = dict(config)
+    if fp8:
+        config["quantization_config"] = fp8_quantization_config(arch, block)
+    else:
+        config.pop("quantization_config", None)
+    return config
+
+
+def _quantized_pairs(pairs: Iterable[tuple[str, torch.Tensor]], quantized: frozenset[str], block: int):
+    """The one quantization of every FP8 path: a name in `quantized` becomes (name, e4m3 weight)
+    then (name + "_scale_inv", float32 scales); any other tensor passes as it is."""
+    for name, tensor in pairs:
+        if name in quantized:
+            weight, scale_inv = quantize_blockwise(tensor, block)
+            yield name, weight
+            yield name + SCALE_SUFFIX, scale_inv
+        else:
+            yield name, tensor
+
+
 def quantize_fp8_blockwise(
     buckets: Iterable[Bucket], arch: ArchitectureSpec, block: int = BLOCK
 ) -> Iterator[Bucket]:
@@ -125,11 +155,16 @@ def quantize_fp8_blockwise(
     """
     quantized = quantized_names(arch)
     for bucket in buckets:
-        out: Bucket = []
-        for name, tensor in bucket:
-            if name in quantized:
-                weight, scale_inv = quantize_blockwise(tensor, block)
-                out += [(name, weight), (name + SCALE_SUFFIX, scale_inv)]
-            else:
-                out.append((name, tensor))
-        yield out
+        yield list(_quantized_pairs(bucket, quantized, block))
+
+
+def fp8_rollout_stream(
+    stream: Iterable[tuple[str, torch.Tensor]], arch: ArchitectureSpec, block: int = BLOCK
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Weight sync's flat (hf_name, tensor) stream (rollout.hf_weight_stream) as an FP8 engine
+    loads it (model.export_fp8): each linear weight is followed by its `_scale_inv`, as in an FP8
+    checkpoint, and every other tensor passes unchanged, at the dtype the stream was exported in
+    (the engine's). Lazy: one weight is quantized at a time, on the device it arrived on, so the
+    stream's memory bound holds. The engine's config.json needs the matching quantization_config
+    (`with_quantization_config(raw, arch, fp8=True)`), else it loads FP8 bytes into BF16 weights."""
+    yield from _quantized_pairs(stream, quantized_names(arch), block)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from megatron_rl.bridge.export import export_hf_weights
-from megatron_rl.bridge.fp8_export import fp8_quantization_config, quantize_fp8_blockwise
+from megatron_rl.bridge.fp8_export import quantize_fp8_blockwise, with_quantization_config
 from megatron_rl.model.hf_config import ArchitectureSpec, with_implied_keys
 
 TOKENIZER_FILES = (
@@ -76,11 +76,6 @@ def write_hf_checkpoint(
     if dtype is not None:
         # transformers 5 writes "dtype", 4.x "torch_dtype": keep the spelling the config uses.
         config["dtype" if "dtype" in config else "torch_dtype"] = DTYPE_NAMES[dtype]
-    if fp8:
-        config["quantization_config"] = fp8_quantization_config(arch)
-    else:
-        # The source may have been an FP8 checkpoint (DeepSeek-V3 is published so): these
-        # weights are not, and an engine reading the key would treat them as FP8.
-        config.pop("quantization_config", None)
+    config = with_quantization_config(config, arch, fp8=fp8)
     (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     copy_tokenizer_files(template_dir, staging)

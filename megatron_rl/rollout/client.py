@@ -8,8 +8,8 @@
 It hides where the engines run. Colocated: every rank drives its share of one engine (SPMD) and
 generates the same samples. Servers: global rank 0 (the driver) sends the requests, split over
 the servers, and broadcasts the samples. A weight sync is the same sequence for both: the bridge's
-HF-named stream (on the ranks the transport needs it), engines paused, the transport's push,
-prefix caches dropped, engines resumed.
+HF-named stream (on the ranks the transport needs it; blockwise FP8 when model.export_fp8),
+engines paused, the transport's push, prefix caches dropped, engines resumed.
 
 The engines start with the first sync, after the supervised warm start, which never generates:
 the warm start's weights are pushed once, and on GPU a colocated engine does not hold its memory
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_rl.bridge import fp8_rollout_stream
 from megatron_rl.config import RunConfig
 from megatron_rl.rollout.factory import build_engines, build_transport, torch_dtype
 from megatron_rl.rollout.pool import EnginePool
@@ -78,6 +79,10 @@ class RolloutClient:
         stream = hf_weight_stream(module, arch, destination=self.transport.destination,
                                   bucket_bytes=self.config.rollout.weight_bucket_mb << 20,
                                   dtype=torch_dtype(self.config))
+        if self.config.model.export_fp8:
+            # Engines serving FP8 get blockwise e4m3 weights with their scales (the HF FP8
+            # format), quantized exactly as the FP8 checkpoint export does.
+            stream = fp8_rollout_stream(stream, arch)
         if self.drives:
             self._requests.pause()
         count = self.transport.push(stream)
