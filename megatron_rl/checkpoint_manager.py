@@ -77,11 +77,22 @@ def unusable_message(root: Path, problems: list[str]) -> str:
 def config_differences(recorded: dict, current: dict) -> list[str]:
     """'key: recorded -> current' for every key that differs and may not (keys missing from the
     recorded config count as their defaults)."""
-    defaults = flatten_config(to_dict(RunConfig()))
-    old = dict(defaults, **flatten_config(recorded))
+    old = _as_parsed(recorded)
     new = flatten_config(current)
     return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(set(old) | set(new))
             if old.get(key) != new.get(key) and not key.startswith(MAY_DIFFER)]
+
+
+def _as_parsed(recorded: dict) -> dict[str, Any]:
+    """The recorded config as this version reads it, so a renamed spelling of the same setting
+    (rl.routing_replay: true, now "training") is no difference; a config this version cannot
+    parse any more is compared as written."""
+    from megatron_rl.config import _build
+
+    try:
+        return flatten_config(to_dict(_build(RunConfig, recorded, "recorded config", "")))
+    except ConfigError:
+        return dict(flatten_config(to_dict(RunConfig())), **flatten_config(recorded))
 
 
 def _check_same_run(config: RunConfig, checkpoint: Path) -> None:

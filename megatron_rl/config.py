@@ -59,9 +59,14 @@ class ModelConfig:
     # Grouped-GEMM experts (TE's GroupedLinear: all local experts in one kernel). None = on with
     # the Transformer Engine layer spec, off with the local spec (which cannot run it).
     moe_grouped_gemm: bool | None = None
-    # Hand the rollout engine (and HF checkpoint exports) FP8 weights: every linear weight as
-    # float8_e4m3fn with one scale per 128x128 block, in the HF FP8 checkpoint format
-    # (DeepSeek-V3, Qwen3-FP8). Independent of fp8_recipe: a BF16-trained policy can export FP8.
+    # The rollout engines serve FP8 weights: weight sync hands them every linear weight as
+    # float8_e4m3fn with one scale per 128x128 block (the HF FP8 checkpoint format of DeepSeek-V3
+    # and Qwen3-FP8; bridge/fp8_export.py), the engine's config.json says so, and embeddings,
+    # lm_head, norms and routers stay at the engine dtype. Needs a bfloat16 engine (FP8 GEMMs take
+    # BF16 activations) on GPU: vLLM's CPU build is refused (preflight). Independent of
+    # fp8_recipe: a BF16-trained policy can serve FP8. Checkpoints and the final hf_model export
+    # stay at the training precision. Engines at rollout.server_urls must have been started from
+    # a config.json carrying the matching quantization_config (bridge.with_quantization_config).
     export_fp8: bool = False
     # Megatron pads the embedding rows to a multiple of this times TP; the padding never enters
     # the softmax of our logprobs (it is masked), and the bridge trims it on export.
@@ -255,14 +260,20 @@ class RolloutConfig:
     mode: Literal["colocated", "server"] = "colocated"
     server_urls: list[str] = field(default_factory=list)
     num_servers: int = 1  # servers to start when server_urls is empty
+    # Tensor parallel size of each server we start: one value for all, or one per server (servers
+    # at server_urls report their own size to the collective transport).
+    server_tp: int | list[int] = 1
     # Engine dtype; "auto" follows model.precision (fp32 -> float32, bf16 -> bfloat16).
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     max_model_len: int = 1024
     gpu_memory_utilization: float = 0.5
     cpu_kv_cache_gib: float = 1.0
-    # How weights travel after each step. auto: same-process stream when colocated, NCCL broadcast
-    # to servers on GPU, safetensors files on a shared filesystem to servers on CPU.
-    weight_transport: Literal["auto", "stream", "files", "nccl"] = "auto"
+    # How weights travel after each step (rollout/transport.py). stream: by reference into a
+    # colocated engine. files: safetensors on a filesystem the servers share. collective: a
+    # broadcast from each pipeline stage's leader to every rank of every server (vLLM), gloo on
+    # CPU and NCCL on GPU; nccl: the same, requiring NCCL. auto: stream when colocated, collective
+    # to vLLM servers, files to SGLang servers.
+    weight_transport: Literal["auto", "stream", "files", "collective", "nccl"] = "auto"
     weight_bucket_mb: int = 512
     # Where the files transport stages buckets; must be visible to the servers. None = OUTPUT_DIR/.weights
     staging_dir: str | None = None
@@ -270,13 +281,27 @@ class RolloutConfig:
     request_timeout_s: float = 900.0
     max_retries: int = 2  # per request, for transient HTTP failures; then the engine is reported dead
 
+    def tp_of_server(self, index: int) -> int:
+        """The tensor parallel size of the `index`-th server we start."""
+        sizes = self.server_tp if isinstance(self.server_tp, list) else [self.server_tp]
+        return sizes[index] if len(sizes) > 1 else sizes[0]
+
     def validate(self, where: str) -> None:
         if self.engine == "sglang" and self.mode == "colocated":
             raise ConfigError(f"{where}.mode=colocated is vLLM only; SGLang runs as servers (mode: server)")
         if self.weight_transport == "stream" and self.mode == "server":
-            raise ConfigError(f"{where}.weight_transport=stream needs mode=colocated; servers take files or nccl")
-        if self.weight_transport in ("files", "nccl") and self.mode == "colocated":
+            raise ConfigError(f"{where}.weight_transport=stream needs mode=colocated; servers take files or collective")
+        if self.weight_transport in ("files", "collective", "nccl") and self.mode == "colocated":
             raise ConfigError(f"{where}.weight_transport={self.weight_transport} is for servers; colocated engines use stream")
+        if self.weight_transport in ("collective", "nccl") and self.engine == "sglang":
+            raise ConfigError(f"{where}.weight_transport={self.weight_transport}: SGLang servers take weights through "
+                              f"files (weight_transport: files, with staging_dir on a filesystem they share)")
+        sizes = self.server_tp if isinstance(self.server_tp, list) else [self.server_tp]
+        if not sizes or any(size < 1 for size in sizes):
+            raise ConfigError(f"{where}.server_tp must be >= 1 (one value, or one per server), got {self.server_tp}")
+        if isinstance(self.server_tp, list) and len(sizes) not in (1, self.num_servers):
+            raise ConfigError(f"{where}.server_tp lists {len(sizes)} sizes for num_servers={self.num_servers}; "
+                              f"give one value for all servers or one per server")
         for name in ("num_servers", "max_model_len", "weight_bucket_mb"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
@@ -290,6 +315,19 @@ class RolloutConfig:
         for url in self.server_urls:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"{where}.server_urls: {url!r} must start with http:// or https://")
+
+
+RoutingReplay = Literal["off", "training", "rollout"]
+
+
+def _routing_replay_value(value: Any) -> Any:
+    """rl.routing_replay as written: true / false (the former boolean key, and YAML's reading of a
+    bare `off`) mean training / off; anything else is checked against RoutingReplay."""
+    if value is True:
+        return "training"
+    if value is False:
+        return "off"
+    return value
 
 
 @dataclass
@@ -322,14 +360,28 @@ class RLConfig:
     # Dynamic sampling: extra generate rounds allowed to refill the batch after dropping groups
     # whose rewards are all equal.
     max_refill_rounds: int = 3
-    # MoE: replay the experts chosen in the old-logprob forward in the training forward
-    # (Megatron-Core router replay), so the ratio compares the same routed network.
-    routing_replay: bool = False
+    # MoE routing across the forwards of a step (megatron_rl/model/routing.py):
+    #   off       every forward routes by itself; `moe/routing_drift` counts the training
+    #             forward's routes that differ from the old-logprob forward's
+    #   training  the experts chosen in the old-logprob forward are replayed in the training
+    #             forward (Megatron-Core router replay), so the ratio compares one routed network
+    #   rollout   R3 (rollout routing replay): the rollout engine's own routes of every token it
+    #             ran are replayed in the old-logprob, reference and training forwards, so the
+    #             trainer computes the network the engine sampled from; `moe/rollout_routing_drift`
+    #             counts the trainer's own choices that differ from the engine's. vLLM engines only.
+    # true / false are read as training / off (YAML reads a bare `off` as false).
+    routing_replay: RoutingReplay = field(default="off", metadata={"coerce": _routing_replay_value})
     eval_every: int = 25  # RL steps between held-out evaluations (0: only before and after)
     eval_prompts: int | None = None  # None: the whole held-out set
     eval_temperature: float = 0.0  # greedy by default: accuracy of the policy's best answer
 
+    def __post_init__(self):
+        self.routing_replay = _routing_replay_value(self.routing_replay)
+
     def validate(self, where: str) -> None:
+        if self.routing_replay not in typing.get_args(RoutingReplay):
+            raise ConfigError(f"{where}.routing_replay: {self.routing_replay!r} is not one of "
+                              f"{', '.join(map(repr, typing.get_args(RoutingReplay)))}")
         for name in ("steps", "prompts_per_step", "updates_per_rollout", "max_response_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
@@ -440,12 +492,36 @@ class RunConfig:
         self.optimizer.validate(f"{where}: optimizer")
         self.rollout.validate(f"{where}: rollout")
         self.rl.validate(f"{where}: rl")
+        if self.rl.routing_replay == "rollout":
+            if self.rollout.engine != "vllm":
+                raise ConfigError(f"{where}: rl.routing_replay=rollout needs the rollout engine's routes, which only "
+                                  f"the vLLM engines return here (rollout.engine={self.rollout.engine}); use "
+                                  "rl.routing_replay=training")
+            if self.parallel.cp > 1:
+                raise ConfigError(f"{where}: rl.routing_replay=rollout maps the engine's routes onto whole packed "
+                                  f"sequences and does not support context parallelism (parallel.cp={self.parallel.cp})")
         self.warm_start.validate(f"{where}: warm_start")
         self.data.validate(f"{where}: data")
         self.rewards.validate(f"{where}: rewards")
         self.checkpoint.validate(f"{where}: checkpoint")
+        self._validate_fp8_rollout(where)
         # The recipe overrides are checked by trainer.preflight (building a Recipe imports torch).
         return self
+
+    def _validate_fp8_rollout(self, where: str) -> None:
+        """model.export_fp8 on any machine (the engine's device is checked by preflight)."""
+        if not self.model.export_fp8:
+            return
+        dtype = self.rollout.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if self.model.precision == "bf16" else "float32"
+        if dtype != "bfloat16":
+            # vLLM's and SGLang's fp8 methods accept bfloat16/float16 activations only (vLLM
+            # refuses float32 at engine start, after the model was built).
+            raise ConfigError(
+                f"{where}: model.export_fp8=true needs a bfloat16 rollout engine (FP8 weights run with BF16 "
+                f"activations), but the engine dtype is {dtype}: set rollout.dtype: bfloat16 or model.precision: bf16"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -542,6 +618,8 @@ def _build(cls: type, raw: Any, source: str, prefix: str) -> Any:
         raise ConfigError(f"{source}: unknown key '{prefix}{key}'{hint}")
     values = {}
     for name, value in raw.items():
+        # A field may name a function that maps accepted spellings first (rl.routing_replay: true).
+        value = fields[name].metadata.get("coerce", lambda given: given)(value)
         values[name] = _coerce(hints[name], value, source, f"{prefix}{name}")
     return cls(**values)
 

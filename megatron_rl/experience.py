@@ -1,13 +1,15 @@
 """One RL step's experience: generated groups -> rewards -> advantages -> packed training batches.
 
 The driver (global rank 0) scores what the engine generated; every rank then holds the same
-`StepRollout` and takes its own groups (round-robin over data-parallel ranks). Per-sample
-quantities live on `Trajectory`; per-token tensors are rebuilt per micro-batch from them, so a
-mini-batch can be packed once and used for the old-logprob forward and the training forward.
+`StepRollout` and takes its own groups (whole groups, balanced by token count over the
+data-parallel ranks). Per-sample quantities live on `Trajectory`; per-token tensors are rebuilt
+per micro-batch from them, so a mini-batch can be packed once and used for the old-logprob
+forward and the training forward.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +37,9 @@ class Trajectory:
     advantage: float = 0.0
     old_logprobs: torch.Tensor | None = None  # the policy's before this step's updates
     ref_logprobs: torch.Tensor | None = None  # the reference policy's (KL only)
+    # R3 (rl.routing_replay: rollout): the engine's MoE routes of every token it ran, int
+    # [prompt + response - 1, MoE layers, k] (model/routing.py replays them).
+    routed_experts: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -86,13 +91,52 @@ def rollout_metrics(groups: list[list[Trajectory]], correct_threshold: float = 0
     return metrics
 
 
+def group_tokens(group: list[Trajectory]) -> int:
+    """What a group costs to train on: prompt + response tokens of all its samples."""
+    return sum(len(t.prompt_ids) + len(t.response_ids) for t in group)
+
+
+def balanced_partition(sizes: list[int], parts: int, capacities: list[int] | None = None) -> list[list[int]]:
+    """Indices of `sizes` in `parts` lists of near-equal sums (greedy longest-processing-time:
+    largest first, each to the part with the smallest sum so far that has room).
+
+    Deterministic (ties: the earlier index first, the lower part first), so every rank computes
+    the same partition from the same sizes with no communication. `capacities`: the most items
+    per part (None: unbounded; they must add up to at least len(sizes)). Each part lists its
+    indices in ascending order."""
+    if capacities is None:
+        capacities = [len(sizes)] * parts
+    if len(capacities) != parts or sum(capacities) < len(sizes):
+        raise ValueError(f"{parts} parts with room for {capacities} cannot hold {len(sizes)} items")
+    heap = [(0, part) for part in range(parts) if capacities[part] > 0]
+    heapq.heapify(heap)
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        load, part = heapq.heappop(heap)
+        out[part].append(index)
+        if len(out[part]) < capacities[part]:
+            heapq.heappush(heap, (load + sizes[index], part))
+    return [sorted(part) for part in out]
+
+
 def my_groups(groups: list[list[Trajectory]], dp_rank: int, dp_size: int) -> list[list[Trajectory]]:
-    return groups[dp_rank::dp_size]
+    """This data-parallel rank's groups: whole groups, balanced by token count over the ranks
+    (balanced_partition), in their rollout order. Every rank computes the same assignment from
+    the same StepRollout. With fewer groups than ranks some ranks get none (pack_minibatch gives
+    them a zero-loss filler, so the collectives still line up). Which rank trains on which group
+    does not change the update: the loss normalizer counts the whole step (step_normalizer)."""
+    parts = balanced_partition([group_tokens(group) for group in groups], dp_size)
+    return [groups[index] for index in parts[dp_rank]]
 
 
 def minibatches(groups: list[list[Trajectory]], count: int) -> list[list[Trajectory]]:
-    """Split this rank's groups into `count` mini-batches of whole groups (some may be empty)."""
-    return [[t for group in groups[index::count] for t in group] for index in range(count)]
+    """Split this rank's groups into `count` mini-batches of whole groups (some may be empty):
+    as many groups in each as round-robin would give (the first len % count get one more), those
+    groups chosen to balance the mini-batches' token counts, since every rank steps through its
+    mini-batches together."""
+    sizes = [group_tokens(group) for group in groups]
+    capacities = [len(range(index, len(groups), count)) for index in range(count)]
+    return [[t for index in part for t in groups[index]] for part in balanced_partition(sizes, count, capacities)]
 
 
 def pack_minibatch(trajectories: list[Trajectory], token_budget: int, pad_to_multiple: int) -> list[PackedBatch]:

@@ -10,9 +10,10 @@
         weights   -> rollout engine                                   (sync)
         metrics, held-out evaluation, checkpoint
 
-Process layout: every rank trains its share (Megatron TP/PP/EP/DP). A colocated engine runs on
-every rank and generates the same samples everywhere; with servers, global rank 0 (the driver)
-talks to them and broadcasts the samples. Rewards are computed on the driver and broadcast.
+Process layout: every rank trains its share (Megatron TP/PP/EP/DP). Rollout goes through one
+client (rollout/client.py) that gives every rank the same samples and pushes weights through the
+configured transport, wherever the engines run. Rewards are computed on global rank 0 (the
+driver) and broadcast.
 """
 
 from __future__ import annotations
@@ -42,15 +43,9 @@ from megatron_rl.experience import (
 )
 from megatron_rl.logging import MetricsLog, check_wandb_available
 from megatron_rl.model.hf_config import with_implied_keys
-from megatron_rl.rollout import SamplingParams, drain, hf_weight_stream
-from megatron_rl.rollout.factory import (
-    build_engine,
-    build_nccl_transport,
-    check_engine_installed,
-    torch_dtype,
-    weight_destination,
-    weight_transport,
-)
+from megatron_rl.rollout import SamplingParams
+from megatron_rl.rollout.client import RolloutClient
+from megatron_rl.rollout.factory import check_engine_installed
 
 CORRECT = 0.5  # a sample counts as correct when its reward reaches this (rule rewards are 0 or 1)
 
@@ -152,7 +147,9 @@ class Trainer:
         self.log = MetricsLog(self.out, config.rl.steps, wandb_mode=config.logging.wandb_mode,
                               wandb_project=config.logging.wandb_project, run_name=config.logging.run_name,
                               config=to_dict(config), resume_step=start_step, enabled=self.is_driver)
-        self.engine, self.nccl, self.engine_started = None, None, False  # at the first weight push
+        # Engines start with the first weight sync (see RolloutClient).
+        self.rollout = RolloutClient(config, self.engine_dir, master_addr=runtime.launch.master_addr,
+                                     local_rank=runtime.launch.local_rank, seed=config.seed)
         self.reference = None
 
     # ---- the loop ---------------------------------------------------------------------------
@@ -247,7 +244,8 @@ class Trainer:
             records = self.train_set.select(indices)
             tick = time.perf_counter()
             params = SamplingParams(n=rl.group_size, temperature=rl.temperature, top_p=rl.top_p,
-                                    max_tokens=rl.max_response_tokens, seed=_step_seed(self.config.seed, step, rounds))
+                                    max_tokens=rl.max_response_tokens, seed=_step_seed(self.config.seed, step, rounds),
+                                    return_routed_experts=rl.routing_replay == "rollout")
             groups = self.generate([self._encode(r.prompt) for r in records], params)
             timings["time/generate_s"] += time.perf_counter() - tick
             tick = time.perf_counter()
@@ -274,13 +272,8 @@ class Trainer:
         return StepRollout(kept, metrics)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams):
-        """Samples on every rank: SPMD for the colocated engine, driver + broadcast for servers."""
-        if self.config.rollout.mode == "colocated":
-            return self.engine.generate(prompts, params, timeout_s=self.config.rollout.request_timeout_s)
-        holder = [self.engine.generate(prompts, params, timeout_s=self.config.rollout.request_timeout_s)
-                  if self.is_driver else None]
-        dist.broadcast_object_list(holder, src=0)
-        return holder[0]
+        """The same samples on every rank, wherever the engines run."""
+        return self.rollout.generate(prompts, params)
 
     def score(self, records, groups) -> tuple[list[list[Trajectory]], dict]:
         from megatron_rl.data import prompt_text
@@ -301,7 +294,8 @@ class Trainer:
             trajectories = []
             for sample in group:
                 trajectories.append(Trajectory(index, sample.prompt_token_ids, sample.response_token_ids,
-                                               sample.logprobs, sample.finish_reason == "length", float(rewards[cursor])))
+                                               sample.logprobs, sample.finish_reason == "length", float(rewards[cursor]),
+                                               routed_experts=sample.extras.get("routed_experts")))
                 cursor += 1
             scored.append(trajectories)
         return scored, metrics
@@ -324,12 +318,19 @@ class Trainer:
     # ---- logprobs and training --------------------------------------------------------------
 
     def _old_logprobs(self, packed, trajectories) -> None:
-        """The policy's logprobs before this step's updates (and, for MoE, its routes).
+        """The policy's logprobs before this step's updates (and, for MoE, its routes). With
+        rl.routing_replay=rollout (R3) the forward runs on the rollout engine's routes and counts
+        those the policy, holding the engine's weights, would have chosen otherwise.
 
         With pipeline parallelism they exist on the last stage only, which is where the loss
         that reads them runs."""
         flat = [batch for batches in packed for batch in batches]
-        if self.routing is not None:
+        if self.routing is not None and self.config.rl.routing_replay == "rollout":
+            self.routing.load_rollout_routes(packed, trajectories, self.policy.module,
+                                             self.policy.arch.moe_layer_pattern)
+            self.routing.reset_counts("rollout")
+            self.routing.start("rollout", counter="rollout")
+        elif self.routing is not None:
             self.routing.start("record")
         outputs = self.policy.logprobs(flat, with_entropy=False, routing=self.routing)
         if self.routing is not None:
@@ -341,9 +342,17 @@ class Trainer:
                 position += len(batches)
 
     def _reference_logprobs(self, packed, trajectories) -> None:
+        """The reference policy's logprobs; with rl.routing_replay=rollout (R3) on the rollout
+        engine's routes, as every forward of the step."""
         flat = [batch for batches in packed for batch in batches]
+        routing = self.routing if self.config.rl.routing_replay == "rollout" else None
+        if routing is not None:
+            routing.load_rollout_routes(packed, trajectories, self.policy.module, self.policy.arch.moe_layer_pattern)
+            routing.start("rollout", counter=None)
         with self.reference.swapped_in(self.policy.module):
-            outputs = self.policy.logprobs(flat, with_entropy=False)
+            outputs = self.policy.logprobs(flat, with_entropy=False, routing=routing)
+        if routing is not None:
+            routing.stop()
         if self.policy.is_last_stage:
             position = 0
             for batches, trajs in zip(packed, trajectories):
@@ -355,15 +364,23 @@ class Trainer:
 
         results, micro_metrics = [], []
         offset = 0
+        rollout_routes = self.config.rl.routing_replay == "rollout"  # R3: the engine's routes in every update
+        if rollout_routes and self.routing is not None:
+            self.routing.load_rollout_routes(packed, trajectories, self.policy.module,
+                                             self.policy.arch.moe_layer_pattern)
+            self.routing.reset_counts()
         for batches, trajs in zip(packed, trajectories):
             normalizer = step_normalizer(response_masks(batches, trajs, self.recipe), self.recipe,
                                          self.policy.dp_group, self.runtime.device)
             loss_fn = make_loss_fn(trajs, self.recipe, normalizer, old_from_forward=old_from_forward,
                                    use_ref=self.use_kl)
             routing = None
-            if self.routing is not None and not old_from_forward:
+            if self.routing is not None and rollout_routes:
                 routing = self.routing
-                routing.start("replay" if self.config.rl.routing_replay else "compare", offset=offset)
+                routing.start("rollout", offset=offset)
+            elif self.routing is not None and not old_from_forward:
+                routing = self.routing
+                routing.start("replay" if self.config.rl.routing_replay == "training" else "compare", offset=offset)
             result = self.policy.train_step(batches, loss_fn, routing=routing)
             if routing is not None:
                 routing.stop()
@@ -376,7 +393,21 @@ class Trainer:
         metrics = _from_last_stage(metrics, self.policy.is_last_stage)
         metrics.update({"train/loss": sum(r.loss for r in results), "train/grad_norm": results[-1].grad_norm,
                         "train/lr": self.policy.learning_rate, "train/updates": len(results)})
-        if self.routing is not None and not old_from_forward:
+        if rollout_routes:
+            # Over all ranks (each routes its own tokens and, with pipeline parallelism, its own
+            # layers): the training forwards' own choices against the engine's, and the same at
+            # the engine's weights (the old-logprob forward, or the one update's forward).
+            none = (0, 0)
+            drift = self.routing.counts() if self.routing is not None else none
+            at_engine = drift if old_from_forward else (
+                self.routing.counts("rollout") if self.routing is not None else none)
+            counts = torch.tensor([*drift, *at_engine], dtype=torch.float64, device=self.runtime.device)
+            dist.all_reduce(counts)
+            if counts[1]:
+                metrics["moe/routing_drift"] = float(counts[0] / counts[1])
+            if counts[3]:
+                metrics["moe/rollout_routing_drift"] = float(counts[2] / counts[3])
+        elif self.routing is not None and not old_from_forward:
             changed, total = self.routing.counts()
             if total:
                 metrics["moe/routing_drift"] = changed / total
@@ -385,32 +416,7 @@ class Trainer:
     # ---- weights, checkpoints ----------------------------------------------------------------
 
     def sync_weights(self) -> None:
-        if not self.engine_started:
-            self._start_engine()
-        if self.nccl is not None:
-            self.nccl.push()
-            return
-        stream = hf_weight_stream(self.policy.module, self.policy.arch, destination=weight_destination(self.config),
-                                  bucket_bytes=self.config.rollout.weight_bucket_mb << 20, dtype=torch_dtype(self.config))
-        if self.engine is not None:
-            self.engine.update_weights(stream)
-        else:
-            drain(stream)
-
-    def _start_engine(self) -> None:
-        """The rollout engine starts with the first weight push, after the supervised warm start,
-        which never generates: its start-up (seconds here) then no longer delays the first
-        training step, the warm start's weights are pushed once instead of random ones before
-        them, and on GPU a colocated engine does not hold its memory share while the warm start
-        trains. Every rank pushes at the same points, so they start it together."""
-        config, runtime = self.config, self.runtime
-        self.engine = build_engine(config, self.engine_dir, local_rank=runtime.launch.local_rank, seed=config.seed)
-        if weight_transport(config) == "nccl":
-            from megatron_rl.platform.launch_env import free_port
-
-            self.nccl = build_nccl_transport(config, self.engine, self.policy, master_address=runtime.launch.master_addr,
-                                             master_port=free_port())
-        self.engine_started = True
+        self.rollout.sync_weights(self.policy.module, self.policy.arch)
 
     def _trainer_state(self) -> dict:
         """What a checkpoint needs besides the policy (read when the save starts)."""
@@ -504,8 +510,7 @@ class Trainer:
         self.log.close()
         if self.scorer is not None:
             self.scorer.close()
-        if self.engine is not None:
-            self.engine.shutdown()
+        self.rollout.shutdown()
 
     def _encode(self, prompt) -> list[int]:
         from megatron_rl.data import encode_prompt

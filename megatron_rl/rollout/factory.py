@@ -63,6 +63,13 @@ def build_transport(config: RunConfig, master_addr: str) -> WeightTransport:
                                timeout_s=rollout.request_timeout_s, port=free_port() if dist.get_rank() == 0 else 0)
 
 
+def native_routes(config: RunConfig) -> bool:
+    """R3 on GPU: vLLM returns each request's routed experts itself. (On CPU that needs vLLM's
+    model runner V2, which needs Triton; there our worker extension captures them instead,
+    rollout/route_capture.py.)"""
+    return config.rl.routing_replay == "rollout" and torch.cuda.is_available()
+
+
 def build_engines(config: RunConfig, model_dir: Path, *, local_rank: int, seed: int) -> list[RolloutEngine] | None:
     rollout = config.rollout
     output_dir = Path(config.output_dir)
@@ -74,6 +81,7 @@ def build_engines(config: RunConfig, model_dir: Path, *, local_rank: int, seed: 
             model_dir, dtype=dtype, max_model_len=rollout.max_model_len, seed=seed,
             cpu_kv_cache_gib=rollout.cpu_kv_cache_gib, gpu_memory_utilization=rollout.gpu_memory_utilization,
             load_format="dummy", local_rank=local_rank,
+            engine_args={"enable_return_routed_experts": True} if native_routes(config) else None,
         )]
     if dist.get_rank() != 0:
         return None
@@ -104,7 +112,8 @@ def build_engines(config: RunConfig, model_dir: Path, *, local_rank: int, seed: 
                     cpu_kv_cache_gib=rollout.cpu_kv_cache_gib,
                     gpu_memory_utilization=rollout.gpu_memory_utilization, load_format="dummy",
                     startup_timeout_s=rollout.startup_timeout_s,
-                    extra_args=["--tensor-parallel-size", str(rollout.tp_of_server(index))],
+                    extra_args=["--tensor-parallel-size", str(rollout.tp_of_server(index))]
+                    + (["--enable-return-routed-experts"] if native_routes(config) else []),
                 ))
             servers = [(process.url, process) for process in started]
         return [VllmServerEngine(url, name=f"vllm-{index}", process=process, staging_dir=staging,

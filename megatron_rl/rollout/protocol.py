@@ -1,13 +1,23 @@
-"""The one interface the trainer sees for every rollout engine.
+"""The one interface the trainer's rollout client sees for every rollout engine.
 
     engine.generate(prompts, SamplingParams(n=8, max_tokens=512, seed=step_seed), timeout_s=600)
         -> one list per prompt, n Samples each, in prompt order and sample order
-    engine.update_weights(stream)   # (hf_name, tensor) pairs from the bridge, the whole model
-    engine.pause(); engine.resume(); engine.health(); engine.shutdown()
+    engine.pause(); <weights arrive through a transport>; engine.reset_prefix_cache(); engine.resume()
+    engine.health(); engine.shutdown()
 
-Engines differ in where they run (inside the trainer processes, behind HTTP) and in how weights
-travel; the trainer never branches on which one it holds. Errors an engine raises are
-`EngineError` subclasses and name the engine, so a dead server among eight is identifiable.
+Engines differ in where they run (inside the trainer processes, behind HTTP) and in which weight
+transports they can receive (rollout/transport.py); the trainer never branches on which one it
+holds. What a transport calls on an engine:
+
+    update_weights(stream)            in-process: (hf_name, tensor) pairs by reference (colocated)
+    load_weight_files(directory)      files: an HF-style safetensors directory on a shared filesystem
+    weight_receivers()                collective: the engine's world size (ranks that receive)
+    join_weight_group(spec, offset)   collective: every engine rank joins the stage groups
+    receive_weights()                 collective: receive one push and load it
+
+An engine that cannot take a transport raises EngineError saying which ones it takes. Errors an
+engine raises are `EngineError` subclasses and name the engine, so a dead server among eight is
+identifiable.
 """
 
 from __future__ import annotations
@@ -49,6 +59,9 @@ class SamplingParams:
     # Index of this request's first prompt in a larger request that was split (data-parallel
     # rollout), so every prompt keeps the seed it would have had unsplit.
     seed_offset: int = 0
+    # R3 (rl.routing_replay: rollout): each Sample carries the engine's MoE routes of every token
+    # it ran, extras["routed_experts"], int [prompt + response - 1, MoE layers, k] (vLLM engines).
+    return_routed_experts: bool = False
 
     def __post_init__(self):
         if self.n < 1:
@@ -115,8 +128,23 @@ class RolloutEngine(Protocol):
         Afterwards every cached prefix is dropped, so no request reuses KV computed with the old
         weights."""
 
+    def load_weight_files(self, directory: str) -> int:
+        """Load the full model from a safetensors directory (model.safetensors.index.json + files)."""
+
+    def weight_receivers(self) -> int:
+        """How many ranks of this engine join a collective weight group."""
+
+    def join_weight_group(self, spec_json: str, rank_offset: int) -> None:
+        """Every rank joins each stage's group as rank_offset + its rank; blocks until all joined."""
+
+    def receive_weights(self) -> int:
+        """Receive one collective push and load it; returns the number of tensors loaded."""
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached prefixes (their KV was computed with the previous weights)."""
+
     def pause(self) -> None:
-        """Stop accepting generation (in-flight requests finish) and release what it can for training."""
+        """Around a weight sync: hold new generation (in-flight requests finish first)."""
 
     def resume(self) -> None:
         ...

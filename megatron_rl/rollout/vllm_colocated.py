@@ -15,6 +15,7 @@ Weights travel by reference: every rank passes the full HF-named stream (see
 from __future__ import annotations
 
 import gc
+import json
 import os
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ from megatron_rl.rollout.protocol import (
     WeightStream,
     check_grouping,
 )
+from megatron_rl.rollout.route_capture import ROUTE_CAPTURE_KEY, attach_captured_routes, native_routes, new_tags
 from megatron_rl.rollout.vllm_common import samples_from_request_output, to_vllm_sampling, vllm_environment
 from megatron_rl.rollout.vllm_worker import WORKER_EXTENSION, fix_cpu_rotary_embedding
 
@@ -48,9 +50,11 @@ class VllmColocatedEngine:
         load_format: str = "auto",
         local_rank: int = 0,
         name: str = "vllm-colocated",
+        engine_args: dict | None = None,
     ):
         """`load_format="dummy"` starts from random weights (no checkpoint on disk needed); the
-        caller must then push weights before generating, as the trainer does at start-up."""
+        caller must then push weights before generating, as the trainer does at start-up.
+        `engine_args`: further `vllm.LLM` arguments (e.g. enable_return_routed_experts on GPU)."""
         self.name = name
         on_cpu = not torch.cuda.is_available()
         os.environ.update(vllm_environment(cache_dir, on_cpu=on_cpu, kv_cache_gib=cpu_kv_cache_gib))
@@ -98,6 +102,7 @@ class VllmColocatedEngine:
                 gpu_memory_utilization=gpu_memory_utilization,
                 load_format=load_format,
                 worker_extension_cls=WORKER_EXTENSION,
+                **(engine_args or {}),
             )
         self.startup_s = time.perf_counter() - started
         self._paused = False
@@ -110,16 +115,42 @@ class VllmColocatedEngine:
         self._check_usable()
         from vllm.inputs import TokensPrompt
 
+        sampling = [to_vllm_sampling(params, index) for index in range(len(prompts))]
+        # R3: the engine's MoE routes of every sample (rollout/route_capture.py).
+        layout = self._route_layout() if params.return_routed_experts else None
+        tags = new_tags(len(prompts)) if layout is not None and not layout["native"] else None
+        for vllm_params, tag in zip(sampling, tags or []):
+            vllm_params.extra_args = {**(vllm_params.extra_args or {}), ROUTE_CAPTURE_KEY: tag}
         with suspended():
             outputs = self._llm.generate(
                 [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts],
-                [to_vllm_sampling(params, index) for index in range(len(prompts))],
+                sampling,
                 use_tqdm=False,
             )
+            captured = self._llm.collective_rpc("route_capture_take", args=(json.dumps(tags),))[0] if tags else None
         groups = [samples_from_request_output(self.name, index, prompt, output)
                   for index, (prompt, output) in enumerate(zip(prompts, outputs))]
         check_grouping(self.name, prompts, params, groups)
+        for group, output, tag in zip(groups, outputs, tags or [None] * len(groups)):
+            if tag is not None:
+                attach_captured_routes(self.name, group, captured[tag], params.n)
+            elif layout is not None:  # vLLM's own capture (GPU, enable_return_routed_experts)
+                completions = sorted(output.outputs, key=lambda completion: completion.index)
+                for sample, completion in zip(group, completions):
+                    sample.extras["routed_experts"] = native_routes(self.name, sample, completion.routed_experts,
+                                                                    layout["layers"])
         return groups
+
+    def _route_layout(self) -> dict:
+        """The engine's route capture, started on first use (route_capture.RouteCaptureWorker)."""
+        layout = getattr(self, "_routes", None)
+        if layout is None:
+            with suspended():
+                (layout,) = self._llm.collective_rpc("route_capture_enable")
+                if not layout["native"]:
+                    self._llm.reset_prefix_cache()  # no cached prefix may predate the capture
+            self._routes = layout
+        return layout
 
     def update_weights(self, weights: WeightStream) -> int:
         if self._closed:
@@ -132,6 +163,24 @@ class VllmColocatedEngine:
             raise EngineError(f"{self.name}: weight update received no tensors")
         self.weights_loaded = True
         return count
+
+    def reset_prefix_cache(self) -> None:
+        with suspended():
+            self._llm.reset_prefix_cache()
+
+    # A colocated engine shares the trainer's processes: weights come by reference, never over
+    # files or a network group.
+    def load_weight_files(self, directory: str) -> int:
+        raise EngineError(f"{self.name}: a colocated engine takes weights in process (weight_transport=stream)")
+
+    def weight_receivers(self) -> int:
+        return self.load_weight_files("")
+
+    def join_weight_group(self, spec_json: str, rank_offset: int) -> None:
+        self.load_weight_files("")
+
+    def receive_weights(self) -> int:
+        return self.load_weight_files("")
 
     def fingerprint(self) -> dict:
         return self._llm.collective_rpc("weights_fingerprint")[0]

@@ -7,12 +7,11 @@ The server is `python -m vllm.entrypoints.openai.api_server` (the `vllm serve` e
 its package-metadata lookup on the CPU build) with `VLLM_SERVER_DEV_MODE=1`, which exposes
 `/collective_rpc` and `/reset_prefix_cache`, and our worker extension for weight loading.
 
-Weight transports:
-- "files" (CPU, or any setup with a filesystem shared by trainer and server): trainer rank 0
-  writes safetensors buckets to a staging directory and asks the workers to reload from them in
-  one call; the files are deleted afterwards.
-- "nccl" (GPU): see `megatron_rl.rollout.nccl_transport` (untested on these machines).
-After either, the prefix cache is reset.
+Weights arrive through a transport (rollout/transport.py) calling the engine-side methods below,
+each a `/collective_rpc` into our worker extension: `load_weight_files` (files on a shared
+filesystem), `weight_receivers` / `join_weight_group` / `receive_weights` (collective: gloo on
+CPU, NCCL on GPU; rollout/weight_receiver.py is the workers' side). `update_weights(stream)` is a
+whole files push for callers holding one engine.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl.bridge.export import buckets
 from megatron_rl.rollout.http import JsonClient
 from megatron_rl.rollout.server_process import ServerEngineBase, ServerProcess
 from megatron_rl.rollout.protocol import (
@@ -34,6 +32,7 @@ from megatron_rl.rollout.protocol import (
     SamplingParams,
     WeightStream,
 )
+from megatron_rl.rollout.route_capture import ROUTE_CAPTURE_KEY, attach_captured_routes, native_routes, new_tags
 from megatron_rl.rollout.vllm_common import finish_reason, vllm_environment
 from megatron_rl.rollout.vllm_worker import WORKER_EXTENSION
 
@@ -46,7 +45,7 @@ class VllmServerProcess(ServerProcess):
         cls, model_dir: str | Path, *, port: int, log_path: str | Path, name: str = "vllm-server",
         host: str = "127.0.0.1", dtype: str = "float32", max_model_len: int = 1024, seed: int = 0,
         cache_dir: str | Path | None = None, cpu_kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.5,
-        load_format: str = "auto", weight_transfer: str | None = None, startup_timeout_s: float = 600.0,
+        load_format: str = "auto", startup_timeout_s: float = 600.0,
         extra_args: list[str] | None = None,
     ) -> VllmServerProcess:
         on_cpu = not torch.cuda.is_available()
@@ -62,8 +61,6 @@ class VllmServerProcess(ServerProcess):
         ]
         if on_cpu:
             command.append("--enforce-eager")
-        if weight_transfer:
-            command += ["--weight-transfer-config", json.dumps({"backend": weight_transfer})]
         command += extra_args or []
         return cls.launch(command, env=env, url=f"http://{host}:{port}", log_path=log_path, name=name,
                           startup_timeout_s=startup_timeout_s)
@@ -90,6 +87,8 @@ class VllmServerEngine(ServerEngineBase):
         timeout = timeout_s or self.request_timeout_s
         if not prompts:
             return []
+        if params.return_routed_experts:
+            self._route_layout()  # before the concurrent requests
         # One request per prompt: each carries its own seed, so results do not depend on batching.
         return self._per_prompt(self._complete, prompts, params, timeout)
 
@@ -109,6 +108,13 @@ class VllmServerEngine(ServerEngineBase):
             body["stop"] = list(params.stop)
         if params.stop_token_ids:
             body["stop_token_ids"] = list(params.stop_token_ids)
+        # R3: the engine's MoE routes (rollout/route_capture.py). vLLM's GPU build with
+        # --enable-return-routed-experts returns them per choice; otherwise our worker extension
+        # captures the requests tagged through vllm_xargs (its SamplingParams.extra_args).
+        layout = self._route_layout() if params.return_routed_experts else None
+        tag = new_tags(1)[0] if layout is not None and not layout["native"] else None
+        if tag is not None:
+            body["vllm_xargs"] = {ROUTE_CAPTURE_KEY: tag}
         response = self._client.post("/v1/completions", body, timeout_s=timeout)
         choices = sorted(response["choices"], key=lambda choice: choice["index"])
         samples = []
@@ -117,44 +123,85 @@ class VllmServerEngine(ServerEngineBase):
             if token_ids is None:
                 raise EngineError(f"{self.name}: server did not return token ids (vLLM too old for return_token_ids?)")
             logprobs = [float(value) for value in (choice.get("logprobs") or {}).get("token_logprobs", [])]
-            extras = {"routed_experts": choice["routed_experts"]} if choice.get("routed_experts") else {}
             samples.append(Sample(index, position, list(prompt), list(token_ids), logprobs,
-                                  finish_reason(self.name, choice.get("finish_reason")), extras))
+                                  finish_reason(self.name, choice.get("finish_reason"))))
+            if layout is not None and tag is None:
+                samples[-1].extras["routed_experts"] = native_routes(self.name, samples[-1],
+                                                                     choice.get("routed_experts"), layout["layers"])
+        if tag is not None:
+            # Not retried: the worker hands a tag's routes out once.
+            take = {"method": "route_capture_take", "args": [json.dumps([tag])]}
+            captured = self._client.post("/collective_rpc", take, timeout_s=timeout, retries=0)["results"][0]
+            attach_captured_routes(self.name, samples, captured[tag], params.n)
         return samples
+
+    def _route_layout(self) -> dict:
+        """The server's route capture, started on first use (route_capture.RouteCaptureWorker)."""
+        layout = getattr(self, "_routes", None)
+        if layout is None:
+            layout = self._client.post("/collective_rpc", {"method": "route_capture_enable"})["results"][0]
+            if not layout["native"]:
+                self._client.post("/reset_prefix_cache")  # no cached prefix may predate the capture
+            self._routes = layout
+        return layout
 
     # ---- weights ------------------------------------------------------------------------------
 
     def update_weights(self, weights: WeightStream, *, bucket_bytes: int = 512 << 20) -> int:
-        """Files transport: write the stream as safetensors buckets, reload from them in one call."""
-        from safetensors.torch import save_file
+        """A whole push through files in `staging_dir` (the files transport for one engine)."""
+        from megatron_rl.rollout.transport import write_safetensors_dir
 
         if self.staging_dir is None:
             raise EngineError(f"{self.name}: no staging_dir for the files weight transport")
         self._pushes += 1
         push_dir = self.staging_dir / f"{self.name}-push-{self._pushes:06d}"
-        shutil.rmtree(push_dir, ignore_errors=True)
-        push_dir.mkdir(parents=True)
         try:
-            paths = []
-            for index, bucket in enumerate(buckets(weights, bucket_bytes)):
-                path = push_dir / f"bucket-{index:05d}.safetensors"
-                save_file({name: tensor.detach().contiguous().cpu() for name, tensor in bucket}, str(path))
-                paths.append(str(path))
-            if not paths:
+            if write_safetensors_dir(weights, push_dir, bucket_bytes) == 0:
                 raise EngineError(f"{self.name}: weight update received no tensors")
-            results = self._client.post("/collective_rpc", {
-                "method": "update_weights_from_files", "args": [json.dumps(paths)],
-            })["results"]
-            self._client.post("/reset_prefix_cache")
+            count = self.load_weight_files(str(push_dir))
+            self.reset_prefix_cache()
         finally:
             shutil.rmtree(push_dir, ignore_errors=True)
-        counts = {int(result) for result in results}
+        return count
+
+    def load_weight_files(self, directory: str) -> int:
+        """Every worker reloads the whole model from the directory's safetensors files, in one call."""
+        index = json.loads((Path(directory) / "model.safetensors.index.json").read_text())
+        files = sorted(set(index["weight_map"].values()))
+        paths = [str(Path(directory) / name) for name in files]
+        return self._same_on_every_worker("update_weights_from_files", json.dumps(paths))
+
+    def weight_receivers(self) -> int:
+        ranks = sorted(int(rank) for rank in self._rpc("weight_receiver_rank"))
+        if ranks != list(range(len(ranks))):
+            raise EngineError(f"{self.name}: workers report ranks {ranks}, expected 0..{len(ranks) - 1}")
+        return len(ranks)
+
+    def join_weight_group(self, spec_json: str, rank_offset: int) -> None:
+        self._rpc("join_weight_group", spec_json, int(rank_offset))
+
+    def receive_weights(self) -> int:
+        return self._same_on_every_worker("receive_weights")
+
+    def reset_prefix_cache(self) -> None:
+        self._client.post("/reset_prefix_cache")
+
+    def _rpc(self, method: str, *args) -> list:
+        """`method` on every worker of the server (our worker extension), through /collective_rpc.
+        Never retried: a weight load or a group join must not run twice."""
+        return self._client.post("/collective_rpc", {"method": method, "args": list(args)}, retries=0)["results"]
+
+    def _same_on_every_worker(self, method: str, *args) -> int:
+        counts = {int(result) for result in self._rpc(method, *args)}
         if len(counts) != 1:
             raise EngineError(f"{self.name}: workers loaded different tensor counts {sorted(counts)}")
-        return counts.pop()
+        count = counts.pop()
+        if count == 0:
+            raise EngineError(f"{self.name}: weight update delivered no tensors")
+        return count
 
     def fingerprint(self) -> dict:
-        return self._client.post("/collective_rpc", {"method": "weights_fingerprint"})["results"][0]
+        return self._rpc("weights_fingerprint")[0]
 
     # ---- lifecycle ----------------------------------------------------------------------------
 

@@ -92,6 +92,15 @@ def test_config_differences_ignore_layout_logging_and_checkpoint_keys(tmp_path):
     assert config_differences(base, changed) == ["rl.recipe: 'dapo' -> 'grpo'"]
 
 
+def test_recorded_config_is_read_with_todays_spellings(tmp_path):
+    """Checkpoints written when rl.routing_replay was a bool resume under its named modes."""
+    recorded = to_dict(run_config(tmp_path))
+    recorded["rl"]["routing_replay"] = True
+    assert config_differences(recorded, to_dict(run_config(tmp_path, "rl.routing_replay=training"))) == []
+    assert config_differences(recorded, to_dict(run_config(tmp_path, "rl.routing_replay=rollout"))) == [
+        "rl.routing_replay: 'training' -> 'rollout'"]
+
+
 def test_partial_save_without_manifest_is_skipped(tmp_path):
     fake_checkpoint(tmp_path, 1)
     partial = fake_checkpoint(tmp_path, 5)
