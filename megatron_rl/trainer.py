@@ -42,9 +42,9 @@ from megatron_rl.experience import (
     store_logprobs,
 )
 from megatron_rl.logging import MetricsLog, check_wandb_available
-from megatron_rl.model.hf_config import with_implied_keys
 from megatron_rl.rollout import SamplingParams
 from megatron_rl.rollout.client import RolloutClient
+from megatron_rl.rollout.engine_model import write_engine_model_dir
 from megatron_rl.rollout.factory import check_engine_installed
 
 CORRECT = 0.5  # a sample counts as correct when its reward reaches this (rule rewards are 0 or 1)
@@ -448,29 +448,17 @@ class Trainer:
         self.log.message(f"exported the policy at step {step} as a Hugging Face model: {path}")
 
     def _prepare_engine_model(self):
-        """The engine's model directory: config, generation config and tokenizer (weights are pushed)."""
+        """The engine's model directory: config, generation config and tokenizer (weights are
+        pushed); rollout nodes write theirs with the same function (launch/rollout_node.py)."""
         from transformers import AutoTokenizer
 
         if self.is_driver:
-            self.engine_dir.mkdir(parents=True, exist_ok=True)
-            raw = with_implied_keys(self.policy.raw_hf_config, self.policy.arch)
-            # The engine receives the trainer's weights at the training precision, even when the
-            # model came from an FP8 checkpoint (DeepSeek-V3 is published so).
-            raw.pop("quantization_config", None)
-            (self.engine_dir / "config.json").write_text(json.dumps(raw, indent=1))
-            generation = {key: raw[key] for key in ("bos_token_id", "eos_token_id") if key in raw}
-            (self.engine_dir / "generation_config.json").write_text(json.dumps(generation))
-            self._write_tokenizer()
+            write_engine_model_dir(self.config, self.engine_dir)
         dist.barrier()
         tokenizer = AutoTokenizer.from_pretrained(self.engine_dir)
         if tokenizer.eos_token_id is None:
             raise ConfigError(f"the tokenizer in {self.engine_dir} has no EOS token; responses could never stop")
         return tokenizer
-
-    def _write_tokenizer(self) -> None:
-        from megatron_rl.data.tokenizer import write_run_tokenizer
-
-        write_run_tokenizer(self.config, self.engine_dir)
 
     # ---- signals ------------------------------------------------------------------------------
 

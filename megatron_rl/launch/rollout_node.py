@@ -1,76 +1,172 @@
-"""A rollout node of a disaggregated SLURM job: one vLLM OpenAI server, until the job stops it.
+"""A rollout node of a disaggregated SLURM job: vLLM OpenAI servers, until the job stops them.
 
-    python -m megatron_rl.launch.rollout_node --config run/config.yaml --port 8100 --name vllm-0
+    python -m megatron_rl.launch.rollout_node --config run/config.yaml --index 0 --port 8100 \
+        [--servers 4 --tensor-parallel-size 2]
 
-The server gets the model's config and tokenizer (written here, in OUTPUT_DIR/rollout/NAME/model)
-and dummy weights: the trainer pushes its weights before the first rollout. Log:
-OUTPUT_DIR/logs/NAME.log.
+Starts `--servers` servers (default 1) numbered from `--index`, on consecutive ports from
+`--port`, each over `--tensor-parallel-size` GPUs of this node (the node's GPUs split in order:
+CUDA_VISIBLE_DEVICES, as SLURM sets it, or all of them); on CPU one server. Server INDEX is
+named vllm-INDEX, seeded seed + INDEX, logs to OUTPUT_DIR/logs/vllm-INDEX.log and starts from
+OUTPUT_DIR/rollout/vllm-INDEX/model: the model's config and tokenizer, written by the function the
+trainer uses for its own engines (megatron_rl.rollout.engine_model), and dummy weights. The trainer
+pushes its weights before the first rollout and after every step.
+
+Nothing transport-specific is set at start-up: every server runs our worker extension
+(megatron_rl.rollout.vllm_worker) with VLLM_SERVER_DEV_MODE=1 (POST /collective_rpc), set by
+VllmServerProcess.start. Through /collective_rpc the trainer asks the server's workers to load
+safetensors files (rollout.weight_transport: files) or to join a process group with the trainer's
+pipeline-stage leaders over a TCP rendezvous on MASTER_ADDR and receive their broadcasts
+(collective: gloo on CPU, NCCL on GPU): this node must reach the first training node over TCP.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
 
-from megatron_rl.config import load_config
+from megatron_rl.config import ConfigError, load_config
 
 
-def write_engine_model(config, directory: Path) -> None:
-    """What the trainer writes for its own engines: config.json, generation config, tokenizer."""
-    from megatron_rl.data.tokenizer import write_run_tokenizer
-    from megatron_rl.model.hf_config import load_hf_config
-
-    directory.mkdir(parents=True, exist_ok=True)
-    raw, _ = load_hf_config(config.model.hf_config)
-    raw = dict(raw)
-    (directory / "config.json").write_text(json.dumps(raw, indent=1))
-    generation = {key: raw[key] for key in ("bos_token_id", "eos_token_id") if key in raw}
-    (directory / "generation_config.json").write_text(json.dumps(generation))
-    write_run_tokenizer(config, directory)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_rl.launch.rollout_node")
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--name", default="vllm-0")
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    args = parser.parse_args(argv)
-    config = load_config(args.config)
-
+def start_server(config, *, index: int, port: int, host: str, tensor_parallel_size: int):
+    """Write the engine's model directory and start server `index`; returns the
+    VllmServerProcess once it answers /health."""
+    from megatron_rl.rollout.engine_model import write_engine_model_dir
     from megatron_rl.rollout.factory import engine_dtype
     from megatron_rl.rollout.vllm_server import VllmServerProcess
 
+    if config.rollout.engine != "vllm":
+        raise ConfigError(f"rollout.engine={config.rollout.engine}: rollout nodes run vLLM servers only")
+    if tensor_parallel_size < 1:
+        raise ConfigError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
+    name = f"vllm-{index}"
     out = Path(config.output_dir)
-    model_dir = out / "rollout" / args.name / "model"
-    write_engine_model(config, model_dir)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    model_dir = write_engine_model_dir(config, out / "rollout" / name / "model")
     rollout = config.rollout
-    server = VllmServerProcess.start(
-        model_dir, port=args.port, host=args.host, log_path=out / "logs" / f"{args.name}.log", name=args.name,
-        dtype=engine_dtype(config), max_model_len=rollout.max_model_len, seed=config.seed,
+    return VllmServerProcess.start(
+        model_dir, port=port, host=host, log_path=out / "logs" / f"{name}.log", name=name,
+        dtype=engine_dtype(config), max_model_len=rollout.max_model_len, seed=config.seed + index,
         cpu_kv_cache_gib=rollout.cpu_kv_cache_gib,
         gpu_memory_utilization=rollout.gpu_memory_utilization, load_format="dummy",
         startup_timeout_s=rollout.startup_timeout_s,
-        extra_args=["--tensor-parallel-size", str(args.tensor_parallel_size)],
+        extra_args=server_args(config, tensor_parallel_size),
     )
-    print(f"[megatron-rl] {args.name} serving on port {args.port} (model {model_dir})", flush=True)
+
+
+def server_args(config, tensor_parallel_size: int, *, cuda: bool | None = None) -> list[str]:
+    """The vLLM arguments a rollout node adds to those of VllmServerProcess.start."""
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    args = ["--tensor-parallel-size", str(tensor_parallel_size)]
+    if tensor_parallel_size == 1:
+        # The single worker runs inside the engine process (vLLM's CPU build would spawn a process
+        # for it: one more start-up import of torch and vLLM).
+        args += ["--distributed-executor-backend", "uni"]
+    if config.rl.routing_replay == "rollout" and cuda:
+        # R3 on GPU: vLLM returns every completion's routes itself; the worker extension's capture
+        # (the CPU path, rollout/route_capture.py) cannot run inside CUDA graphs.
+        args.append("--enable-return-routed-experts")
+    return args
+
+
+def device_groups(servers: int, tensor_parallel_size: int, environ=os.environ) -> list[str]:
+    """CUDA_VISIBLE_DEVICES of each of `servers` servers: this node's GPUs split in order."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        devices = [device for device in visible.split(",") if device.strip()]
+    else:
+        import torch
+
+        devices = [str(index) for index in range(torch.cuda.device_count())]
+    needed = servers * tensor_parallel_size
+    if len(devices) < needed:
+        raise ConfigError(f"{servers} server(s) of tensor parallel {tensor_parallel_size} need {needed} GPUs; "
+                          f"this node has {len(devices)} ({', '.join(devices) or 'none'})")
+    return [",".join(devices[k * tensor_parallel_size:(k + 1) * tensor_parallel_size]) for k in range(servers)]
+
+
+def serve_one(args) -> int:
+    def abort(signum, frame):  # while starting: stops the half-started server (ServerProcess.launch)
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, abort)
+    try:
+        config = load_config(args.config)
+        server = start_server(config, index=args.index, port=args.port, host=args.host,
+                              tensor_parallel_size=args.tensor_parallel_size)
+    except ConfigError as exc:
+        print(f"megatron-rl: configuration error: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
+    print(f"[megatron-rl] {server.name} ({os.uname().nodename}{', GPUs ' + gpus if gpus else ''}) serving on port "
+          f"{args.port}, tensor parallel {args.tensor_parallel_size}; weights come from the trainer "
+          f"(rendezvous host {os.environ.get('MASTER_ADDR', 'unset')})", flush=True)
     try:
         while not stop.wait(2.0):
             if not server.alive():
-                print(f"[megatron-rl] {args.name} exited; last lines of {server.log_path}:\n{server.log_tail()}",
+                print(f"[megatron-rl] {server.name} exited; last lines of {server.log_path}:\n{server.log_tail()}",
                       file=sys.stderr)
                 return 1
         return 0
     finally:
         server.stop()
+
+
+def serve_many(args) -> int:
+    """One child process per server (each with its own GPUs); stops them all when one fails or
+    this process is asked to stop."""
+    try:
+        groups = device_groups(args.servers, args.tensor_parallel_size)
+    except ConfigError as exc:
+        print(f"megatron-rl: configuration error: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    children = []
+    for k, devices in enumerate(groups):
+        command = [sys.executable, "-m", "megatron_rl.launch.rollout_node", "--config", args.config,
+                   "--index", str(args.index + k), "--port", str(args.port + k), "--host", args.host,
+                   "--tensor-parallel-size", str(args.tensor_parallel_size)]
+        children.append(subprocess.Popen(command, env=dict(os.environ, CUDA_VISIBLE_DEVICES=devices)))
+    code = 0
+    try:
+        while not stop.wait(2.0):
+            failed = [child for child in children if child.poll() is not None]
+            if failed:
+                code = failed[0].returncode or 1
+                break
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        for child in children:
+            child.wait()
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_rl.launch.rollout_node")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--index", type=int, default=0, help="number of the (first) server: vllm-INDEX, seed + INDEX")
+    parser.add_argument("--port", type=int, required=True, help="port of the (first) server")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--servers", type=int, default=1, help="servers on this node (GPU), each on its own GPUs")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    args = parser.parse_args(argv)
+    if args.servers < 1:
+        parser.error("--servers must be >= 1")
+    return serve_one(args) if args.servers == 1 else serve_many(args)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,19 @@
 """`megatron-rl launch slurm`: render an sbatch script from a template and the run's config, submit it.
 
-    megatron-rl launch slurm --config configs/qwen3_30b_a3b.yaml --nodes 4 --gpus-per-node 8 \
-        --partition gpu --account proj --time 04:00:00 --output-dir runs/qwen3 [key=value ...]
+    megatron-rl launch slurm --config configs/qwen3_30b_a3b.yaml --nodes 4 --rollout-nodes 2 \
+        --gpus-per-node 8 --partition gpu --account proj --time 04:00:00 --output-dir runs/qwen3 [key=value ...]
 
 Before anything is submitted: the config (with the overrides) is validated and the parallel layout
 checked against the job's world size (training nodes x processes per node), so a node count that
 does not fit is refused naming the key. The resolved config is written to OUTPUT_DIR/config.yaml
 and the job (and every requeue of it) trains from that copy. Templates: `slurm/*.sbatch.tmpl`.
+
+With --rollout-nodes R (disaggregated) the job has R more nodes running vLLM servers of
+rollout.server_tp GPUs each (--gpus-per-node / server_tp per node; one per node on CPU), started
+by megatron_rl.launch.rollout_node. The config copy is the one the job runs: rollout.mode=server
+and the weight transport resolved (auto -> collective: a broadcast from the trainer to every
+server worker, NCCL on GPU; files needs a filesystem all nodes share). The servers' URLs are known
+only inside the job, which passes them to the trainer.
 """
 
 from __future__ import annotations
@@ -82,16 +89,32 @@ class PreparedJob:
     output_dir: Path
 
 
+def disaggregated_transport(config: RunConfig) -> str:
+    """The weight transport of a job whose servers run on rollout nodes of their own."""
+    chosen = config.rollout.weight_transport
+    return "collective" if chosen == "auto" else chosen
+
+
 def resolve_config(config_path: str | None, overrides: list[str], world_size: int, *, disaggregated: bool) -> RunConfig:
-    """Load and check the config for a job of `world_size` trainer ranks (no torch import)."""
+    """Load and check the config for a job of `world_size` trainer ranks (no torch import).
+    Disaggregated: the config as the job runs it (servers, the weight transport resolved)."""
     from megatron_rl.preflight import check_layout_and_paths
 
-    config = load_config(config_path, overrides)
-    checked = config
     if disaggregated:
-        # The server URLs are known only inside the job; check the layout as the job will run it.
-        checked = load_config(config_path, overrides + ["rollout.mode=server",
-                                                        "rollout.server_urls=[http://rollout-node:1]"])
+        overrides = overrides + ["rollout.mode=server"]
+    config = checked = load_config(config_path, overrides)
+    if disaggregated:
+        if config.rollout.engine != "vllm":
+            raise ConfigError(f"rollout.engine={config.rollout.engine}: --rollout-nodes starts vLLM servers only; "
+                              "start other servers yourself and set rollout.server_urls")
+        overrides = overrides + ["rollout.server_urls=[]", f"rollout.weight_transport={disaggregated_transport(config)}"]
+        config = load_config(config_path, overrides)
+        # The server URLs are known only inside the job (which passes them to the trainer): check
+        # the config as the job runs it, with servers it does not start itself (and `nccl` as
+        # `collective`: this machine need not have the job's GPUs).
+        checked = load_config(config_path, overrides + ["rollout.server_urls=[http://rollout-node:1]"]
+                              + (["rollout.weight_transport=collective"] if config.rollout.weight_transport == "nccl"
+                                 else []))
     saved = os.environ.get("WORLD_SIZE"), os.environ.get("RANK")
     os.environ["WORLD_SIZE"], os.environ["RANK"] = str(world_size), "0"
     try:
@@ -159,6 +182,7 @@ def render(options: SlurmOptions, config: RunConfig, config_path: Path) -> str:
         if options.container_mounts:
             srun.append(f"--container-mounts={shlex.quote(options.container_mounts)}")
 
+    tp, servers_per_node = rollout_layout(config, options) if options.rollout_nodes else (1, 1)
     values = {
         "JOB_NAME": options.job_name,
         "NODES": str(options.nodes + options.rollout_nodes),
@@ -172,10 +196,34 @@ def render(options: SlurmOptions, config: RunConfig, config_path: Path) -> str:
         "CONFIG": shlex.quote(str(config_path)),
         "TRAIN_NODES": str(options.nodes),
         "ROLLOUT_NODES": str(options.rollout_nodes),
-        "ROLLOUT_TP": str(options.gpus_per_node or 1),
+        "ROLLOUT_TP": str(tp),
+        "SERVERS_PER_NODE": str(servers_per_node),
+        "WEIGHT_TRANSPORT": config.rollout.weight_transport,
         "SERVER_TIMEOUT": str(options.server_timeout_s),
     }
     return fill(template_path(options).read_text(), values)
+
+
+def rollout_layout(config: RunConfig, options: SlurmOptions) -> tuple[int, int]:
+    """(tensor parallel size of each rollout server, servers per rollout node): rollout.server_tp,
+    and as many servers as the node's GPUs hold (one on CPU). Refused, naming the key or option,
+    where the GPUs or the model's attention heads do not divide."""
+    from megatron_rl.model.hf_config import load_hf_config, parse_hf_config
+
+    sizes = config.rollout.server_tp if isinstance(config.rollout.server_tp, list) else [config.rollout.server_tp]
+    if len(set(sizes)) != 1:
+        raise ConfigError(f"rollout.server_tp={config.rollout.server_tp}: the servers --rollout-nodes starts all "
+                          "have one size; give one value")
+    tp = sizes[0]
+    gpus = options.gpus_per_node
+    if gpus and gpus % tp:
+        raise ConfigError(f"rollout.server_tp={tp} must divide --gpus-per-node={gpus} (each rollout node runs "
+                          f"--gpus-per-node / server_tp servers of server_tp GPUs each)")
+    heads = parse_hf_config(*load_hf_config(config.model.hf_config)).num_attention_heads
+    if heads % tp:
+        raise ConfigError(f"rollout.server_tp={tp} must divide the model's {heads} attention heads "
+                          "(vLLM splits them over a server's tensor-parallel workers)")
+    return tp, (gpus // tp if gpus else 1)
 
 
 def prepare(config_path: str | None, overrides: list[str], options: SlurmOptions, *, write: bool) -> PreparedJob:

@@ -202,12 +202,13 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
-    """Two SLURM nodes on this host; skipped, with the reason, where SLURM is not installed (and
-    cannot be) or we are not root; under CI, where it is installed, tests/conftest.py turns that
-    skip into a failure. Any other error starting it (ClusterFailed, an OSError, a command
-    failing) is an error of the tests, not a skip."""
+    """Three SLURM nodes on this host (the disaggregated job: one training node, two rollout
+    nodes); skipped, with the reason, where SLURM is not installed (and cannot be) or we are not
+    root; under CI, where it is installed, tests/conftest.py turns that skip into a failure. Any
+    other error starting it (ClusterFailed, an OSError, a command failing) is an error of the
+    tests, not a skip."""
     try:
-        cluster = start_cluster(tmp_path_factory.mktemp("slurm"), nodes=2)
+        cluster = start_cluster(tmp_path_factory.mktemp("slurm"), nodes=3)
     except ClusterUnavailable as exc:
         pytest.skip(f"no SLURM on this machine: {exc}")
     yield cluster

@@ -5,11 +5,13 @@ a node count that does not fit the layout is refused before anything is written;
 failing sbatch gives a clear message (fake sbatch scripts, because a real rejection needs a
 cluster configured to reject).
 
-Against a real SLURM (slurmctld + two slurmd on this host, see conftest.py; skipped with the
+Against a real SLURM (slurmctld + three slurmd on this host, see conftest.py; skipped with the
 reason where it cannot start): the tiny default, shortened, runs to completion through
 `megatron-rl launch slurm` on two nodes; a job requeued mid-run (`scontrol requeue`) resumes
 from its last checkpoint instead of step 0; the preemption warning (USR1 to the batch script)
-makes the trainer checkpoint and the job requeue itself and finish.
+makes the trainer checkpoint and the job requeue itself and finish; the disaggregated template
+(one training node, two rollout nodes running a vLLM server each) trains with every weight push
+reaching both servers.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import re
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -208,3 +211,57 @@ def test_preemption_warning_checkpoints_and_requeues(slurm_cluster, tmp_path):
     assert "requeueing job" in text
     assert re.search(rf"resumed from \S+ at step {stopped.group(1)}", text), text[-4000:]
     assert sorted(steps_logged(out)) == list(range(LONG + 1))
+
+
+# The disaggregated job, as short as it gets: no warm start (the weights need not be good, only
+# identical on both sides), GRPO (no group is dropped, so every step trains on both servers'
+# samples) with an entropy bonus (a gradient even where all rewards are equal, so every update
+# changes the weights the next push must deliver).
+DISAGGREGATED = ["rl.steps=2", "warm_start.steps=0", "rl.recipe=grpo", "rl.entropy_coef=0.01", "data.num_heldout=2",
+                 "checkpoint.every_steps=0", "checkpoint.export_hf=false"]
+
+
+def server_requests(log: Path) -> dict[str, int]:
+    """How often each HTTP endpoint was called, from the server's access log."""
+    return dict(Counter(re.findall(r'"POST (/[\w/]+)', log.read_text(errors="replace"))))
+
+
+def test_disaggregated_job_pushes_every_step_to_both_servers(slurm_cluster, tmp_path):
+    """One training node and two rollout nodes of `slurm/train_disaggregated.sbatch.tmpl`: the
+    servers start from the config, the trainer finds them from the URLs the job passes it, and
+    the collective transport (gloo here) delivers every push to both of them."""
+    out = tmp_path / "disaggregated"
+    job_id, log = submit(slurm_cluster, out, 1, *DISAGGREGATED, extra=("--rollout-nodes", "2"))
+    wait_until(lambda: finished(slurm_cluster, job_id, out), 300, "the job to end", slurm_cluster, log, job_id)
+    text = log.read_text(errors="replace")
+    assert slurm_cluster.job_state(job_id) == "COMPLETED", text[-4000:]
+    assert "train on n1, rollout on n2 n3 (1 vLLM server(s) per node, tensor parallel 1), weights by collective" in text
+    assert "rollout.weight_transport=collective" in text and "training finished (exit 0)" in text
+    for index in (0, 1):
+        assert f"rollout server vllm-{index} at http://127.0.0.1:" in text, text[-4000:]
+    steps = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        steps[record["step"]] = record
+    assert sorted(steps) == [0, 1, 2]
+    # Every step trains on samples of both servers (the pool splits each step's prompts between
+    # them): the engines' logprobs are the trainer's, to float32 rounding. Step 1 generated with
+    # the first push (the initial weights), step 2 with the push of the weights step 1's updates
+    # changed; one update moves these logprobs by up to ~0.2 (measured: ratios 0.82 to 1.29), so a
+    # server that missed a push would be off by far more than the bound.
+    for step in (1, 2):
+        record = steps[step]
+        assert record["rollout/groups_kept"] == 8 and record["count/sequences"] == 32, record
+        assert record["mismatch/logp_abs_diff_max"] <= 1e-4, (step, record["mismatch/logp_abs_diff_max"])
+        assert record["train/grad_norm"] > 0, record
+    # Each server took every push, the first one and one after each step, each bracketed by pause /
+    # prefix-cache reset / resume (its access log); collective_rpc: the worker count, the group
+    # join, then one receive per push.
+    pushes = 1 + 2
+    for index in (0, 1):
+        requests = server_requests(out / "logs" / f"vllm-{index}.log")
+        assert requests.get("/pause") == requests.get("/reset_prefix_cache") == requests.get("/resume") == pushes, \
+            (index, requests)
+        assert requests.get("/collective_rpc") == 2 + pushes, (index, requests)
+        assert requests.get("/v1/completions", 0) > 0, (index, requests)
+    assert json.loads((out / "run_state.json").read_text()) == {"step": 2, "finished": True}

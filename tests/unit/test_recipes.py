@@ -86,3 +86,72 @@ def test_deepseek_v3_recipe_reads_the_published_model_fp8_or_bf16(tmp_path, monk
         p = config.parallel
         assert (p.pp, p.pp_last_stage_layers, (arch.num_layers - p.pp_last_stage_layers) // (p.pp - 1)) == (4, 13, 16)
         assert config.model.precision == "bf16" and config.model.fp8_recipe == "blockwise"
+
+
+# ---- rollout: the transport, the servers' layout, and the launch scripts in launch/ ---------------
+
+REPO = CONFIGS.parent
+LAUNCH = REPO / "launch"
+GPUS_PER_NODE = 8  # the large recipes' nodes: 8 H100/H200
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_large_recipe_rollout_servers_and_weight_transport(tmp_path, name):
+    """Servers on rollout nodes of their own, weights by the collective transport (NCCL on GPU),
+    and a server size that splits an 8-GPU node and the model's attention heads."""
+    from megatron_rl.launch.slurm import SlurmOptions, rollout_layout
+
+    config = recipe_for(name, MODELS[name][0], tmp_path)
+    rollout = config.rollout
+    assert (rollout.engine, rollout.mode, rollout.weight_transport, rollout.server_urls) == (
+        "vllm", "server", "collective", [])
+    tp, per_node = rollout_layout(config, SlurmOptions(nodes=1, rollout_nodes=1, gpus_per_node=GPUS_PER_NODE))
+    assert tp * per_node == GPUS_PER_NODE
+    assert rollout.max_model_len >= config.rl.max_response_tokens + 1024  # room for the prompt
+
+
+def launch_script_lines(path: Path) -> str:
+    """The script with its continuation lines joined."""
+    return path.read_text().replace("\\\n", " ")
+
+
+def test_every_recipe_has_a_launch_script():
+    assert sorted(path.stem for path in LAUNCH.glob("*.sh")) == sorted(path.stem for path in CONFIGS.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("script", sorted(path.name for path in LAUNCH.glob("*.sh")))
+def test_launch_script_renders_with_dry_run(tmp_path, script):
+    """Executable, names its recipe, calls `megatron-rl launch`, and that command renders
+    (--dry-run: the large recipes against their published model configs, nothing written)."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    path = LAUNCH / script
+    assert os.access(path, os.X_OK), f"{path} is not executable"
+    text = launch_script_lines(path)
+    (config_name,) = re.findall(r"--config (configs/\S+\.yaml)", text)
+    assert config_name == f"configs/{path.stem}.yaml" and (REPO / config_name).is_file()
+    assert re.search(r'exec "\$MEGATRON_RL" launch (local|slurm) ', text), text
+    overrides = []
+    if path.stem + ".yaml" in MODELS:
+        (tmp_path / "config.json").write_text(json.dumps(MODELS[path.stem + ".yaml"][0]))
+        overrides = [f"model.hf_config={tmp_path}", "checkpoint.init_from=null", f"output_dir={tmp_path / 'run'}"]
+    env = dict(os.environ, MEGATRON_RL_VENV=sys.prefix, PYTHONPATH=str(REPO))
+    result = subprocess.run(["bash", str(path), "--dry-run", *overrides], capture_output=True, text=True,
+                            timeout=120, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    if "launch local" in text:
+        assert "-m megatron_rl.cli train --config configs/tiny_cpu.yaml" in result.stdout
+        return
+    nodes, rollout_nodes = (int(value) for value in re.search(r"--nodes (\d+) --rollout-nodes (\d+)", text).groups())
+    # The training nodes are those the recipe's comments state (its world sizes in MODELS).
+    assert nodes * GPUS_PER_NODE in MODELS[path.stem + ".yaml"][1]
+    script_text = result.stdout
+    assert f"#SBATCH --nodes={nodes + rollout_nodes}" in script_text
+    assert f"#SBATCH --gpus-per-node={GPUS_PER_NODE}" in script_text and "WEIGHT_TRANSPORT=collective" in script_text
+    assert "megatron_rl.launch.rollout_node" in script_text and "{{" not in script_text
+    check = subprocess.run(["bash", "-n"], input=script_text, capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    assert not (tmp_path / "run").exists(), "a dry run must not write anything"
