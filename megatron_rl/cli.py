@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     slurm.add_argument("--output-dir", help="run directory (config copy, logs, checkpoints)")
     slurm.add_argument("--nodes", type=int, required=True, help="training nodes")
     slurm.add_argument("--rollout-nodes", type=int, default=0,
-                       help="extra nodes running one vLLM server each (disaggregated); 0: colocated")
+                       help="extra nodes running vLLM servers of rollout.server_tp GPUs each (disaggregated); 0: colocated")
     slurm.add_argument("--gpus-per-node", type=int, default=0, help="0: CPU (gloo)")
     slurm.add_argument("--procs-per-node", type=int, help="trainer processes per node (default: GPUs, or 1)")
     slurm.add_argument("--partition")
@@ -199,7 +199,8 @@ def _print_summary(config, result) -> None:
         return
     print(f"done: {result.steps_done} RL steps, output in {config.output_dir}")
     if result.warm_start_accuracy is not None and result.final_accuracy is not None:
-        print(f"held-out accuracy: {result.warm_start_accuracy:.3f} before RL (after the warm start) -> "
+        before = "after the warm start" if config.warm_start.steps else "the initial policy"
+        print(f"held-out accuracy: {result.warm_start_accuracy:.3f} before RL ({before}) -> "
               f"{result.final_accuracy:.3f} after RL")
     if result.curve_png is not None:
         print(f"learning curve: {result.curve_png}")

@@ -223,8 +223,9 @@ class Trainer:
         timings["time/train_s"] = time.perf_counter() - tick
 
         tick = time.perf_counter()
-        self.sync_weights()
+        metrics["rollout/weights_loaded"] = self.sync_weights()  # tensors each engine loaded
         timings["time/sync_s"] = time.perf_counter() - tick
+        metrics["rollout/weight_pushes"] = self.rollout.pushes
         metrics.update(timings)
         metrics["time/step_s"] = sum(timings.values())
         return metrics
@@ -415,8 +416,8 @@ class Trainer:
 
     # ---- weights, checkpoints ----------------------------------------------------------------
 
-    def sync_weights(self) -> None:
-        self.rollout.sync_weights(self.policy.module, self.policy.arch)
+    def sync_weights(self) -> int:
+        return self.rollout.sync_weights(self.policy.module, self.policy.arch)
 
     def _trainer_state(self) -> dict:
         """What a checkpoint needs besides the policy (read when the save starts)."""

@@ -36,7 +36,7 @@ def start_server(config, *, index: int, port: int, host: str, tensor_parallel_si
     """Write the engine's model directory and start server `index`; returns the
     VllmServerProcess once it answers /health."""
     from megatron_rl.rollout.engine_model import write_engine_model_dir
-    from megatron_rl.rollout.factory import engine_dtype
+    from megatron_rl.rollout.factory import engine_dtype, server_args
     from megatron_rl.rollout.vllm_server import VllmServerProcess
 
     if config.rollout.engine != "vllm":
@@ -55,24 +55,6 @@ def start_server(config, *, index: int, port: int, host: str, tensor_parallel_si
         startup_timeout_s=rollout.startup_timeout_s,
         extra_args=server_args(config, tensor_parallel_size),
     )
-
-
-def server_args(config, tensor_parallel_size: int, *, cuda: bool | None = None) -> list[str]:
-    """The vLLM arguments a rollout node adds to those of VllmServerProcess.start."""
-    if cuda is None:
-        import torch
-
-        cuda = torch.cuda.is_available()
-    args = ["--tensor-parallel-size", str(tensor_parallel_size)]
-    if tensor_parallel_size == 1:
-        # The single worker runs inside the engine process (vLLM's CPU build would spawn a process
-        # for it: one more start-up import of torch and vLLM).
-        args += ["--distributed-executor-backend", "uni"]
-    if config.rl.routing_replay == "rollout" and cuda:
-        # R3 on GPU: vLLM returns every completion's routes itself; the worker extension's capture
-        # (the CPU path, rollout/route_capture.py) cannot run inside CUDA graphs.
-        args.append("--enable-return-routed-experts")
-    return args
 
 
 def device_groups(servers: int, tensor_parallel_size: int, environ=os.environ) -> list[str]:

@@ -70,6 +70,23 @@ def native_routes(config: RunConfig) -> bool:
     return config.rl.routing_replay == "rollout" and torch.cuda.is_available()
 
 
+def server_args(config, tensor_parallel_size: int, *, cuda: bool | None = None) -> list[str]:
+    """vLLM server flags that depend on the run, added to those of VllmServerProcess.start (for the
+    servers we start and for those of a SLURM job's rollout nodes)."""
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    args = ["--tensor-parallel-size", str(tensor_parallel_size)]
+    if tensor_parallel_size == 1:
+        # The single worker runs inside the engine process (vLLM's CPU build would spawn a process
+        # for it: one more start-up import of torch and vLLM).
+        args += ["--distributed-executor-backend", "uni"]
+    if config.rl.routing_replay == "rollout" and cuda:  # native_routes
+        # R3 on GPU: vLLM returns every completion's routes itself; the worker extension's capture
+        # (the CPU path, rollout/route_capture.py) cannot run inside CUDA graphs.
+        args.append("--enable-return-routed-experts")
+    return args
+
+
 def build_engines(config: RunConfig, model_dir: Path, *, local_rank: int, seed: int) -> list[RolloutEngine] | None:
     rollout = config.rollout
     output_dir = Path(config.output_dir)
@@ -112,8 +129,7 @@ def build_engines(config: RunConfig, model_dir: Path, *, local_rank: int, seed: 
                     cpu_kv_cache_gib=rollout.cpu_kv_cache_gib,
                     gpu_memory_utilization=rollout.gpu_memory_utilization, load_format="dummy",
                     startup_timeout_s=rollout.startup_timeout_s,
-                    extra_args=["--tensor-parallel-size", str(rollout.tp_of_server(index))]
-                    + (["--enable-return-routed-experts"] if native_routes(config) else []),
+                    extra_args=server_args(config, rollout.tp_of_server(index)),
                 ))
             servers = [(process.url, process) for process in started]
         return [VllmServerEngine(url, name=f"vllm-{index}", process=process, staging_dir=staging,

@@ -24,6 +24,7 @@ from megatron_rl.config import ConfigError, load_config
 from megatron_rl.launch import rollout_node
 from megatron_rl.launch.slurm import SlurmOptions, prepare
 from megatron_rl.rollout.engine_model import engine_config, write_engine_model_dir
+from megatron_rl.rollout.factory import server_args
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -101,13 +102,14 @@ def test_rollout_node_writes_the_trainers_engine_model(tmp_path, launched):
 
 
 def test_server_args_per_layout_and_routing_replay():
+    """The flags of the servers the trainer starts and of the rollout nodes (one function)."""
     config = load_config(None, ["rollout.mode=server", "rl.routing_replay=rollout"])
-    assert rollout_node.server_args(config, 1, cuda=False) == [
+    assert server_args(config, 1, cuda=False) == [
         "--tensor-parallel-size", "1", "--distributed-executor-backend", "uni"]
     # R3 on GPU: vLLM's own route capture (ours cannot run inside CUDA graphs).
-    assert rollout_node.server_args(config, 8, cuda=True) == ["--tensor-parallel-size", "8",
+    assert server_args(config, 8, cuda=True) == ["--tensor-parallel-size", "8",
                                                               "--enable-return-routed-experts"]
-    assert "--enable-return-routed-experts" not in rollout_node.server_args(
+    assert "--enable-return-routed-experts" not in server_args(
         load_config(None, ["rollout.mode=server"]), 8, cuda=True)
 
 
