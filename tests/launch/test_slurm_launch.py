@@ -217,8 +217,9 @@ def test_preemption_warning_checkpoints_and_requeues(slurm_cluster, tmp_path):
 # identical on both sides), GRPO (no group is dropped, so every step trains on both servers'
 # samples) with an entropy bonus (a gradient even where all rewards are equal, so every update
 # changes the weights the next push must deliver).
+# R3 too: the servers' own routes (captured in their workers) replayed in every forward.
 DISAGGREGATED = ["rl.steps=2", "warm_start.steps=0", "rl.recipe=grpo", "rl.entropy_coef=0.01", "data.num_heldout=2",
-                 "checkpoint.every_steps=0", "checkpoint.export_hf=false"]
+                 "checkpoint.every_steps=0", "checkpoint.export_hf=false", "rl.routing_replay=rollout"]
 
 
 def server_requests(log: Path) -> dict[str, int]:
@@ -254,14 +255,19 @@ def test_disaggregated_job_pushes_every_step_to_both_servers(slurm_cluster, tmp_
         assert record["rollout/groups_kept"] == 8 and record["count/sequences"] == 32, record
         assert record["mismatch/logp_abs_diff_max"] <= 1e-4, (step, record["mismatch/logp_abs_diff_max"])
         assert record["train/grad_norm"] > 0, record
+        assert record["rollout/weight_pushes"] == 1 + step, record
+        # R3 on the servers' routes: holding the weights the servers sampled with (fp32), the
+        # trainer's own routing agrees with theirs on every (token, layer).
+        assert record["moe/rollout_routing_drift"] == 0.0, record
     # Each server took every push, the first one and one after each step, each bracketed by pause /
     # prefix-cache reset / resume (its access log); collective_rpc: the worker count, the group
-    # join, then one receive per push.
+    # join, one receive per push, and (R3) the route fetches.
     pushes = 1 + 2
     for index in (0, 1):
         requests = server_requests(out / "logs" / f"vllm-{index}.log")
-        assert requests.get("/pause") == requests.get("/reset_prefix_cache") == requests.get("/resume") == pushes, \
-            (index, requests)
-        assert requests.get("/collective_rpc") == 2 + pushes, (index, requests)
+        assert requests.get("/pause") == requests.get("/resume") == pushes, (index, requests)
+        # One more cache reset: R3's route capture starts with an empty prefix cache.
+        assert requests.get("/reset_prefix_cache") == pushes + 1, (index, requests)
+        assert requests.get("/collective_rpc") > 2 + pushes, (index, requests)
         assert requests.get("/v1/completions", 0) > 0, (index, requests)
     assert json.loads((out / "run_state.json").read_text()) == {"step": 2, "finished": True}
