@@ -860,7 +860,7 @@ wrap("megatron_rl.platform.runtime", None, "start_runtime", "start_runtime (proc
 wrap("megatron_rl.trainer", "Trainer", "__init__", "Trainer.__init__")
 wrap("megatron_rl.model.policy", "Policy", "__init__", "Policy.__init__ (model, DDP, optimizer)")
 wrap("megatron_rl.trainer", "Trainer", "_prepare_engine_model", "engine model directory + tokenizer")
-wrap("megatron_rl.trainer", None, "build_engine", "build_engine (rollout engine start)")
+wrap("megatron_rl.rollout.client", None, "build_engines", "build_engines (rollout engine start)")
 wrap("megatron_rl.trainer", "Trainer", "sync_weights", "sync_weights (push weights to the engine)")
 wrap("megatron_rl.warm_start", None, "warm_start", "warm_start (all steps)")
 wrap("megatron_rl.trainer", "Trainer", "evaluate", "evaluate (held-out)")
