@@ -5,13 +5,20 @@
    instance, the same prompts and the same seeds, alternating, median of several rounds.
    Reported: overhead ratio = raw tokens/s / wrapper tokens/s (1.00 = no overhead). The two runs
    must produce the same tokens, which the script checks.
-2. Weight push: seconds per GB for the full model, Megatron policy -> bridge export -> engine:
-   colocated (same-process stream) and, with --server, an HTTP server via safetensors files.
-   Reference: the time to copy the same bytes once in memory (`torch.Tensor.copy_`), so the
-   ratio says how far the push is from a plain memory copy.
+2. Weight push: seconds for the full model, Megatron policy -> bridge export -> engine, colocated
+   (same-process stream) and, with --server, into an HTTP server through safetensors files
+   (written by the trainer side, read by the server's workers). Each is measured twice: with
+   in-place updates (the default: after the first push the worker copies straight into the
+   engine's parameters and redoes only the packing the CPU kernels need) and with vLLM's full
+   layer-wise reload (what every push did before). Reference: one memory copy of the same
+   tensors (`torch.Tensor.copy_` into pre-touched memory), measured in the same run,
+   interleaved with the push rounds; every figure is a median over rounds. The worker's own
+   profile of each push (vllm_worker._reload: time waiting on the stream, i.e. export or
+   file reads, in-place copies, GEMM re-packing, MoE re-packing; or vLLM's reload and the
+   repairs after it) is printed as seconds and as multiples of the memory copy.
 
     python benchmarks/rollout.py             # ~2 min on 2 CPU cores
-    python benchmarks/rollout.py --server    # adds the HTTP server push (~1 more minute)
+    python benchmarks/rollout.py --server    # adds the HTTP server push (~2 more minutes)
     python benchmarks/rollout.py --quick     # smaller, for the test suite
 """
 
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -110,63 +118,129 @@ def main() -> None:
                    overhead_ratio=raw_tps / wrapped_tps)
 
     # ---- 2. weight push -----------------------------------------------------------------------
-    def push_colocated():
-        return engine.update_weights(hf_weight_stream(policy.module, policy.arch, destination="all"))
-
-    nbytes = sum(t.numel() * t.element_size() for _, t in hf_weight_stream(policy.module, policy.arch))
+    stream = lambda destination: hf_weight_stream(policy.module, policy.arch, destination=destination)  # noqa: E731
+    nbytes = sum(t.numel() * t.element_size() for _, t in stream("all"))
     gb = nbytes / 1e9
-    push_colocated()  # warm-up
-    push_times = []
-    for _ in range(args.rounds):
-        started = time.perf_counter()
-        push_colocated()
-        push_times.append(time.perf_counter() - started)
-    copy_times = []
-    for _ in range(args.rounds):
-        sources = [t for _, t in hf_weight_stream(policy.module, policy.arch)]
+
+    def memcopy() -> float:
+        sources = [t for _, t in stream("all")]
         targets = [torch.zeros_like(t) for t in sources]  # touched now: the copy then measures bandwidth, not page faults
         started = time.perf_counter()
         for target, source in zip(targets, sources):
             target.copy_(source)
-        copy_times.append(time.perf_counter() - started)
-        del sources, targets
-    push_s = statistics.median(push_times)
+        return time.perf_counter() - started
+
+    def export() -> float:
+        started = time.perf_counter()
+        for _ in stream("all"):
+            pass
+        return time.perf_counter() - started
+
+    def colocated(in_place: bool) -> tuple[list[float], list[dict]]:
+        engine._llm.collective_rpc("set_in_place_weight_updates", args=(in_place,))
+        engine.update_weights(stream("all"))  # warm-up; with in_place, the push that plans
+        times, profiles = [], []
+        for _ in range(args.rounds):
+            copy_times.append(memcopy())  # interleaved with the pushes: the same machine state
+            started = time.perf_counter()
+            engine.update_weights(stream("all"))
+            times.append(time.perf_counter() - started)
+            profiles.append(engine._llm.collective_rpc("weight_update_profile")[0])
+        return times, profiles
+
+    copy_times: list[float] = []
+    export_s = statistics.median(export() for _ in range(args.rounds))
+    full_times, full_profiles = colocated(in_place=False)
+    push_times, push_profiles = colocated(in_place=True)
+    if {p["path"] for p in push_profiles} != {"in_place"}:
+        raise SystemExit(f"colocated pushes did not run in place: {push_profiles[-1]}")
     copy_s = statistics.median(copy_times)
-    results.update(weights_gb=gb, colocated_push_s=push_s, colocated_push_s_per_gb=push_s / gb,
-                   memcopy_s_per_gb=copy_s / gb, colocated_push_vs_memcopy=push_s / copy_s)
+    push_s, full_s = statistics.median(push_times), statistics.median(full_times)
+    results.update(weights_gb=gb, memcopy_s=copy_s, memcopy_s_per_gb=copy_s / gb, export_s=export_s,
+                   colocated_push_s=push_s, colocated_push_s_per_gb=push_s / gb,
+                   colocated_push_vs_memcopy=push_s / copy_s, colocated_profile=median_profile(push_profiles),
+                   colocated_full_reload_s=full_s, colocated_full_reload_vs_memcopy=full_s / copy_s,
+                   colocated_full_reload_profile=median_profile(full_profiles))
     engine.shutdown()
 
     if args.server:
         from megatron_rl.platform.distributed import free_port
+        from megatron_rl.rollout.transport import write_safetensors_dir
         from megatron_rl.rollout.vllm_server import VllmServerEngine, VllmServerProcess
 
         server = VllmServerProcess.start(work / "hf", port=free_port(), log_path=work / "server.log", dtype="float32",
                                          max_model_len=512, cache_dir=work / "cache")
         client = VllmServerEngine(server.url, process=server, staging_dir=work / "staging")
-        try:
-            client.update_weights(hf_weight_stream(policy.module, policy.arch, destination="main"))  # warm-up
-            server_times = []
-            for _ in range(max(2, args.rounds // 2)):
+
+        def files(in_place: bool) -> tuple[list[float], list[dict]]:
+            client._rpc("set_in_place_weight_updates", in_place)
+            client.update_weights(stream("main"))  # warm-up; with in_place, the push that plans
+            times, profiles = [], []
+            for _ in range(args.rounds):
+                copy_times.append(memcopy())
                 started = time.perf_counter()
-                client.update_weights(hf_weight_stream(policy.module, policy.arch, destination="main"))
-                server_times.append(time.perf_counter() - started)
-            server_s = statistics.median(server_times)
-            results.update(server_files_push_s=server_s, server_files_push_s_per_gb=server_s / gb,
-                           server_push_vs_memcopy=server_s / copy_s)
+                client.update_weights(stream("main"))
+                times.append(time.perf_counter() - started)
+                profiles.append(client._rpc("weight_update_profile")[0])
+            return times, profiles
+
+        def write_only() -> tuple[float, float]:
+            """The trainer side of a files push alone: write the files, then delete them."""
+            started = time.perf_counter()
+            write_safetensors_dir(stream("main"), work / "staging" / "write-only", 512 << 20)
+            written = time.perf_counter()
+            shutil.rmtree(work / "staging" / "write-only")
+            return written - started, time.perf_counter() - written
+
+        try:
+            server_full_times, server_full_profiles = files(in_place=False)
+            server_times, server_profiles = files(in_place=True)
+            writes = [write_only() for _ in range(args.rounds)]
+            write_s, delete_s = (statistics.median(w[i] for w in writes) for i in (0, 1))
         finally:
             client.shutdown()
+        if {p["path"] for p in server_profiles} != {"in_place"}:
+            raise SystemExit(f"server pushes did not run in place: {server_profiles[-1]}")
+        copy_s = statistics.median(copy_times)  # now over every round of both engines
+        server_s, server_full_s = statistics.median(server_times), statistics.median(server_full_times)
+        results.update(memcopy_s=copy_s, memcopy_s_per_gb=copy_s / gb,
+                       colocated_push_vs_memcopy=push_s / copy_s, colocated_full_reload_vs_memcopy=full_s / copy_s,
+                       server_files_push_s=server_s, server_files_push_s_per_gb=server_s / gb,
+                       server_push_vs_memcopy=server_s / copy_s, server_profile=median_profile(server_profiles),
+                       server_write_files_s=write_s, server_delete_files_s=delete_s,
+                       server_full_reload_s=server_full_s,
+                       server_full_reload_vs_memcopy=server_full_s / copy_s,
+                       server_full_reload_profile=median_profile(server_full_profiles))
 
     print(f"model: {results['model_parameters'] / 1e6:.1f} M parameters, {gb:.3f} GB pushed (fp32)")
     print(f"generate: {tokens} tokens; raw vLLM {raw_tps:.0f} tok/s, our engine {wrapped_tps:.0f} tok/s "
           f"-> overhead ratio raw/ours {results['overhead_ratio']:.3f}")
-    print(f"push colocated: {push_s:.3f} s = {push_s / gb:.2f} s/GB; memory copy {copy_s / gb:.3f} s/GB "
-          f"-> ratio {results['colocated_push_vs_memcopy']:.1f}x")
+    copy_s = results["memcopy_s"]
+    print(f"memory copy of the same tensors: {copy_s:.3f} s = {copy_s / gb:.3f} s/GB (median of {len(copy_times)})")
+    print(f"bridge export alone: {export_s:.3f} s = {export_s / copy_s:.2f}x memcopy")
+    print(f"push colocated, in place: {push_s:.3f} s = {push_s / gb:.2f} s/GB -> {push_s / copy_s:.2f}x memcopy")
+    print(f"  where the time goes: {describe(results['colocated_profile'], copy_s)}")
+    print(f"push colocated, vLLM full reload: {full_s:.3f} s -> {full_s / copy_s:.2f}x memcopy")
+    print(f"  where the time goes: {describe(results['colocated_full_reload_profile'], copy_s)}")
     if "server_files_push_s" in results:
-        print(f"push server (files): {results['server_files_push_s']:.3f} s = "
-              f"{results['server_files_push_s_per_gb']:.2f} s/GB -> ratio {results['server_push_vs_memcopy']:.1f}x memcopy")
+        print(f"push server (files), in place: {server_s:.3f} s = {server_s / gb:.2f} s/GB -> "
+              f"{server_s / copy_s:.2f}x memcopy; on the trainer side, writing the files alone "
+              f"{write_s:.3f} s ({write_s / copy_s:.2f}x), deleting them {delete_s:.3f} s ({delete_s / copy_s:.2f}x)")
+        print(f"  in the server: {describe(results['server_profile'], copy_s)}")
+        print(f"push server (files), vLLM full reload: {server_full_s:.3f} s -> {server_full_s / copy_s:.2f}x memcopy")
+        print(f"  in the server: {describe(results['server_full_reload_profile'], copy_s)}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     runtime.shutdown()
+
+
+def median_profile(profiles: list[dict]) -> dict:
+    """Per timing key of the worker's push profiles (vllm_worker._reload), the median over rounds."""
+    return {key: statistics.median(p[key] for p in profiles) for key in profiles[0] if key.endswith("_s")}
+
+
+def describe(profile: dict, copy_s: float) -> str:
+    return ", ".join(f"{key[:-2]} {value:.3f} s ({value / copy_s:.2f}x)" for key, value in profile.items())
 
 
 if __name__ == "__main__":
