@@ -232,6 +232,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     runtime.shutdown()
+    shutil.rmtree(work, ignore_errors=True)  # the model, its engine cache and the staging files
 
 
 def median_profile(profiles: list[dict]) -> dict:

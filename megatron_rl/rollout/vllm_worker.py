@@ -96,38 +96,8 @@ class WeightSyncWorker(CollectiveReceiverWorker, RouteCaptureWorker):
         self._weight_plan_refused = None
         return self.in_place_weight_updates
 
-    # ---- GPU transport (NCCL broadcast from the trainer) --------------------------------------
-    # Written to vLLM's documented weight-update pattern: the trainer's rank 0 and every engine
-    # worker join one NCCL group over a TCP rendezvous; the trainer broadcasts each tensor and the
-    # workers feed them to the same in-place reload. Exercised only on a machine with CUDA GPUs;
-    # the CPU test suite cannot run it.
-
-    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-        from vllm.distributed.parallel_state import get_world_group
-        from vllm.distributed.utils import StatelessProcessGroup
-
-        rank = get_world_group().rank + int(rank_offset)
-        group = StatelessProcessGroup.create(host=master_address, port=int(master_port), rank=rank,
-                                             world_size=int(world_size))
-        self._weight_group = PyNcclCommunicator(group, device=self.device)
-
-    def update_weights_from_broadcast(self, metadata_json: str) -> int:
-        """metadata_json: JSON list of [name, dtype, shape] in the order the trainer broadcasts."""
-        group = getattr(self, "_weight_group", None)
-        if group is None:
-            raise RuntimeError("init_weight_update_group must be called before update_weights_from_broadcast")
-        metadata = json.loads(metadata_json)
-
-        def received() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, dtype, shape in metadata:
-                tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
-                group.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
-                yield name, tensor
-
-        count = self._reload(received())
-        torch.cuda.synchronize()
-        return count
+    # The collective transport (gloo on CPU, NCCL on GPU) is CollectiveReceiverWorker's
+    # (rollout/weight_receiver.py); it ends in the same `_reload`.
 
     # ---- internals ----------------------------------------------------------------------------
 

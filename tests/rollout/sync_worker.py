@@ -161,6 +161,12 @@ def main() -> None:
             report["pushed_tensors"] = client.sync_weights(policy.module, policy.arch)
         report["push_s"] = time.perf_counter() - started
         report["synced_diffs"] = diffs(sampling)
+        if engine is not None:
+            # A second push: from the second on, the engine copies into its parameters in place
+            # (vllm_worker._InPlacePlan) instead of vLLM's full reload; it must agree just as well.
+            policy.train_step(batches, lambda lp, ent, b: (-(lp * b.loss_mask[0]).sum() / normalizer, {}))
+            engine.update_weights(hf_weight_stream(policy.module, policy.arch, destination="all", bucket_bytes=1 << 16))
+            report["synced_diffs"] += diffs(sampling)
 
         fresh_groups = generate(sampling)
         fresh = flat(fresh_groups)
