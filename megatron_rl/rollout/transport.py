@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
@@ -59,16 +59,21 @@ def agree(outcome: tuple[int | None, str | None], source: int = 0) -> int:
     return count
 
 
+def outcomes(futures: list[tuple[RolloutEngine, Future]]) -> tuple[list, list[str]]:
+    """Every engine's result, and a line per engine that failed (none hidden behind the first)."""
+    results, failures = [], []
+    for engine, future in futures:
+        try:
+            results.append(future.result())
+        except Exception as exc:  # collected: the caller raises one error naming them all
+            failures.append(f"{engine.name}: {exc}")
+    return results, failures
+
+
 def on_every_engine(engines: list[RolloutEngine], method: str, *args) -> list:
     """`engine.method(*args)` on every engine concurrently; every failure named, none hidden."""
     with ThreadPoolExecutor(max_workers=len(engines)) as pool:
-        futures = [(engine, pool.submit(getattr(engine, method), *args)) for engine in engines]
-        results, failures = [], []
-        for engine, future in futures:
-            try:
-                results.append(future.result())
-            except Exception as exc:  # every engine's outcome, then one error naming all that failed
-                failures.append(f"{engine.name}: {exc}")
+        results, failures = outcomes([(engine, pool.submit(getattr(engine, method), *args)) for engine in engines])
     if failures:
         raise EngineError(f"{method} failed on {len(failures)} of {len(engines)} engines:\n  " + "\n  ".join(failures))
     return results
@@ -228,18 +233,12 @@ class CollectiveTransport:
         except Exception as exc:  # reported with the engines' side of the story below
             error = f"stage {self._stage} leader could not join the weight group at {self.host}:{self.port}: {exc}"
         if joining is not None:
-            failures = []
-            for engine, future in joining:
-                try:
-                    future.result()
-                except Exception as exc:
-                    failures.append(f"{engine.name}: {exc}")
+            _, failures = outcomes(joining)
             pool.shutdown()
             if failures:
                 error = (error + "; " if error else "") + "engines failed to join: " + "; ".join(failures)
-        flags = [error]
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, flags[0])
+        dist.all_gather_object(everyone, error)
         problems = [problem for problem in everyone if problem]
         if problems:
             raise EngineError(f"weight transport (collective, {self.backend}): " + " | ".join(problems))
@@ -257,7 +256,6 @@ class CollectiveTransport:
                 drain(stream)
         except Exception as exc:
             error = f"stage {self._stage} leader failed while sending: {exc}"
-        counts = [sent]
         # Every leader's count: the engines must have loaded the sum.
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (self._leader, sent, error))
@@ -265,13 +263,7 @@ class CollectiveTransport:
         errors = [problem for _, _, problem in everyone if problem]
         outcome: tuple[int | None, str | None] = (None, None)
         if receiving is not None:
-            failures = []
-            counts = []
-            for engine, future in receiving:
-                try:
-                    counts.append(future.result())
-                except Exception as exc:
-                    failures.append(f"{engine.name}: {exc}")
+            counts, failures = outcomes(receiving)
             pool.shutdown()
             try:
                 if errors or failures:
