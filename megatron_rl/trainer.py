@@ -225,7 +225,6 @@ class Trainer:
         tick = time.perf_counter()
         metrics["rollout/weights_loaded"] = self.sync_weights()  # tensors each engine loaded
         timings["time/sync_s"] = time.perf_counter() - tick
-        metrics["rollout/weight_pushes"] = self.rollout.pushes
         metrics.update(timings)
         metrics["time/step_s"] = sum(timings.values())
         return metrics

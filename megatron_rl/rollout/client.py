@@ -18,7 +18,6 @@ share while the warm start trains. Every rank syncs at the same points, so they 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -39,8 +38,6 @@ class RolloutClient:
         self.engines: list[RolloutEngine] | None = None  # this rank's engines (None: not the driver)
         self._requests = None  # the engine, or a pool splitting requests over several
         self.transport = None
-        self.pushes = 0
-        self.last_push_s: float | None = None
 
     @property
     def started(self) -> bool:
@@ -75,7 +72,6 @@ class RolloutClient:
         of tensors each engine loaded."""
         if not self.started:
             self.start()
-        started = time.perf_counter()
         stream = hf_weight_stream(module, arch, destination=self.transport.destination,
                                   bucket_bytes=self.config.rollout.weight_bucket_mb << 20,
                                   dtype=torch_dtype(self.config))
@@ -90,8 +86,6 @@ class RolloutClient:
             for engine in self.engines:
                 engine.reset_prefix_cache()
             self._requests.resume()
-        self.pushes += 1
-        self.last_push_s = time.perf_counter() - started
         return count
 
     def shutdown(self) -> None:
