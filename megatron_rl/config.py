@@ -280,6 +280,17 @@ class RolloutConfig:
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 900.0
     max_retries: int = 2  # per request, for transient HTTP failures; then the engine is reported dead
+    # Asynchronous RL (rl.max_staleness >= 1, servers only; megatron_rl/async_rollout.py).
+    # partial: a weight update lands mid-generation: the engines abort their in-flight requests,
+    # take the new weights, and every unfinished sequence continues from its last token on the
+    # new weights (re-prefilled: no KV computed by the old weights is reused); its tokens record
+    # which policy version produced them. false: an update waits until the engines are idle.
+    partial: bool = False
+    # Active sampling with dynamic sampling: groups are generated ahead of need so the engines
+    # stay busy while zero-spread groups are dropped. At most this many groups beyond those still
+    # needed are in flight; the unused ones are dropped when the step's batch is complete (the
+    # bound on over-generation). None = a quarter of rl.prompts_per_step.
+    overgeneration_groups: int | None = None
 
     def tp_of_server(self, index: int) -> int:
         """The tensor parallel size of the `index`-th server we start."""
@@ -315,6 +326,8 @@ class RolloutConfig:
         for url in self.server_urls:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"{where}.server_urls: {url!r} must start with http:// or https://")
+        if self.overgeneration_groups is not None and self.overgeneration_groups < 0:
+            raise ConfigError(f"{where}.overgeneration_groups must be >= 0 (or null), got {self.overgeneration_groups}")
 
 
 RoutingReplay = Literal["off", "training", "rollout"]
@@ -330,21 +343,79 @@ def _routing_replay_value(value: Any) -> Any:
     return value
 
 
+# The algorithm knobs of `rl` (their names as megatron_rl.algorithms spells them; the config
+# module does not import torch, so the sets are repeated here and a unit test keeps them equal).
+RecipeName = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo", "olmo3"]
+# Outcome-reward estimators (algorithms.ADVANTAGE_ESTIMATORS less grpo_process, which needs
+# per-step rewards the trainer does not produce).
+AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"]
+LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                      "token-sum"]
+RatioLevel = Literal["token", "sequence", "sequence_token"]
+TisLevel = Literal["token", "sequence", "off"]
+TisMode = Literal["truncate", "mask"]
+
+
+def _off_value(value: Any) -> Any:
+    """YAML reads a bare `off` as false: rl.tis_level: off / false mean "off"."""
+    return "off" if value is False else value
+
+
+def _check_choice(where: str, name: str, value: Any, hint: Any) -> None:
+    allowed = typing.get_args(hint)
+    if value is not None and value not in allowed:
+        raise ConfigError(f"{where}.{name}: {value!r} is not one of {', '.join(map(repr, allowed))} (or null for "
+                          f"the recipe's value)")
+
+
 @dataclass
 class RLConfig:
     """The RL loop: what one step generates, how it trains on it, and the algorithm."""
 
-    # grpo | dr_grpo | dapo | gspo | cispo (megatron_rl.algorithms.recipes); the fields below
-    # that are None keep the recipe's value.
-    recipe: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"] = "dapo"
+    # grpo | dr_grpo | dapo | gspo | cispo | olmo3 (megatron_rl.algorithms.recipes); the
+    # algorithm fields below that are None keep the recipe's value.
+    recipe: RecipeName = "dapo"
     kl_coef: float | None = None
     entropy_coef: float | None = None
     eps_low: float | None = None
     eps_high: float | None = None
     dynamic_sampling: bool | None = None
+    # Group-relative advantage: grpo ((r - mean) / std), dr_grpo (r - mean), rloo (leave-one-out
+    # mean), reinforce_plus_plus_baseline (r - group mean, whitened over the batch).
+    advantage_estimator: AdvantageEstimator | None = None
+    # Loss reduction: token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum,
+    # seq-mean-token-sum-norm (Dr. GRPO; L_norm = max_response_tokens), token-sum.
+    loss_agg_mode: LossAggMode | None = None
+    # Importance ratio: token (PPO), sequence (GSPO), sequence_token (GSPO-token).
+    ratio_level: RatioLevel | None = None
+    # DAPO overlong reward shaping: 0 up to overlong_max_length - overlong_buffer_length, then a
+    # linear ramp to -overlong_penalty_factor at overlong_max_length. DAPO's 20480 / 4096 are its
+    # generation budget and a fifth of it, so when the recipe shapes (dapo) or either length is set
+    # here, a length left null follows that rule at this run's budget: overlong_max_length =
+    # max_response_tokens and overlong_buffer_length = round(0.2 * overlong_max_length), at least 1
+    # (DAPO's own numbers would never penalize a response budget up to 16384). A soft budget at or
+    # beyond max_response_tokens is refused (it would never apply); overlong_penalty_factor: 0
+    # turns shaping off.
+    overlong_max_length: int | None = None
+    overlong_buffer_length: int | None = None
+    overlong_penalty_factor: float | None = None
+    # Truncated responses (cut at max_response_tokens) leave the loss (DAPO overlong filtering).
+    mask_truncated: bool | None = None
     # Train/inference mismatch correction (truncated importance sampling against the engine's
-    # logprobs): None = off, else the truncation bound (e.g. 2.0).
+    # logprobs, weight pi_old_train / pi_rollout): tis_level token | sequence | off (null: the
+    # recipe's; the olmo3 recipe has token-level TIS); tis_mode truncate (clip the weight to
+    # [tis_lower, tis_upper]) | mask (weight 0 outside it). Setting tis_upper alone (e.g. 2.0)
+    # turns token-level TIS on, as before.
+    tis_level: TisLevel | None = field(default=None, metadata={"coerce": _off_value})
+    tis_mode: TisMode | None = None
     tis_upper: float | None = None
+    tis_lower: float | None = None
+    # Samples may come from a policy at most this many versions older than the one being
+    # updated; 0 = synchronous. At >= 1, unless tis_level is set, the loss is AReaL's decoupled
+    # objective (arXiv:2505.24298): the PPO ratio against the proximal policy (old logprobs the
+    # trainer recomputes at the step's start) times the behaviour weight proximal / engine,
+    # which is token-level TIS, truncated at tis_upper (2.0 when null).
+    max_staleness: int = 0
     # Dual clip for negative advantages (c > 1), None = off.
     dual_clip_c: float | None = None
     # Defaults: the built-in tiny run (about 3 minutes of RL on 2 CPU cores).
@@ -377,6 +448,7 @@ class RLConfig:
 
     def __post_init__(self):
         self.routing_replay = _routing_replay_value(self.routing_replay)
+        self.tis_level = _off_value(self.tis_level)
 
     def validate(self, where: str) -> None:
         if self.routing_replay not in typing.get_args(RoutingReplay):
@@ -394,19 +466,93 @@ class RLConfig:
             raise ConfigError(f"{where}.max_refill_rounds and eval_every must be >= 0")
         if not 0 < self.top_p <= 1 or self.temperature < 0 or self.eval_temperature < 0:
             raise ConfigError(f"{where}: temperature must be >= 0 and top_p in (0, 1]")
-        if self.tis_upper is not None and self.tis_upper <= 1:
-            raise ConfigError(f"{where}.tis_upper must be > 1 (or null for off), got {self.tis_upper}")
+        self._validate_algorithm(where)
         if self.eval_prompts is not None and self.eval_prompts < 1:
             raise ConfigError(f"{where}.eval_prompts must be >= 1 or null")
 
-    def algorithm(self):
-        """The recipe with this section's overrides (megatron_rl.algorithms.Recipe)."""
-        from megatron_rl.algorithms import recipe
+    def _validate_algorithm(self, where: str) -> None:
+        """The algorithm knobs, without building the recipe (that imports torch; trainer.preflight
+        builds it and reports the loss config's own checks)."""
+        for name, hint in (("recipe", RecipeName), ("advantage_estimator", AdvantageEstimator),
+                           ("loss_agg_mode", LossAggMode), ("ratio_level", RatioLevel), ("tis_level", TisLevel),
+                           ("tis_mode", TisMode)):
+            _check_choice(where, name, getattr(self, name), hint)
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ConfigError(f"{where}.max_staleness must be an integer >= 0 (0 = synchronous), "
+                              f"got {self.max_staleness!r}")
+        for name in ("overlong_max_length", "overlong_buffer_length"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{where}.{name} must be an integer >= 1 (or null), got {value!r}")
+        if (self.overlong_max_length is not None and self.overlong_buffer_length is not None
+                and self.overlong_buffer_length > self.overlong_max_length):
+            raise ConfigError(f"{where}.overlong_buffer_length={self.overlong_buffer_length} must be <= "
+                              f"overlong_max_length={self.overlong_max_length}")
+        factor = self.overlong_penalty_factor
+        if factor is not None and not (factor >= 0 and factor != float("inf")):
+            raise ConfigError(f"{where}.overlong_penalty_factor must be a finite number >= 0 (0 = no shaping), "
+                              f"got {factor}")
+        if self.overlong_max_length is not None or self.overlong_buffer_length is not None:
+            self._overlong(None, None, where)  # lengths given here: do they ever apply? (DAPO's ratio, as dapo's)
+        if self.tis_upper is not None and not 1 < self.tis_upper < float("inf"):
+            raise ConfigError(f"{where}.tis_upper must be > 1 (or null), got {self.tis_upper}")
+        if self.tis_lower is not None and not 0 < self.tis_lower < 1:
+            raise ConfigError(f"{where}.tis_lower must be in (0, 1) (or null for no lower bound), got {self.tis_lower}")
+        if self.tis_level == "off":
+            given = [name for name in ("tis_mode", "tis_upper", "tis_lower") if getattr(self, name) is not None]
+            if given:
+                raise ConfigError(f"{where}.{given[0]} has no effect with tis_level=off; remove it or set tis_level "
+                                  f"to token or sequence")
 
-        names = ("kl_coef", "entropy_coef", "eps_low", "eps_high", "dynamic_sampling", "dual_clip_c")
+    def _overlong(self, recipe_max: int | None, recipe_buffer: int | None, where: str = "rl") -> dict[str, Any]:
+        """The overlong-shaping overrides (see the field comment)."""
+        if self.overlong_penalty_factor == 0:
+            return {"overlong_max_length": None, "overlong_buffer_length": None}
+        lengths = (recipe_max, self.overlong_max_length, self.overlong_buffer_length)
+        if all(value is None for value in lengths):
+            return {}
+        # DAPO's buffer is a fifth of its budget (4096 / 20480); a recipe's own ratio if it has one.
+        num, den = (recipe_buffer, recipe_max) if recipe_max is not None else (1, 5)
+        length = self.overlong_max_length if self.overlong_max_length is not None else self.max_response_tokens
+        buffer = self.overlong_buffer_length
+        if buffer is None:
+            buffer = max(1, (num * length + den // 2) // den)  # rounded half up, in integers
+        if buffer > length:
+            raise ConfigError(f"{where}.overlong_buffer_length={buffer} must be <= overlong_max_length={length}")
+        if length - buffer >= self.max_response_tokens:
+            raise ConfigError(
+                f"{where}: overlong shaping would never apply: its soft budget overlong_max_length - "
+                f"overlong_buffer_length = {length} - {buffer} = {length - buffer} is not below "
+                f"max_response_tokens={self.max_response_tokens}; lower overlong_max_length (null = the "
+                f"budget) or set overlong_penalty_factor: 0 for no shaping")
+        return {"overlong_max_length": length, "overlong_buffer_length": buffer}
+
+    def algorithm(self):
+        """The recipe with this section's overrides (megatron_rl.algorithms.Recipe).
+
+        Raises ConfigError for overlong lengths that cannot apply; the recipe's own checks raise
+        ValueError (trainer.preflight reports them as ConfigError)."""
+        from megatron_rl.algorithms import RECIPES, recipe
+
+        base = RECIPES[self.recipe]
+        names = ("kl_coef", "entropy_coef", "eps_low", "eps_high", "dynamic_sampling", "dual_clip_c",
+                 "advantage_estimator", "loss_agg_mode", "ratio_level", "overlong_penalty_factor", "mask_truncated",
+                 "tis_mode", "tis_upper", "tis_lower")
         overrides = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
-        if self.tis_upper is not None:
-            overrides.update(tis_level="token", tis_upper=self.tis_upper)
+        overrides.update(self._overlong(base.overlong_max_length, base.overlong_buffer_length))
+        if self.tis_level == "off":
+            overrides["tis_level"] = None
+        elif self.tis_level is not None:
+            overrides["tis_level"] = self.tis_level
+        elif base.loss.tis_level is None and (self.tis_upper is not None or self.max_staleness >= 1):
+            # tis_upper alone turns token-level TIS on; so does an asynchronous run (AReaL's
+            # decoupled objective: the behaviour weight pi_prox / pi_behav, truncated).
+            overrides["tis_level"] = "token"
+        tis_on = overrides.get("tis_level", base.loss.tis_level) is not None
+        if not tis_on and (self.tis_mode is not None or self.tis_lower is not None):
+            name = "tis_mode" if self.tis_mode is not None else "tis_lower"
+            raise ConfigError(f"{name} has no effect: TIS is off (recipe {self.recipe} has none); set tis_level or "
+                              f"tis_upper")
         chosen = recipe(self.recipe, **overrides)
         if chosen.loss.loss_agg_mode == "seq-mean-token-sum-norm" and chosen.loss.l_norm is None:
             # Dr. GRPO divides by a constant: the generation budget, as in the paper.
@@ -500,6 +646,7 @@ class RunConfig:
             if self.parallel.cp > 1:
                 raise ConfigError(f"{where}: rl.routing_replay=rollout maps the engine's routes onto whole packed "
                                   f"sequences and does not support context parallelism (parallel.cp={self.parallel.cp})")
+        self._validate_async(where)
         self.warm_start.validate(f"{where}: warm_start")
         self.data.validate(f"{where}: data")
         self.rewards.validate(f"{where}: rewards")
@@ -507,6 +654,22 @@ class RunConfig:
         self._validate_fp8_rollout(where)
         # The recipe overrides are checked by trainer.preflight (building a Recipe imports torch).
         return self
+
+    def _validate_async(self, where: str) -> None:
+        """Asynchronous RL needs engines that generate while the trainer trains: servers."""
+        staleness = self.rl.max_staleness
+        if staleness and self.rollout.mode != "server":
+            raise ConfigError(
+                f"{where}: rl.max_staleness={staleness} overlaps generation with training, which needs "
+                f"engines running beside the trainer (rollout.mode: server); a colocated engine shares the "
+                f"trainer's processes and devices, so nothing would overlap. Use rollout.mode=server or "
+                f"rl.max_staleness=0")
+        if self.rollout.partial and not staleness:
+            raise ConfigError(f"{where}: rollout.partial=true continues sequences across weight updates, which only "
+                              f"happen mid-generation with rl.max_staleness >= 1")
+        if self.rollout.partial and self.rl.routing_replay == "rollout":
+            raise ConfigError(f"{where}: rollout.partial=true with rl.routing_replay=rollout: a continued sequence's "
+                              f"routes would come from two weight versions; use one or the other")
 
     def _validate_fp8_rollout(self, where: str) -> None:
         """model.export_fp8 on any machine (the engine's device is checked by preflight)."""

@@ -48,3 +48,5 @@ def quiet_dependencies() -> None:
     # Megatron-Core logs through the root logger's handler with basicConfig-style "WARNING:name:"
     # lines; with no handler configured Python's last-resort handler prints WARNING and above.
     logging.getLogger().setLevel(logging.ERROR)
+    # Ours stay visible: e.g. the rollout pool's warning that a server died and its requests moved.
+    logging.getLogger("megatron_rl").setLevel(logging.WARNING)

@@ -22,6 +22,7 @@ from megatron_rl.algorithms import (
     length_bias_metrics,
     policy_loss,
     segments_to_padded,
+    zero_spread_groups,
 )
 from megatron_rl.model.packing import PackedBatch, pack, pack_by_token_budget
 
@@ -40,6 +41,10 @@ class Trajectory:
     # R3 (rl.routing_replay: rollout): the engine's MoE routes of every token it ran, int
     # [prompt + response - 1, MoE layers, k] (model/routing.py replays them).
     routed_experts: torch.Tensor | None = None
+    # Asynchronous RL (rl.max_staleness >= 1): the policy version that produced each response
+    # token (a sequence continued across a weight update holds two). None: every token came
+    # from the policy this step starts from (the synchronous loop).
+    versions: list[int] | None = None
 
     @property
     def length(self) -> int:
@@ -73,7 +78,9 @@ def group_advantages(groups: list[list[Trajectory]], recipe: Recipe) -> None:
 
 
 def rollout_metrics(groups: list[list[Trajectory]], correct_threshold: float = 0.5) -> dict[str, float]:
-    """Reward, accuracy, lengths and the length-bias diagnostic of all generated groups."""
+    """Reward, accuracy, lengths and the length-bias diagnostic of all generated groups, and
+    `rollout/zero_std_group_frac`: the fraction of them whose rewards are all equal (zero
+    advantage, no learning signal), whether or not dynamic sampling drops them."""
     samples = [t for group in groups for t in group]
     if not samples:
         return {}
@@ -85,6 +92,7 @@ def rollout_metrics(groups: list[list[Trajectory]], correct_threshold: float = 0
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
         "response/truncated_frac": sum(t.truncated for t in samples) / len(samples),
+        "rollout/zero_std_group_frac": float(zero_spread_groups(rewards).double().mean()),
     }
     bias = length_bias_metrics(rewards, lengths, correct_threshold=correct_threshold)
     metrics.update({f"length_bias/{key}": value for key, value in bias.items()})
@@ -177,16 +185,57 @@ def store_logprobs(outputs: list[dict], batches: list[PackedBatch], trajectories
             setattr(trajectories[sample_id], attribute, values.detach().float().cpu())
 
 
-def make_loss_fn(trajectories: list[Trajectory], recipe: Recipe, normalizer, *, old_from_forward: bool, use_ref: bool):
+def make_loss_fn(trajectories: list[Trajectory], recipe: Recipe, normalizer, *, old_from_forward: bool, use_ref: bool,
+                 policy_version: int | None = None, max_staleness: int = 0):
     """The micro-batch loss for Policy.train_step: this micro-batch's share of the step loss.
 
     `old_from_forward`: with one update per rollout the old policy IS the current one, so the
-    old logprobs are this forward's own, detached (ratio exactly 1, no extra forward pass)."""
+    old logprobs are this forward's own, detached (ratio exactly 1, no extra forward pass).
+
+    `max_staleness` >= 1 (asynchronous RL, `policy_version` = the version being updated): the
+    metrics also hold, for every staleness d in 0..max_staleness (policy_version minus the
+    version that produced a token, `Trajectory.versions`; a trajectory without versions is all
+    staleness 0), the train/behaviour mismatch |old - rollout logprob| over the loss's tokens of
+    that staleness: `mismatch/staleness_{d}/logp_abs_diff_mean` (their mean, `/sub_tok_sum`) and
+    `mismatch/staleness_{d}/tokens` (their count, `/sum`). The keys are the same on every rank
+    and micro-batch, as reduce_metrics requires. `old` is the proximal policy (with
+    old_from_forward, the forward's own detached logprobs). At 0 the metrics are policy_loss's."""
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+    if max_staleness and policy_version is None and any(t.versions is not None for t in trajectories):
+        raise ValueError("trajectories carry policy versions but make_loss_fn got no policy_version")
 
     def padded(values: list[torch.Tensor], width: int, device) -> torch.Tensor:
         out = torch.zeros(len(values), width, dtype=torch.float32, device=device)
         for row, value in enumerate(values):
             out[row, : value.numel()] = value.to(device)
+        return out
+
+    def staleness(rows: list[Trajectory], width: int) -> torch.Tensor:
+        """[n, width] int64 staleness of each response token (0 past a sample's end), on the CPU."""
+        out = torch.zeros(len(rows), width, dtype=torch.long)
+        for row, trajectory in enumerate(rows):
+            if trajectory.versions is None:
+                continue
+            if len(trajectory.versions) != trajectory.length:
+                raise ValueError(f"a trajectory has {len(trajectory.versions)} versions for {trajectory.length} "
+                                 f"response tokens")
+            lag = policy_version - torch.tensor(trajectory.versions, dtype=torch.long)
+            if trajectory.length and not 0 <= int(lag.min()) <= int(lag.max()) <= max_staleness:
+                raise ValueError(f"token staleness {lag.tolist()} (policy version {policy_version}) is outside "
+                                 f"[0, max_staleness={max_staleness}]")
+            out[row, : trajectory.length] = lag
+        return out
+
+    def staleness_metrics(old, rollout, mask, lag) -> dict[str, torch.Tensor]:
+        diff = (old.detach().double() - rollout.double()).abs()
+        valid = mask & torch.isfinite(diff)
+        diff = torch.where(valid, diff, torch.zeros((), dtype=diff.dtype, device=diff.device))
+        out = {}
+        for d in range(max_staleness + 1):
+            chosen = valid & (lag == d)
+            out[f"mismatch/staleness_{d}/tokens/sum"] = chosen.sum().double()
+            out[f"mismatch/staleness_{d}/logp_abs_diff_mean/sub_tok_sum"] = (diff * chosen).sum()
         return out
 
     def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: PackedBatch):
@@ -204,7 +253,10 @@ def make_loss_fn(trajectories: list[Trajectory], recipe: Recipe, normalizer, *, 
         ref = padded([t.ref_logprobs for t in rows], width, device) if use_ref else None
         ent = segments_to_padded(entropy, segments)[0] if entropy is not None else None
         advantages = torch.tensor([t.advantage for t in rows], dtype=torch.float32, device=device)
-        return policy_loss(current, old, advantages, mask, recipe.loss, normalizer=normalizer,
-                           ref_logprobs=ref, rollout_logprobs=rollout, entropy=ent)
+        loss, metrics = policy_loss(current, old, advantages, mask, recipe.loss, normalizer=normalizer,
+                                    ref_logprobs=ref, rollout_logprobs=rollout, entropy=ent)
+        if max_staleness:
+            metrics.update(staleness_metrics(old, rollout, mask, staleness(rows, width).to(device)))
+        return loss, metrics
 
     return loss_fn

@@ -5,15 +5,18 @@ sums, maxima and minima, never means (a mean of per-micro-batch means weights to
 split, the same bug as a per-micro-batch token-mean loss). The key suffix says how a value
 combines and what it becomes:
 
-=============== ====================== ==============================================
-suffix          combine                step value (key without the suffix)
-=============== ====================== ==============================================
-``/sum``        sum                    the sum (losses, counts)
-``/tok_sum``    sum                    sum / ``count/tokens`` (token mean)
-``/seq_sum``    sum                    sum / ``count/sequences`` (sequence mean)
-``/max``        max                    the max
-``/min``        min                    the min
-=============== ====================== ==============================================
+================= ======= ==================================================
+suffix            combine step value (key without the suffix)
+================= ======= ==================================================
+``/sum``          sum     the sum (losses, counts)
+``/tok_sum``      sum     sum / ``count/tokens`` (token mean)
+``/seq_sum``      sum     sum / ``count/sequences`` (sequence mean)
+``/sub_tok_sum``  sum     sum / ``<parent>/tokens``: the token mean over a
+                          sub-population (``a/b/x/sub_tok_sum`` is divided by
+                          the step's ``a/b/tokens/sum``)
+``/max``          max     the max
+``/min``          min     the min
+================= ======= ==================================================
 
 So the trainer keeps the dicts of a step's micro-batches and calls
 ``reduce_metrics(dicts, group=dp_group)`` once: one collective (an all_gather of one small
@@ -33,8 +36,8 @@ from megatron_rl.algorithms._checks import finite_number
 
 __all__ = ["METRIC_SUFFIXES", "reduce_metrics", "length_bias_metrics"]
 
-METRIC_SUFFIXES = ("/sum", "/tok_sum", "/seq_sum", "/max", "/min")
-_SUM_KINDS = ("/sum", "/tok_sum", "/seq_sum")
+METRIC_SUFFIXES = ("/sub_tok_sum", "/sum", "/tok_sum", "/seq_sum", "/max", "/min")
+_SUM_KINDS = ("/sum", "/tok_sum", "/seq_sum", "/sub_tok_sum")
 
 
 def _split(key: str) -> tuple[str, str]:
@@ -119,6 +122,13 @@ def reduce_metrics(
         v = values[k]
         if suffix == "/sum":
             out[name] = v
+        elif suffix == "/sub_tok_sum":
+            parent = name.rpartition("/")[0]
+            count = f"{parent}/tokens/sum"
+            if count not in values:
+                raise ValueError(f"metric {k!r} needs {count!r} in the same dicts")
+            if values[count] > 0:
+                out[name] = v / values[count]
         elif suffix in totals:
             denom = totals[suffix]
             if denom is None:

@@ -21,15 +21,23 @@ Per valid token (sample i, position t), with A the advantage and r the importanc
 * Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
   You Off-Policy RL Training"; IcePop for the mask mode): ``l *= w`` with
   ``w = pi_old / pi_rollout`` (token, or product over the sample), truncated or masked.
+  With asynchronous rollouts this is AReaL's decoupled PPO objective (arXiv:2505.24298 Eq. 5),
+  see ``policy_loss``.
 * KL to the reference (DeepSeekMath arXiv:2402.03300 Eq. 3-4): ``+ kl_coef * KL_t``.
 * Entropy bonus: ``- entropy_coef * H_t``.
 
 Each term is aggregated with the same per-token weights (``aggregation.token_weights``).
+
+``policy_loss`` composes small pure functions, each usable (and tested) on its own:
+``importance_ratio``, ``ppo_surrogate`` / ``cispo_surrogate``, ``truncated_importance_weight``
+and ``loss_metrics``. They take tensors already zeroed at invalid positions (``policy_loss``
+does that first, so NaN/inf in padding never reaches any arithmetic).
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -40,7 +48,16 @@ from megatron_rl.algorithms.config import PolicyLossConfig
 from megatron_rl.algorithms.kl import kl_penalty
 from megatron_rl.algorithms.normalization import StepNormalizer, compute_step_normalizer, sequence_lengths
 
-__all__ = ["policy_loss"]
+__all__ = [
+    "policy_loss",
+    "importance_ratio",
+    "ppo_surrogate",
+    "cispo_surrogate",
+    "truncated_importance_weight",
+    "loss_metrics",
+    "Surrogate",
+    "ImportanceWeight",
+]
 
 
 def _cp_world(cp_group) -> int:
@@ -88,6 +105,316 @@ def _masked_min(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return x.detach().double().masked_fill(~valid, float("inf")).min()
 
 
+# ------------------------------------------------------------------------------------ the pieces
+class Surrogate(NamedTuple):
+    """Per-token policy-gradient term and where its clip binds (bool, valid tokens only)."""
+
+    loss: torch.Tensor
+    clip_low: torch.Tensor
+    clip_high: torch.Tensor
+    dual_active: torch.Tensor | None = None  # PPO with dual clip only
+
+
+class ImportanceWeight(NamedTuple):
+    """Truncated importance weight per token, and which valid tokens it truncated / rejected."""
+
+    weight: torch.Tensor
+    truncated: torch.Tensor
+    rejected: torch.Tensor
+
+
+def importance_ratio(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    seq_len: torch.Tensor,
+    ratio_level: str = "token",
+    log_ratio_clamp: float | None = None,
+    cp_group=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Importance ratio pi_theta / pi_old per token, at the token or the sequence level.
+
+    * ``"token"`` (PPO, arXiv:1707.06347 Eq. 6): ``r_t = exp(logp_t - logp_old_t)``.
+    * ``"sequence"`` (GSPO, arXiv:2507.18071 Eq. 7): ``s_i = exp(1/|o_i| sum_t (logp_t -
+      logp_old_t))``, the length-normalized sequence ratio, broadcast to the sample's tokens;
+      the gradient reaches every token through the mean.
+    * ``"sequence_token"`` (GSPO-token, Eq. 13): ``exp(logp_t - sg(logp_t) + sg(log s_i))``:
+      value s_i, d r / d logp_t = s_i.
+
+    The log-ratio is clamped to ``[-log_ratio_clamp, log_ratio_clamp]`` before exp (None = no
+    clamp). Inputs are ``[batch, seq]`` and zero at invalid positions; ``seq_len`` is ``[batch]``
+    |o_i| over the whole sample (all CP slices); under CP the per-sample sum is all-reduced over
+    ``cp_group`` (differentiably).
+
+    Returns ``(ratio, token_log_ratio)``: the ratio used by the surrogate and the plain per-token
+    ``logp - logp_old`` (for the k1 ``ppo_kl`` metric).
+    """
+    tok_log_ratio = logprobs - old_logprobs
+    if ratio_level == "token":
+        log_ratio = tok_log_ratio
+    else:
+        seq_sum = _sum_over_cp(tok_log_ratio.sum(-1), cp_group, differentiable=True)
+        seq_log_ratio = seq_sum / seq_len.clamp(min=1.0)
+        if ratio_level == "sequence":
+            log_ratio = seq_log_ratio.unsqueeze(-1).expand_as(logprobs)
+        else:  # sequence_token: value s_i, gradient d/dlogp_t = s_i
+            log_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    if log_ratio_clamp is not None:
+        log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
+    return torch.exp(log_ratio), tok_log_ratio
+
+
+def ppo_surrogate(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    valid: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    dual_clip_c: float | None = None,
+) -> Surrogate:
+    """PPO clipped surrogate loss per token (Schulman et al. 2017, arXiv:1707.06347 Eq. 7)::
+
+        l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))
+
+    with decoupled bounds (DAPO clip-higher, arXiv:2503.14476 §3.1) and, with ``dual_clip_c =
+    c``, the dual clip of Ye et al. 2020 (arXiv:1912.09729 §4.2): ``l = min(l, -c A)`` where
+    A < 0. The clip binds high where A > 0 and r > 1 + eps_high, low where A < 0 and
+    r < 1 - eps_low; the dual clip where A < 0 and -c A < l.
+    """
+    lo, hi = 1.0 - eps_low, 1.0 + eps_high
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(lo, hi)
+    pg = torch.maximum(unclipped, clipped)
+    clip_high = valid & (advantages > 0) & (ratio > hi)
+    clip_low = valid & (advantages < 0) & (ratio < lo)
+    dual_active = None
+    if dual_clip_c is not None:
+        cap = -advantages * dual_clip_c
+        negative = advantages < 0
+        dual_active = valid & negative & (cap < pg)
+        pg = torch.where(negative, torch.minimum(pg, cap), pg)
+    return Surrogate(pg, clip_low, clip_high, dual_active)
+
+
+def cispo_surrogate(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    logprobs: torch.Tensor,
+    valid: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+) -> Surrogate:
+    """CISPO loss per token (MiniMax-M1, arXiv:2506.13585 §3.1, Eq. 4)::
+
+        l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi_theta
+
+    The importance-sampling weight is clipped and detached; every token keeps its gradient
+    (eps_low >= 1 means no lower bound, as in the paper). "Clipped" counts tokens whose weight
+    was clipped, whatever the sign of A.
+    """
+    lo, hi = 1.0 - eps_low, 1.0 + eps_high
+    weight = ratio.clamp(min=lo, max=hi).detach()
+    pg = -weight * advantages * logprobs
+    return Surrogate(pg, valid & (ratio < lo), valid & (ratio > hi))
+
+
+def truncated_importance_weight(
+    log_weight: torch.Tensor,
+    valid: torch.Tensor,
+    level: str = "token",
+    mode: str = "truncate",
+    upper: float = 2.0,
+    lower: float | None = None,
+    cp_group=None,
+) -> ImportanceWeight:
+    """Importance weight of the trainer's old policy over the sampling (rollout) policy.
+
+    ``log_weight`` is the per-token ``log pi_old - log pi_rollout`` (zero at invalid tokens).
+
+    * ``level="token"``: ``w_t = pi_old(y_t) / pi_rollout(y_t)``; ``"sequence"``: the product
+      over the sample's tokens (summed over ``cp_group`` under CP), broadcast to its tokens.
+    * ``mode="truncate"`` (TIS, Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
+      You Off-Policy RL Training"): ``w <- clip(w, lower, upper)`` (``lower`` None = 0).
+    * ``mode="mask"`` (IcePop-style rejection): ``w <- 0`` outside ``[lower, upper]``.
+
+    The weight is a constant (no gradient). With rollouts from older policy versions (async RL)
+    the token-level truncated weight is the behaviour correction of AReaL's decoupled PPO
+    objective (arXiv:2505.24298 Eq. 5), ``pi_prox / pi_behav``.
+    """
+    if level == "token":
+        log_w = log_weight
+    else:
+        log_w = _sum_over_cp(log_weight.sum(-1), cp_group, differentiable=False)
+        log_w = log_w.unsqueeze(-1).expand_as(log_weight)
+    log_hi = math.log(upper)
+    log_lo = math.log(lower) if lower is not None else -math.inf
+    outside = (log_w > log_hi) | (log_w < log_lo)
+    if mode == "truncate":
+        w = torch.exp(log_w.clamp(min=log_lo, max=log_hi))
+        return ImportanceWeight(w, valid & outside, torch.zeros_like(valid))
+    zero = torch.zeros((), dtype=log_w.dtype, device=log_w.device)
+    w = torch.where(outside, zero, torch.exp(log_w.clamp(max=log_hi)))
+    return ImportanceWeight(w, torch.zeros_like(valid), valid & outside)
+
+
+def loss_metrics(
+    valid: torch.Tensor,
+    seq_len: torch.Tensor,
+    nonfinite: torch.Tensor,
+    *,
+    loss: torch.Tensor,
+    pg_loss: torch.Tensor,
+    ratio: torch.Tensor,
+    token_log_ratio: torch.Tensor,
+    surrogate: Surrogate,
+    kl: torch.Tensor | None = None,
+    kl_loss: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    entropy_loss: torch.Tensor | None = None,
+    tis: ImportanceWeight | None = None,
+    train_vs_rollout: torch.Tensor | None = None,
+    cp_group=None,
+) -> dict[str, torch.Tensor]:
+    """The micro-batch's combinable metrics: detached 0-d float64 sums, maxima and minima.
+
+    The key suffix says how each combines over micro-batches and ranks (``metrics.reduce_metrics``):
+    ``/sum`` (losses, counts), ``/tok_sum`` (sum over valid tokens, a token mean once divided by
+    ``count/tokens``), ``/max``, ``/min``. Always: ``count/tokens``, ``count/sequences`` (samples
+    with a valid token, counted on CP rank 0 only), ``check/nonfinite_tokens``, ``actor/loss``,
+    ``actor/pg_loss``, ``actor/clip_frac`` (``_low``, ``_high``), ``actor/ratio_mean`` / ``_max``
+    / ``_min`` and ``actor/ppo_kl`` = mean of ``logp_old - logp`` (k1 estimate of
+    KL(pi_old || pi), Schulman's approx_kl). With their inputs: ``actor/clip_frac_dual``,
+    ``actor/kl`` / ``actor/kl_loss``, ``actor/entropy`` / ``actor/entropy_loss``, the TIS
+    weight's ``tis/weight_mean`` / ``_max`` / ``_min``, ``tis/truncated_frac``,
+    ``tis/masked_frac``, and the train/rollout mismatch ``mismatch/logp_abs_diff_mean`` / ``_max``
+    (|log pi_old_train - log pi_rollout|) and ``mismatch/kl``: the k3 estimate (Schulman 2020,
+    "Approximating KL Divergence") of KL(pi_rollout || pi_train), ``(w - 1) - log w`` with
+    ``w = pi_train / pi_rollout`` on tokens the rollout engine sampled.
+    """
+    vf = valid.to(torch.float64)
+
+    def tok_sum(x: torch.Tensor) -> torch.Tensor:
+        return (x.detach().to(torch.float64) * vf).sum()
+
+    def count(flags: torch.Tensor) -> torch.Tensor:
+        return (flags & valid).sum().to(torch.float64)
+
+    def d(x: torch.Tensor) -> torch.Tensor:
+        return x.detach().to(torch.float64)
+
+    # Under CP every rank sees every sample: count sequences on CP rank 0 only.
+    cp_rank = dist.get_rank(cp_group) if _cp_world(cp_group) > 1 else 0
+    n_seqs = (seq_len > 0).sum().to(torch.float64) * (1.0 if cp_rank == 0 else 0.0)
+    clip_low, clip_high = surrogate.clip_low, surrogate.clip_high
+    metrics: dict[str, torch.Tensor] = {
+        "count/tokens/sum": vf.sum(),
+        "count/sequences/sum": n_seqs,
+        "check/nonfinite_tokens/sum": nonfinite.sum().to(torch.float64),
+        "actor/loss/sum": d(loss),
+        "actor/pg_loss/sum": d(pg_loss),
+        "actor/clip_frac/tok_sum": count(clip_low | clip_high),
+        "actor/clip_frac_low/tok_sum": count(clip_low),
+        "actor/clip_frac_high/tok_sum": count(clip_high),
+        "actor/ratio_mean/tok_sum": tok_sum(ratio),
+        "actor/ratio_max/max": _masked_max(ratio, valid),
+        "actor/ratio_min/min": _masked_min(ratio, valid),
+        "actor/ppo_kl/tok_sum": tok_sum(-token_log_ratio),  # k1 estimate of KL(pi_old || pi)
+    }
+    if surrogate.dual_active is not None:
+        metrics["actor/clip_frac_dual/tok_sum"] = count(surrogate.dual_active)
+    if kl is not None:
+        metrics["actor/kl/tok_sum"] = tok_sum(kl)
+        metrics["actor/kl_loss/sum"] = d(kl_loss)
+    if entropy_loss is not None:
+        metrics["actor/entropy/tok_sum"] = tok_sum(entropy)
+        metrics["actor/entropy_loss/sum"] = d(entropy_loss)
+    if tis is not None:
+        metrics["tis/weight_mean/tok_sum"] = tok_sum(tis.weight)
+        metrics["tis/weight_max/max"] = _masked_max(tis.weight, valid)
+        metrics["tis/weight_min/min"] = _masked_min(tis.weight, valid)
+        metrics["tis/truncated_frac/tok_sum"] = count(tis.truncated)
+        metrics["tis/masked_frac/tok_sum"] = count(tis.rejected)
+    if train_vs_rollout is not None:
+        diff = train_vs_rollout.detach()
+        metrics["mismatch/logp_abs_diff_mean/tok_sum"] = tok_sum(diff.abs())
+        metrics["mismatch/logp_abs_diff_max/max"] = _masked_max(diff.abs(), valid)
+        # k3 estimate of KL(pi_rollout || pi_train) from tokens sampled by the rollout engine:
+        # with r = pi_train / pi_rollout = exp(diff), KL ~ (r - 1) - log r (always >= 0).
+        bounded = diff.clamp(-20.0, 20.0)
+        metrics["mismatch/kl/tok_sum"] = tok_sum(torch.expm1(bounded) - bounded)
+    return metrics
+
+
+# ------------------------------------------------------------------------------------ checks
+_OPTIONAL = ("ref_logprobs", "rollout_logprobs", "entropy")
+
+
+def _check_inputs(logprobs, old_logprobs, advantages, mask, optional: dict, cfg: PolicyLossConfig) -> torch.Tensor:
+    """Shapes, dtypes and the inputs the config needs; returns the bool mask."""
+    check_float(logprobs, "logprobs", dim=2)
+    check_float(old_logprobs, "old_logprobs")
+    check_same_shape(old_logprobs, logprobs, "old_logprobs", "logprobs")
+    m = check_mask(mask)
+    check_same_shape(m, logprobs, "mask", "logprobs")
+    check_float(advantages, "advantages", dim=(1, 2))
+    batch = logprobs.shape[0]
+    if advantages.dim() == 1 and advantages.shape[0] != batch:
+        raise ValueError(f"per-sample advantages have {advantages.shape[0]} entries but logprobs has {batch} rows")
+    if advantages.dim() == 2:
+        check_same_shape(advantages, logprobs, "advantages", "logprobs")
+    for name, t in optional.items():
+        if t is not None:
+            check_float(t, name)
+            check_same_shape(t, logprobs, name, "logprobs")
+    if cfg.kl_coef > 0 and optional["ref_logprobs"] is None:
+        raise ValueError(f"kl_coef={cfg.kl_coef} > 0 needs ref_logprobs")
+    if cfg.entropy_coef != 0 and optional["entropy"] is None:
+        raise ValueError(f"entropy_coef={cfg.entropy_coef} != 0 needs entropy")
+    if cfg.tis_level is not None and optional["rollout_logprobs"] is None:
+        raise ValueError(f"tis_level={cfg.tis_level!r} needs rollout_logprobs")
+    return m
+
+
+def _check_normalizer(normalizer, m: torch.Tensor, cfg: PolicyLossConfig, cp_group) -> StepNormalizer:
+    if normalizer is None:
+        normalizer = compute_step_normalizer([m], cfg.loss_agg_mode, cfg.l_norm, group=cp_group, cp_group=cp_group)
+    elif not isinstance(normalizer, StepNormalizer):
+        raise ValueError(f"normalizer must be a StepNormalizer or None, got {type(normalizer).__name__}")
+    if normalizer.loss_agg_mode != cfg.loss_agg_mode:
+        raise ValueError(
+            f"normalizer was computed for loss_agg_mode={normalizer.loss_agg_mode!r} but the config "
+            f"uses {cfg.loss_agg_mode!r}"
+        )
+    if cfg.l_norm is not None and normalizer.l_norm != cfg.l_norm:
+        raise ValueError(f"normalizer.l_norm={normalizer.l_norm} differs from config l_norm={cfg.l_norm}")
+    return normalizer
+
+
+def _valid_tokens(named: dict[str, torch.Tensor], m: torch.Tensor, normalizer: StepNormalizer, on_nonfinite: str,
+                  cp_group, dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(valid, nonfinite, seq_len)``: the tokens that enter the loss, the valid tokens with a
+    NaN/inf in any input, and |o_i| over the full mask (all CP slices). ``"raise"``: a ValueError
+    naming each tensor's count (and a normalizer that cannot contain this micro-batch), in one
+    host sync; ``"mask"``: such tokens leave the loss (denominators unchanged)."""
+    finite = {k: torch.isfinite(v.detach()) for k, v in named.items()}
+    bad_any = m & ~torch.stack(list(finite.values())).all(0)
+    seq_len = sequence_lengths(m, cp_group).to(dt)
+    if on_nonfinite != "raise":
+        return m & ~bad_any, bad_any, seq_len
+    counts = torch.stack([(m & ~f).sum() for f in finite.values()] + [m.sum(), (seq_len > 0).sum()]).tolist()
+    bad = {k: int(c) for k, c in zip(finite, counts) if c}
+    if bad:
+        detail = ", ".join(f"{k}: {c}" for k, c in bad.items())
+        raise ValueError(f"non-finite values (NaN/inf) at valid tokens: {detail}")
+    if counts[-2] > normalizer.num_tokens or counts[-1] > normalizer.num_sequences:
+        raise ValueError(
+            f"this micro-batch has {int(counts[-2])} tokens / {int(counts[-1])} sequences but the "
+            f"normalizer counts {normalizer.num_tokens:g} / {normalizer.num_sequences:g} for the whole "
+            f"step: it was computed from other masks"
+        )
+    return m, bad_any, seq_len
+
+
+# ------------------------------------------------------------------------------------ the loss
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -102,6 +429,24 @@ def policy_loss(
     cp_group=None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one micro-batch (its share of the step loss) and its combinable metrics.
+
+    Per valid token: ``l_t = w_t * surrogate(r_t, A) + kl_coef * KL_t - entropy_coef * H_t``
+    (``importance_ratio``, ``ppo_surrogate`` / ``cispo_surrogate``,
+    ``truncated_importance_weight``; w_t = 1 without TIS), summed with the step's per-token
+    weights of ``loss_agg_mode``.
+
+    Asynchronous RL: with rollouts from a policy up to k >= 1 versions older than the one being
+    updated (``rl.max_staleness``), token-level truncated importance sampling IS the decoupled
+    PPO objective of AReaL (Fu et al. 2025, arXiv:2505.24298 Eq. 5)::
+
+        l_t = -min(pi_prox/pi_behav, C) * min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A),
+        r_t = pi_theta / pi_prox
+
+    where the proximal policy pi_prox is ``old_logprobs`` (the trainer's own logprobs at the
+    step's start, the policy the clip trusts) and the behaviour policy pi_behav is
+    ``rollout_logprobs`` (the engine's per-token logprobs, of whichever version sampled each
+    token), with C = ``tis_upper``. The same weight also corrects the train/inference mismatch
+    of a synchronous run (k = 0).
 
     Args:
         logprobs: ``[batch, seq]`` log pi_theta of the sampled tokens (differentiable).
@@ -130,8 +475,8 @@ def policy_loss(
         float64), differentiable w.r.t. ``logprobs`` (and ``entropy``); sum it over
         micro-batches and ranks, with no further scaling. ``metrics`` maps names to detached
         0-d float64 tensors that are sums / maxima / minima over this micro-batch (the key
-        suffix says which, see ``metrics.reduce_metrics``); combine a step's dicts with
-        ``reduce_metrics(list_of_dicts, group=dp_group)``.
+        suffix says which, see ``metrics.reduce_metrics`` and ``loss_metrics``); combine a
+        step's dicts with ``reduce_metrics(list_of_dicts, group=dp_group)``.
 
     Raises:
         ValueError: on bad shapes/dtypes/masks, a normalizer for another ``loss_agg_mode``, a
@@ -141,73 +486,20 @@ def policy_loss(
     cfg = PolicyLossConfig() if config is None else config
     if not isinstance(cfg, PolicyLossConfig):
         raise ValueError(f"config must be a PolicyLossConfig, got {type(cfg).__name__}")
-
-    # ---------------------------------------------------------------- validation
-    check_float(logprobs, "logprobs", dim=2)
-    check_float(old_logprobs, "old_logprobs")
-    check_same_shape(old_logprobs, logprobs, "old_logprobs", "logprobs")
-    m = check_mask(mask)
-    check_same_shape(m, logprobs, "mask", "logprobs")
-    check_float(advantages, "advantages", dim=(1, 2))
-    batch = logprobs.shape[0]
-    if advantages.dim() == 1 and advantages.shape[0] != batch:
-        raise ValueError(f"per-sample advantages have {advantages.shape[0]} entries but logprobs has {batch} rows")
-    if advantages.dim() == 2:
-        check_same_shape(advantages, logprobs, "advantages", "logprobs")
     optional = {"ref_logprobs": ref_logprobs, "rollout_logprobs": rollout_logprobs, "entropy": entropy}
-    for name, t in optional.items():
-        if t is not None:
-            check_float(t, name)
-            check_same_shape(t, logprobs, name, "logprobs")
-    if cfg.kl_coef > 0 and ref_logprobs is None:
-        raise ValueError(f"kl_coef={cfg.kl_coef} > 0 needs ref_logprobs")
-    if cfg.entropy_coef != 0 and entropy is None:
-        raise ValueError(f"entropy_coef={cfg.entropy_coef} != 0 needs entropy")
-    if cfg.tis_level is not None and rollout_logprobs is None:
-        raise ValueError(f"tis_level={cfg.tis_level!r} needs rollout_logprobs")
+    m = _check_inputs(logprobs, old_logprobs, advantages, mask, optional, cfg)
+    normalizer = _check_normalizer(normalizer, m, cfg, cp_group)
 
-    if normalizer is None:
-        normalizer = compute_step_normalizer([m], cfg.loss_agg_mode, cfg.l_norm, group=cp_group, cp_group=cp_group)
-    elif not isinstance(normalizer, StepNormalizer):
-        raise ValueError(f"normalizer must be a StepNormalizer or None, got {type(normalizer).__name__}")
-    if normalizer.loss_agg_mode != cfg.loss_agg_mode:
-        raise ValueError(
-            f"normalizer was computed for loss_agg_mode={normalizer.loss_agg_mode!r} but the config "
-            f"uses {cfg.loss_agg_mode!r}"
-        )
-    if cfg.l_norm is not None and normalizer.l_norm != cfg.l_norm:
-        raise ValueError(f"normalizer.l_norm={normalizer.l_norm} differs from config l_norm={cfg.l_norm}")
-
-    # ---------------------------------------------------------------- inputs in the compute dtype
+    # Inputs in the compute dtype; only logprobs and entropy carry gradients.
     dt = torch.float64 if logprobs.dtype == torch.float64 else torch.float32
-    zero = torch.zeros((), dtype=dt, device=logprobs.device)
     lp = logprobs.to(dt)
     old = old_logprobs.detach().to(dt)
     adv = advantages.detach().to(dt)
     adv = adv.unsqueeze(-1).expand_as(lp) if adv.dim() == 1 else adv
     extra = {k: (v.to(dt) if k == "entropy" else v.detach().to(dt)) for k, v in optional.items() if v is not None}
-
-    # ---------------------------------------------------------------- non-finite inputs
     named = {"logprobs": lp, "old_logprobs": old, "advantages": adv, **extra}
-    finite = {k: torch.isfinite(v.detach()) for k, v in named.items()}
-    bad_any = m & ~torch.stack(list(finite.values())).all(0)
-    seq_len = sequence_lengths(m, cp_group).to(dt)  # |o_i| over the full mask (all CP slices)
-    if cfg.on_nonfinite == "raise":
-        # One host sync for every check: non-finite counts and counts vs. the normalizer.
-        counts = torch.stack([(m & ~f).sum() for f in finite.values()] + [m.sum(), (seq_len > 0).sum()]).tolist()
-        bad = {k: int(c) for k, c in zip(finite, counts) if c}
-        if bad:
-            detail = ", ".join(f"{k}: {c}" for k, c in bad.items())
-            raise ValueError(f"non-finite values (NaN/inf) at valid tokens: {detail}")
-        if counts[-2] > normalizer.num_tokens or counts[-1] > normalizer.num_sequences:
-            raise ValueError(
-                f"this micro-batch has {int(counts[-2])} tokens / {int(counts[-1])} sequences but the "
-                f"normalizer counts {normalizer.num_tokens:g} / {normalizer.num_sequences:g} for the whole "
-                f"step: it was computed from other masks"
-            )
-        valid = m
-    else:
-        valid = m & ~bad_any
+    valid, bad_any, seq_len = _valid_tokens(named, m, normalizer, cfg.on_nonfinite, cp_group, dt)
+    zero = torch.zeros((), dtype=dt, device=logprobs.device)
 
     def clean(x: torch.Tensor) -> torch.Tensor:
         # Zero every invalid position BEFORE any arithmetic: NaN/inf in padding must neither
@@ -215,70 +507,25 @@ def policy_loss(
         return torch.where(valid, x, zero)
 
     lp_c, old_c, adv_c = clean(lp), clean(old), clean(adv)
-
-    # ---------------------------------------------------------------- importance ratio
-    tok_log_ratio = lp_c - old_c
-    if cfg.ratio_level == "token":
-        log_ratio = tok_log_ratio
-    else:
-        seq_sum = _sum_over_cp(tok_log_ratio.sum(-1), cp_group, differentiable=True)
-        seq_log_ratio = seq_sum / seq_len.clamp(min=1.0)
-        if cfg.ratio_level == "sequence":
-            log_ratio = seq_log_ratio.unsqueeze(-1).expand_as(lp_c)
-        else:  # sequence_token: value s_i, gradient d/dlogp_t = s_i
-            log_ratio = lp_c - lp_c.detach() + seq_log_ratio.detach().unsqueeze(-1)
-    if cfg.log_ratio_clamp is not None:
-        log_ratio = log_ratio.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
-    ratio = torch.exp(log_ratio)
-
-    # ---------------------------------------------------------------- surrogate
-    lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
-    dual_active = None
+    ratio, tok_log_ratio = importance_ratio(lp_c, old_c, seq_len, cfg.ratio_level, cfg.log_ratio_clamp, cp_group)
     if cfg.policy_loss_type == "ppo":
-        unclipped = -adv_c * ratio
-        clipped = -adv_c * ratio.clamp(lo, hi)
-        pg = torch.maximum(unclipped, clipped)
-        clip_high = valid & (adv_c > 0) & (ratio > hi)
-        clip_low = valid & (adv_c < 0) & (ratio < lo)
-        if cfg.dual_clip_c is not None:
-            cap = -adv_c * cfg.dual_clip_c
-            negative = adv_c < 0
-            dual_active = valid & negative & (cap < pg)
-            pg = torch.where(negative, torch.minimum(pg, cap), pg)
-    else:  # cispo
-        weight = ratio.clamp(min=lo, max=hi).detach()
-        pg = -weight * adv_c * lp_c
-        clip_high = valid & (ratio > hi)
-        clip_low = valid & (ratio < lo)
-
-    # ---------------------------------------------------------------- truncated importance sampling
-    tis_stats = None
-    if rollout_logprobs is not None:
-        roll_c = clean(extra["rollout_logprobs"])
-        train_vs_rollout = old_c - roll_c  # log(pi_old_train / pi_rollout) per token
+        sur = ppo_surrogate(ratio, adv_c, valid, cfg.eps_low, cfg.eps_high, cfg.dual_clip_c)
+    else:
+        sur = cispo_surrogate(ratio, adv_c, lp_c, valid, cfg.eps_low, cfg.eps_high)
+    pg = sur.loss
+    # log(pi_old_train / pi_rollout) per token: the TIS weight's log and the mismatch metrics
+    train_vs_rollout = old_c - clean(extra["rollout_logprobs"]) if rollout_logprobs is not None else None
+    tis = None
     if cfg.tis_level is not None:
-        if cfg.tis_level == "token":
-            log_w = train_vs_rollout
-        else:
-            log_w = _sum_over_cp(train_vs_rollout.sum(-1), cp_group, differentiable=False)
-            log_w = log_w.unsqueeze(-1).expand_as(lp_c)
-        log_hi = math.log(cfg.tis_upper)
-        log_lo = math.log(cfg.tis_lower) if cfg.tis_lower is not None else -math.inf
-        outside = (log_w > log_hi) | (log_w < log_lo)
-        if cfg.tis_mode == "truncate":
-            w = torch.exp(log_w.clamp(min=log_lo, max=log_hi))
-            truncated, rejected = valid & outside, torch.zeros_like(valid)
-        else:
-            w = torch.where(outside, zero, torch.exp(log_w.clamp(max=log_hi)))
-            truncated, rejected = torch.zeros_like(valid), valid & outside
-        pg = pg * w
-        tis_stats = (w, truncated, rejected)
+        tis = truncated_importance_weight(train_vs_rollout, valid, cfg.tis_level, cfg.tis_mode, cfg.tis_upper,
+                                          cfg.tis_lower, cp_group)
+        pg = pg * tis.weight
 
-    # ---------------------------------------------------------------- aggregation and regularizers
+    # Aggregation and regularizers, all with the same per-token weights.
     weights = token_weights(valid, seq_len, normalizer, dt)
     pg_loss = (pg * weights).sum()
     loss = pg_loss
-    kl_tok = kl_loss = ent_loss = None
+    kl_tok = kl_loss = ent_c = ent_loss = None
     if ref_logprobs is not None:
         kl_tok = kl_penalty(lp_c, clean(extra["ref_logprobs"]), cfg.kl_loss_type,
                             input_clamp=cfg.kl_input_clamp, output_clamp=cfg.kl_output_clamp)
@@ -291,56 +538,8 @@ def policy_loss(
         if cfg.entropy_coef != 0:
             loss = loss - cfg.entropy_coef * ent_loss
 
-    # ---------------------------------------------------------------- metrics (combinable)
-    vf = valid.to(torch.float64)
-
-    def tok_sum(x: torch.Tensor) -> torch.Tensor:
-        return (x.detach().to(torch.float64) * vf).sum()
-
-    def count(flags: torch.Tensor) -> torch.Tensor:
-        return (flags & valid).sum().to(torch.float64)
-
-    def d(x: torch.Tensor) -> torch.Tensor:
-        return x.detach().to(torch.float64)
-
-    # Under CP every rank sees every sample: count sequences on CP rank 0 only.
-    cp_rank = dist.get_rank(cp_group) if _cp_world(cp_group) > 1 else 0
-    n_seqs = (seq_len > 0).sum().to(torch.float64) * (1.0 if cp_rank == 0 else 0.0)
-    metrics: dict[str, torch.Tensor] = {
-        "count/tokens/sum": vf.sum(),
-        "count/sequences/sum": n_seqs,
-        "check/nonfinite_tokens/sum": bad_any.sum().to(torch.float64),
-        "actor/loss/sum": d(loss),
-        "actor/pg_loss/sum": d(pg_loss),
-        "actor/clip_frac/tok_sum": count(clip_low | clip_high),
-        "actor/clip_frac_low/tok_sum": count(clip_low),
-        "actor/clip_frac_high/tok_sum": count(clip_high),
-        "actor/ratio_mean/tok_sum": tok_sum(ratio),
-        "actor/ratio_max/max": _masked_max(ratio, valid),
-        "actor/ratio_min/min": _masked_min(ratio, valid),
-        "actor/ppo_kl/tok_sum": tok_sum(-tok_log_ratio),  # k1 estimate of KL(pi_old || pi)
-    }
-    if dual_active is not None:
-        metrics["actor/clip_frac_dual/tok_sum"] = count(dual_active)
-    if kl_tok is not None:
-        metrics["actor/kl/tok_sum"] = tok_sum(kl_tok)
-        metrics["actor/kl_loss/sum"] = d(kl_loss)
-    if ent_loss is not None:
-        metrics["actor/entropy/tok_sum"] = tok_sum(ent_c)
-        metrics["actor/entropy_loss/sum"] = d(ent_loss)
-    if tis_stats is not None:
-        w, truncated, rejected = tis_stats
-        metrics["tis/weight_mean/tok_sum"] = tok_sum(w)
-        metrics["tis/weight_max/max"] = _masked_max(w, valid)
-        metrics["tis/weight_min/min"] = _masked_min(w, valid)
-        metrics["tis/truncated_frac/tok_sum"] = count(truncated)
-        metrics["tis/masked_frac/tok_sum"] = count(rejected)
-    if rollout_logprobs is not None:
-        diff = train_vs_rollout.detach()
-        metrics["mismatch/logp_abs_diff_mean/tok_sum"] = tok_sum(diff.abs())
-        metrics["mismatch/logp_abs_diff_max/max"] = _masked_max(diff.abs(), valid)
-        # k3 estimate of KL(pi_rollout || pi_train) from tokens sampled by the rollout engine:
-        # with r = pi_train / pi_rollout = exp(diff), KL ~ (r - 1) - log r (always >= 0).
-        bounded = diff.clamp(-20.0, 20.0)
-        metrics["mismatch/kl/tok_sum"] = tok_sum(torch.expm1(bounded) - bounded)
+    metrics = loss_metrics(valid, seq_len, bad_any, loss=loss, pg_loss=pg_loss, ratio=ratio,
+                           token_log_ratio=tok_log_ratio, surrogate=sur, kl=kl_tok, kl_loss=kl_loss,
+                           entropy=ent_c, entropy_loss=ent_loss, tis=tis, train_vs_rollout=train_vs_rollout,
+                           cp_group=cp_group)
     return loss, metrics

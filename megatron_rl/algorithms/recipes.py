@@ -18,8 +18,10 @@ steps to run. What each recipe takes from its paper:
 ``dapo`` -- DAPO (arXiv:2503.14476) §3 / §4.1: std-normalized advantage, clip-higher
     eps_low = 0.2 / eps_high = 0.28, ``token-mean`` over all tokens of the step, no KL, dynamic
     sampling (drop zero-spread groups), overlong reward shaping with L_max = 20480 and
-    L_cache = 4096. Truncated-completion masking (overlong filtering) was DAPO's ablation, not
-    its final recipe: ``mask_truncated=False``.
+    L_cache = 4096 (the paper's generation budget and a fifth of it; a run's ``rl`` config
+    scales them to its own ``max_response_tokens``, ``RLConfig.algorithm``). Truncated-
+    completion masking (overlong filtering) was DAPO's ablation, not its final recipe:
+    ``mask_truncated=False``.
 ``gspo`` -- GSPO (arXiv:2507.18071) §4.1 / §5.1: sequence-level ratio s_i (length-normalized),
     clip range 3e-4 / 4e-4, per-sample token mean then mean over samples (the GSPO objective
     averages s_i A_i over the group), std-normalized advantage, no KL.
@@ -27,6 +29,19 @@ steps to run. What each recipe takes from its paper:
     and no lower bound (eps_low = 1 -> lower bound 0; the paper tunes only eps_high and does
     not publish its value: 0.28, DAPO's clip-higher, is our default; tune it), ``token-mean``
     (the paper normalizes by the total token count), std-normalized advantage, no KL.
+``olmo3`` -- Olmo 3's RLVR recipe (OlmoRL; Olmo 3 technical report, arXiv:2512.13961), DAPO
+    and Dr. GRPO combined, as the write-up "The Real Problem: Vanilla GRPO Has Three Biases"
+    (section "Olmo 3's composite recipe") states it: Dr. GRPO's mean-only advantage (no std),
+    DAPO's ``token-mean`` reduction over all tokens of the step, asymmetric clip 0.8 / 1.3
+    (eps_low = 0.2 / eps_high = 0.3, "a touch looser on the upper bound than DAPO"), no KL on
+    verifiable rewards, and dynamic sampling (zero-spread groups dropped and refilled; the
+    report's zero-gradient filtering plus active sampling). The report's OlmoRL also corrects
+    the train/inference mismatch with token-level truncated importance sampling against the
+    engine's logprobs (Yao et al. 2025; the write-up does not cover it): ``tis_level="token"``,
+    truncated at 2.0 (our default cap). Olmo 3's prompt curriculum (success-rate bands) is the
+    data sampler's job, not the loss's. The write-up's comparison table also ticks overlong
+    shaping for Olmo 3, but its recipe text does not list it: off here (set
+    ``overlong_max_length`` to add it).
 """
 
 from __future__ import annotations
@@ -115,6 +130,14 @@ RECIPES: dict[str, Recipe] = {
                               loss_agg_mode="seq-mean-token-mean"),
         advantage_estimator="grpo",
         paper="GSPO, arXiv:2507.18071 §4.1, §5.1",
+    ),
+    "olmo3": Recipe(
+        name="olmo3",
+        loss=PolicyLossConfig(eps_low=0.2, eps_high=0.3, loss_agg_mode="token-mean", kl_coef=0.0,
+                              tis_level="token", tis_mode="truncate", tis_upper=2.0),
+        advantage_estimator="dr_grpo",
+        dynamic_sampling=True,
+        paper="Olmo 3 (OlmoRL), arXiv:2512.13961",
     ),
     "cispo": Recipe(
         name="cispo",

@@ -8,7 +8,10 @@ Public API (what the trainer calls):
   ``hf_datasets.load_hf_prompts(path, split=, ...)`` (imports ``datasets`` when called);
   ``synthetic_datasets(task_config, num_train=, num_heldout=, seed=)``; ``prompt_text(prompt)``.
 * ``PromptSampler(num_prompts, batch_size, seed=, shuffle=)``: ``next_batch()``, ``take(n)``,
-  ``state_dict()`` / ``load_state_dict()``.
+  ``state_dict()`` / ``load_state_dict()``; ``CurriculumSampler`` (``data.sampler: curriculum``, the
+  Olmo 3 success-rate curriculum) with the same calls plus ``observe(index, rewards)``, ``step()``,
+  ``band_metrics(indices)``, ``pop_notices()`` (no-ops on ``PromptSampler``);
+  ``build_sampler(data_config, num_prompts, batch_size, seed)`` picks one.
 * ``encode_prompt(tokenizer, prompt, prompt_format=, system_prompt=)`` (and ``render_prompt``).
 * ``build_char_tokenizer()`` / ``write_char_tokenizer(directory)``: the synthetic tasks' tokenizer.
 
@@ -17,19 +20,23 @@ imports transformers, and ``hf_datasets`` imports datasets, when called).
 """
 
 from megatron_rl.data.chat import encode_prompt, render_prompt
-from megatron_rl.data.config import DataConfig
+from megatron_rl.data.config import CurriculumConfig, DataConfig
+from megatron_rl.data.curriculum import CurriculumSampler
 from megatron_rl.data.prompts import (PromptDataset, PromptRecord, get_field, load_datasets, load_prompts,
                                       prompt_text, synthetic_datasets)
-from megatron_rl.data.sampler import PromptSampler
+from megatron_rl.data.sampler import PromptSampler, build_sampler
 from megatron_rl.data.tokenizer import ALPHABET, build_char_tokenizer, save_tokenizer, write_char_tokenizer
 
 __all__ = [
     "ALPHABET",
+    "CurriculumConfig",
+    "CurriculumSampler",
     "DataConfig",
     "PromptDataset",
     "PromptRecord",
     "PromptSampler",
     "build_char_tokenizer",
+    "build_sampler",
     "encode_prompt",
     "get_field",
     "load_datasets",

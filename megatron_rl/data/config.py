@@ -12,20 +12,104 @@ Literal, None, dict[str, str], nested dataclasses), so the section can sit in ``
       answer_key: answer
       columns: {level: difficulty} # dataset column -> keyword the reward functions get
       other_columns: drop          # only the columns above become metadata
+      sampler: curriculum          # uniform (default) | curriculum (the Olmo 3 prompt curriculum)
+      curriculum: {window: 16, pause_steps: 50}
 """
 
 from __future__ import annotations
 
+import difflib
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron_rl.errors import ConfigError
 from megatron_rl.rewards.synthetic import TaskConfig
 
-__all__ = ["DataConfig", "PROMPT_FORMATS", "LOADERS"]
+__all__ = ["CURRICULUM_BANDS", "CurriculumConfig", "DataConfig", "PROMPT_FORMATS", "LOADERS", "SAMPLERS"]
 
 PROMPT_FORMATS = ("raw", "chat")
 LOADERS = ("auto", "builtin", "datasets")
+SAMPLERS = ("uniform", "curriculum")
+# The curriculum's success-rate bands (Olmo 3; fixed): "unseen" holds the prompts with fewer than
+# min_samples outcomes in their window, the others are [lower, upper) in percent (90-100 includes
+# 100). These are also the metric keys data/band_share/<band>.
+CURRICULUM_BANDS = ("unseen", "0-10", "10-30", "30-70", "70-90", "90-100")
+# Per-prompt sampling weights (a prompt is drawn with probability proportional to its band's
+# weight), so the 30-70 band, where a group most often holds both successes and failures, gets 4x
+# the draws per prompt of its neighbours. 0-10 only counts with pause_steps: 0 (else those prompts
+# are paused) and 90-100 only with retire: false (else they are retired). Unseen prompts get the
+# neighbours' neutral 1.0: at the start every prompt is unseen, so the first epoch is uniform.
+DEFAULT_BAND_WEIGHTS = {"unseen": 1.0, "0-10": 0.1, "10-30": 1.0, "30-70": 4.0, "70-90": 1.0, "90-100": 0.1}
+
+
+@dataclass
+class CurriculumConfig:
+    """``data.sampler: curriculum``: per-prompt success rates over a rolling window of samples,
+    success-rate bands, sampling weighted toward 30-70%, 0-10% paused, 90-100% retired
+    (megatron_rl/data/curriculum.py)."""
+
+    # Outcomes kept per prompt (samples, not groups): the last `window` samples' successes give
+    # its success rate. 16 is two groups at group_size 8, fine enough (6.25%) to tell the 10% and
+    # 90% edges apart, and short enough to follow a policy that improves.
+    window: int = 16
+    # Outcomes needed before the estimate counts (fewer: the "unseen" band). 8 is one group at
+    # group_size 8: 0/8 and 1/8 are on either side of the 10% edge, 7/8 and 8/8 of the 90% edge.
+    min_samples: int = 8
+    # A sample is a success when its reward is >= this (the trainer's accuracy threshold).
+    success_threshold: float = 0.5
+    # Per-prompt weight of each band (CURRICULUM_BANDS); keys left out keep DEFAULT_BAND_WEIGHTS.
+    band_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_BAND_WEIGHTS))
+    # Trainer steps a prompt that falls into 0-10% sits out before it comes back with a fresh
+    # window (retried as unseen: its old outcomes are of an older policy). None: one epoch,
+    # ceil(num_prompts / prompts_per_step) steps, as the Olmo 3 recipe pauses for epochs; 0: never
+    # pause (0-10% prompts stay drawable at their band weight).
+    pause_steps: int | None = None
+    # Prompts that reach 90-100% are retired for good (true), or stay drawable at their band
+    # weight (false).
+    retire: bool = True
+    # When the drawable prompts run out within a draw (all paused, retired or already drawn this
+    # step): "unpause" brings paused prompts back early, earliest scheduled return first (fresh
+    # windows), and only then draws retired prompts uniformly (every prompt retired: a uniform
+    # sampler over the whole dataset, flagged by data/curriculum/all_retired); "uniform" draws the
+    # shortfall uniformly from the paused and retired prompts alike without ending any pause.
+    # Once every prompt was drawn in the same step, prompts repeat.
+    when_exhausted: Literal["unpause", "uniform"] = "unpause"
+
+    def validate(self, where: str = "data.curriculum") -> CurriculumConfig:
+        for name in ("window", "min_samples"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{where}.{name} must be an integer >= 1, got {value!r}")
+        if self.min_samples > self.window:
+            raise ConfigError(f"{where}.min_samples={self.min_samples} must be <= window={self.window} "
+                              "(a window never holds more outcomes than that)")
+        if not isinstance(self.success_threshold, (int, float)) or not math.isfinite(self.success_threshold):
+            raise ConfigError(f"{where}.success_threshold must be a finite number, got {self.success_threshold!r}")
+        if not isinstance(self.band_weights, dict):
+            raise ConfigError(f"{where}.band_weights must be a mapping {{band: weight}}, got {self.band_weights!r}")
+        for band, weight in self.band_weights.items():
+            if band not in CURRICULUM_BANDS:
+                close = difflib.get_close_matches(str(band), CURRICULUM_BANDS, n=1)
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                raise ConfigError(f"{where}.band_weights: unknown band {band!r} (bands: "
+                                  f"{', '.join(CURRICULUM_BANDS)}){hint}")
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
+                    math.isfinite(weight) and weight > 0):
+                raise ConfigError(f"{where}.band_weights.{band} must be a number > 0, got {weight!r} "
+                                  "(pause_steps / retire take bands out of the draw)")
+        # Every band, in band order: what the run used is in its saved config.
+        self.band_weights = {band: float(self.band_weights.get(band, DEFAULT_BAND_WEIGHTS[band]))
+                             for band in CURRICULUM_BANDS}
+        if self.pause_steps is not None and (isinstance(self.pause_steps, bool) or not isinstance(
+                self.pause_steps, int) or self.pause_steps < 0):
+            raise ConfigError(f"{where}.pause_steps must be an integer >= 0 or null (one epoch), "
+                              f"got {self.pause_steps!r}")
+        if not isinstance(self.retire, bool):
+            raise ConfigError(f"{where}.retire must be true or false, got {self.retire!r}")
+        if self.when_exhausted not in ("unpause", "uniform"):
+            raise ConfigError(f"{where}.when_exhausted must be 'unpause' or 'uniform', got {self.when_exhausted!r}")
+        return self
 # Names the reward functions take as their own arguments (never metadata; see prompts.py).
 RESERVED_NAMES = frozenset({"prompt", "response", "answer"})
 
@@ -65,6 +149,10 @@ class DataConfig:
     # Prompt order: reshuffled every epoch from this seed (None: the run's seed).
     shuffle: bool = True
     seed: int | None = None
+    # "uniform": every prompt once per epoch, in the shuffled order above. "curriculum": the Olmo 3
+    # prompt curriculum (the section below), drawn from the same seed.
+    sampler: Literal["uniform", "curriculum"] = "uniform"
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     # Synthetic datasets: the task, its difficulty and the number of records per split. The
     # records depend on synthetic_seed only (not on the run's seed), so held-out accuracy of runs
     # with different seeds is measured on the same problems.
@@ -102,6 +190,12 @@ class DataConfig:
         if self.num_heldout < 0:
             raise ConfigError(f"{where}.num_heldout must be >= 0, got {self.num_heldout}")
         self.synthetic.validate(f"{where}.synthetic")
+        if self.sampler not in SAMPLERS:
+            raise ConfigError(f"{where}.sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
+        if self.sampler == "curriculum" and not self.shuffle:
+            raise ConfigError(f"{where}.shuffle=false asks for the dataset order, which data.sampler=curriculum "
+                              "does not follow (it draws by success rate); use data.sampler=uniform")
+        self.curriculum.validate(f"{where}.curriculum")
         return self
 
     def _validate_columns(self, where: str) -> None:

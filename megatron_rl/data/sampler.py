@@ -19,6 +19,12 @@ The state is plain ints and bools (JSON-safe), meant to be saved inside the trai
 
 Restoring checks ``num_prompts`` and ``shuffle`` against this sampler (another dataset would make
 the position meaningless) and takes ``seed`` from the state: an exact continuation is the point.
+
+``build_sampler(data_config, num_prompts, batch_size, seed)`` picks the sampler of
+``data.sampler``: this one ("uniform") or the success-rate curriculum (megatron_rl/data/curriculum.py).
+Both answer the same calls: ``take`` / ``next_batch``, ``observe(index, rewards)`` after each scored
+group, ``band_metrics(indices)``, ``step()`` at the end of a trainer step, ``pop_notices()``,
+``state_dict`` / ``load_state_dict``; for this sampler the feedback calls do nothing.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any, Iterator, Mapping
 
 from megatron_rl.errors import ConfigError
 
-__all__ = ["PromptSampler"]
+__all__ = ["PromptSampler", "build_sampler"]
 
 _STATE_VERSION = 1
 
@@ -80,6 +86,19 @@ class PromptSampler:
         while True:
             yield self.next_batch()
 
+    # The curriculum sampler's feedback calls: the uniform stream does not depend on rewards.
+    def observe(self, index: int, rewards: list[float]) -> None:
+        pass
+
+    def step(self) -> None:
+        pass
+
+    def band_metrics(self, indices: list[int]) -> dict[str, float]:
+        return {}
+
+    def pop_notices(self) -> list[str]:
+        return []
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "version": _STATE_VERSION,
@@ -91,6 +110,10 @@ class PromptSampler:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        kind = state.get("kind", "uniform")  # the uniform state has no "kind" (older checkpoints neither)
+        if kind != "uniform":
+            raise ConfigError(f"sampler state was saved by the {kind} sampler but this run has data.sampler=uniform; "
+                              f"resume with data.sampler={kind} (a different sampler cannot continue its stream)")
         missing = [key for key in self.state_dict() if key not in state]
         if missing:
             raise ConfigError(f"sampler state is missing {', '.join(missing)}")
@@ -114,3 +137,17 @@ class PromptSampler:
             raise ConfigError(f"sampler state epoch={state['epoch']} position={state['position']} is out of range")
         self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
         self._order = None
+
+
+def build_sampler(data_config, num_prompts: int, batch_size: int, seed: int):
+    """The sampler ``data.sampler`` names, for ``num_prompts`` prompts and ``batch_size`` prompts
+    per step. ``seed``: the run's seed (``data.seed`` wins when set)."""
+    if data_config.seed is not None:
+        seed = data_config.seed
+    if data_config.sampler == "curriculum":
+        from megatron_rl.data.curriculum import CurriculumSampler
+
+        return CurriculumSampler(num_prompts, batch_size, seed=seed, config=data_config.curriculum)
+    if data_config.sampler != "uniform":
+        raise ConfigError(f"data.sampler must be one of uniform, curriculum, got {data_config.sampler!r}")
+    return PromptSampler(num_prompts, batch_size, seed=seed, shuffle=data_config.shuffle)

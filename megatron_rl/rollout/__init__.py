@@ -14,6 +14,7 @@ vLLM nor SGLang.
 
 from megatron_rl.rollout.pool import EnginePool
 from megatron_rl.rollout.protocol import (
+    EngineDied,
     EngineError,
     EngineTimeout,
     EngineUnavailable,
@@ -24,6 +25,6 @@ from megatron_rl.rollout.protocol import (
 from megatron_rl.rollout.weight_sync import drain, hf_weight_stream
 
 __all__ = [
-    "EngineError", "EnginePool", "EngineTimeout", "EngineUnavailable", "RolloutEngine", "Sample",
+    "EngineDied", "EngineError", "EnginePool", "EngineTimeout", "EngineUnavailable", "RolloutEngine", "Sample",
     "SamplingParams", "drain", "hf_weight_stream",
 ]

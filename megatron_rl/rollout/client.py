@@ -51,7 +51,10 @@ class RolloutClient:
     def start(self) -> None:
         self.engines = build_engines(self.config, self.model_dir, local_rank=self.local_rank, seed=self.seed)
         if self.engines is not None:
-            self._requests = self.engines[0] if len(self.engines) == 1 else EnginePool(self.engines)
+            # Servers always sit behind a pool: it routes requests to the least busy one (the
+            # asynchronous producer sends one request per group) and survives a server's death.
+            single = self.colocated and len(self.engines) == 1
+            self._requests = self.engines[0] if single else EnginePool(self.engines)
         self.transport = build_transport(self.config, self.master_addr)
         self.transport.connect(self.engines)
 
@@ -67,9 +70,18 @@ class RolloutClient:
 
     # ---- weights ------------------------------------------------------------------------------
 
-    def sync_weights(self, module, arch) -> int:
+    @property
+    def pool(self) -> EnginePool:
+        """The driver's servers (asynchronous rollout sends its requests through it)."""
+        if self.colocated or not isinstance(self._requests, EnginePool):
+            raise RuntimeError("RolloutClient.pool: only the driver of server engines has a pool")
+        return self._requests
+
+    def sync_weights(self, module, arch, *, pause_mode: str = "wait") -> int:
         """Every trainer rank: the policy's current weights into every engine. Returns the number
-        of tensors each engine loaded."""
+        of tensors each engine loaded. `pause_mode` "abort" (partial rollouts, servers only): the
+        engines' in-flight requests end at once and return what they have, to be continued on
+        the new weights; "wait": they finish first."""
         if not self.started:
             self.start()
         stream = hf_weight_stream(module, arch, destination=self.transport.destination,
@@ -79,12 +91,19 @@ class RolloutClient:
             # Engines serving FP8 get blockwise e4m3 weights with their scales (the HF FP8
             # format), quantized exactly as the FP8 checkpoint export does.
             stream = fp8_rollout_stream(stream, arch)
-        if self.drives:
+        if self.drives and pause_mode == "wait":
             self._requests.pause()
+        elif self.drives:
+            self._requests.pause(pause_mode)  # servers only: a pool passes the mode on
+        if not self.colocated:
+            # Servers that died since the last push (the pool moved their requests to the others)
+            # leave the transport on every rank before it pushes.
+            dead = [self._requests.dead if self.drives else None]
+            dist.broadcast_object_list(dead, src=0)
+            self.transport.drop(dead[0])
         count = self.transport.push(stream)
         if self.drives:
-            for engine in self.engines:
-                engine.reset_prefix_cache()
+            self._requests.reset_prefix_cache()
             self._requests.resume()
         return count
 

@@ -5,6 +5,10 @@
     engine.pause(); <weights arrive through a transport>; engine.reset_prefix_cache(); engine.resume()
     engine.health(); engine.shutdown()
 
+Data-parallel rollout (rollout/pool.py) survives engines dying: a dead engine (`EngineDied`) is
+named in a warning and its unfinished prompts are generated again, with the same seeds, on the
+live ones.
+
 Engines differ in where they run (inside the trainer processes, behind HTTP) and in which weight
 transports they can receive (rollout/transport.py); the trainer never branches on which one it
 holds. What a transport calls on an engine:
@@ -28,7 +32,7 @@ from typing import Any, Iterable, Literal, Protocol, runtime_checkable
 
 import torch
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "abort"]  # abort: only with SamplingParams.partial
 WeightStream = Iterable[tuple[str, torch.Tensor]]
 
 
@@ -42,6 +46,18 @@ class EngineTimeout(EngineError):
 
 class EngineUnavailable(EngineError):
     """The engine is dead or unreachable (process exited, connection refused, health check failed)."""
+
+
+class EngineDied(EngineUnavailable):
+    """An engine stopped answering for good (its process exited, connections refused or reset after
+    every retry, or a failed request followed by a failed health check). EnginePool records one per
+    dead engine (`pool.cause(name)`), warns, and moves the engine's unfinished prompts to the live
+    engines; a weight transport told to `drop` the engine stops pushing to it."""
+
+
+# vLLM's pause modes: "wait" lets in-flight requests finish, "abort" returns them aborted, "keep"
+# freezes them until resume. Engines whose pause() takes no mode support "wait" only.
+PAUSE_MODES = ("wait", "abort", "keep")
 
 
 @dataclass(frozen=True)
@@ -62,6 +78,10 @@ class SamplingParams:
     # R3 (rl.routing_replay: rollout): each Sample carries the engine's MoE routes of every token
     # it ran, extras["routed_experts"], int [prompt + response - 1, MoE layers, k] (vLLM engines).
     return_routed_experts: bool = False
+    # Partial rollouts: a request an engine pause aborts (pause(mode="abort"), around a weight
+    # update) returns the tokens generated so far with finish_reason "abort", for the caller to
+    # continue, instead of failing.
+    partial: bool = False
 
     def __post_init__(self):
         if self.n < 1:
@@ -144,7 +164,9 @@ class RolloutEngine(Protocol):
         """Drop cached prefixes (their KV was computed with the previous weights)."""
 
     def pause(self) -> None:
-        """Around a weight sync: hold new generation (in-flight requests finish first)."""
+        """Around a weight sync: hold new generation (in-flight requests finish first). Servers
+        also take pause(mode="abort"): in-flight requests end at once, returning what they have
+        generated (finish_reason "abort" when they asked for SamplingParams.partial)."""
 
     def resume(self) -> None:
         ...

@@ -3,6 +3,8 @@
     transport.connect(engines)     # once, on every trainer rank (engines: the driver's list, else None)
     count = transport.push(stream) # every trainer rank, with its stream from hf_weight_stream(...,
                                    # destination=transport.destination); returns the tensors each engine loaded
+    transport.drop(names)          # every trainer rank, the same names (the driver's pool.dead,
+                                   # broadcast): later pushes go to the live engines only
 
 - `InProcessTransport` (colocated engines): every rank holds the full tensors and passes them by
   reference to its own share of the engine.
@@ -18,6 +20,13 @@ bridge decides *what* is sent (HF names, gathered tensors, per stage), the trans
 Producing the stream takes collectives (TP/EP gathers), so every trainer rank consumes its
 stream in every transport, tensors or not. A push fails on every rank together: the driver's
 outcome is shared before anyone returns.
+
+An engine that died (rollout/pool.py marks it, EngineDied) is dropped on every rank at once, before
+the next push: `drop` takes every dead name so far and ignores those already dropped, so the
+client can pass `pool.dead` at every sync. The files and in-process transports simply stop
+addressing the engine; the collective transport's groups contain the dead engine's ranks, so it
+builds fresh ones (the next `generation` of store keys on the same store) among the stage leaders
+and the surviving engines' ranks.
 """
 
 from __future__ import annotations
@@ -25,14 +34,15 @@ from __future__ import annotations
 import json
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
-from typing import Protocol
+from typing import Iterable, Protocol
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl.bridge.export import buckets
-from megatron_rl.rollout.protocol import EngineError, RolloutEngine, WeightStream
+from megatron_rl.rollout.protocol import EngineDied, EngineError, EngineUnavailable, RolloutEngine, WeightStream
 from megatron_rl.rollout.weight_sync import drain
 from megatron_rl.rollout.weight_group import GroupSpec, host_store, join_stage_group, send_bucket, send_end
 
@@ -46,7 +56,18 @@ class WeightTransport(Protocol):
 
     def push(self, stream: WeightStream) -> int: ...
 
+    def drop(self, names: Iterable[str]) -> None: ...
+
     def close(self) -> None: ...
+
+
+def newly_dead(dropped: set[str], names: Iterable[str] | str) -> list[str]:
+    """The names not dropped before, recorded as dropped now (the same on every rank, since every
+    rank is given the same names)."""
+    names = [names] if isinstance(names, str) else list(names)
+    new = [name for name in dict.fromkeys(names) if name not in dropped]
+    dropped.update(new)
+    return new
 
 
 def agree(outcome: tuple[int | None, str | None], source: int = 0) -> int:
@@ -96,12 +117,21 @@ class InProcessTransport:
 
     def __init__(self):
         self.engine = None
+        self.dropped: set[str] = set()
 
     def connect(self, engines: list[RolloutEngine] | None) -> None:
         (self.engine,) = engines
 
     def push(self, stream: WeightStream) -> int:
+        if self.engine is None:
+            raise EngineDied(f"weight push (stream): the colocated engine {', '.join(sorted(self.dropped))} died; "
+                             "restart the run (it resumes from its last checkpoint)")
         return self.engine.update_weights(stream)
+
+    def drop(self, names: Iterable[str]) -> None:
+        newly_dead(self.dropped, names)
+        if self.engine is not None and self.engine.name in self.dropped:
+            self.engine = None
 
     def close(self) -> None:
         pass
@@ -116,10 +146,17 @@ class FilesTransport:
     def __init__(self, staging_dir: str | Path, bucket_bytes: int):
         self.staging_dir, self.bucket_bytes = Path(staging_dir), bucket_bytes
         self.engines: list[RolloutEngine] | None = None
+        self.dropped: set[str] = set()
         self._pushes = 0
 
     def connect(self, engines: list[RolloutEngine] | None) -> None:
         self.engines = engines
+
+    def drop(self, names: Iterable[str]) -> None:
+        """Every rank (only the driver holds engines): later pushes skip the named engines."""
+        newly_dead(self.dropped, names)
+        if self.engines is not None:
+            self.engines = [engine for engine in self.engines if engine.name not in self.dropped]
 
     def push(self, stream: WeightStream) -> int:
         if self.engines is None:
@@ -129,6 +166,9 @@ class FilesTransport:
         directory = self.staging_dir / f"push-{self._pushes:06d}"
         outcome: tuple[int | None, str | None]
         try:
+            if not self.engines:
+                drain(stream)  # the other ranks' streams take part in its collectives
+                raise EngineUnavailable(f"no live engine left (dead: {', '.join(sorted(self.dropped))})")
             written = write_safetensors_dir(stream, directory, self.bucket_bytes)
             counts = on_every_engine(self.engines, "load_weight_files", str(directory))
             count = same_count(self.engines, counts)
@@ -189,6 +229,8 @@ class CollectiveTransport:
         self.host, self.backend, self.bucket_bytes = host, backend, bucket_bytes
         self.timeout_s, self.port = timeout_s, port
         self.engines: list[RolloutEngine] | None = None
+        self.dropped: set[str] = set()
+        self._sizes: dict[str, int] = {}  # engine name -> its ranks (the driver's)
         self.group = None
         self._store = None
         self._stage, self._leader = _stage_and_leader()
@@ -208,24 +250,55 @@ class CollectiveTransport:
         if engines is not None:
             try:
                 sizes = on_every_engine(engines, "weight_receivers")
+                self._sizes = {engine.name: size for engine, size in zip(engines, sizes)}
                 stages = _pipeline_stages()
                 self._store = host_store(self.host, self.port, self.timeout_s)
-                self.spec = GroupSpec(self.host, self.port, 1 + sum(sizes), stages, self.backend, self.timeout_s)
-                self._offsets = [1 + sum(sizes[:index]) for index in range(len(engines))]
-                outcome = (self.spec.to_json(), None)
+                spec = GroupSpec(self.host, self.port, 1 + sum(sizes), stages, self.backend, self.timeout_s)
+                outcome = (spec.to_json(), None)
             except EngineError as exc:
                 outcome = (None, f"weight transport (collective): {exc}")
+        self._join(outcome)
+
+    def drop(self, names: Iterable[str]) -> None:
+        """Every rank together, with the same names (the driver's pool.dead, broadcast). The groups
+        hold the dead engines' ranks, so for any name not dropped before, every stage leader and
+        every surviving engine rank join fresh groups: the next generation of store keys on the
+        same store, survivors renumbered. Names dropped before are ignored (then nothing is
+        collective). Must run before the next push: a push into a group with a dead rank fails
+        only at the group's timeout."""
+        new = newly_dead(self.dropped, names)
+        if not new:
+            return
+        outcome = None
+        if self.engines is not None:
+            unknown = [name for name in new if name not in self._sizes]
+            self.engines = [engine for engine in self.engines if engine.name not in self.dropped]
+            if unknown:
+                outcome = (None, f"weight transport (collective): no engine named {', '.join(unknown)} to drop")
+            elif not self.engines:
+                outcome = (None, f"weight transport (collective): no live engine left "
+                                 f"(dead: {', '.join(sorted(self.dropped))})")
+            else:
+                world = 1 + sum(self._sizes[engine.name] for engine in self.engines)
+                outcome = (replace(self.spec, world_size=world, generation=self.spec.generation + 1).to_json(), None)
+        self.group = None  # holds the dead ranks; the engines' workers replace theirs when they join
+        self._join(outcome, error_type=EngineUnavailable)
+
+    def _join(self, outcome: tuple[str | None, str | None] | None, error_type: type[EngineError] = EngineError) -> None:
+        """Every rank: the driver's (spec, error) is shared; then every live engine's ranks (through
+        the driver) and every stage leader join the spec's groups together."""
         holder = [outcome]
         dist.broadcast_object_list(holder, src=0)
         spec_json, error = holder[0]
         if error is not None:
-            raise EngineError(error)
+            raise error_type(error)
         self.spec = GroupSpec.from_json(spec_json)
         joining = None
-        if engines is not None:
-            pool = ThreadPoolExecutor(max_workers=len(engines))
+        if self.engines is not None:
+            offsets = [1 + sum(self._sizes[e.name] for e in self.engines[:index]) for index in range(len(self.engines))]
+            pool = ThreadPoolExecutor(max_workers=len(self.engines))
             joining = [(engine, pool.submit(engine.join_weight_group, spec_json, offset))
-                       for engine, offset in zip(engines, self._offsets)]
+                       for engine, offset in zip(self.engines, offsets)]
         error = None
         try:
             if self._leader:

@@ -61,8 +61,8 @@ def to_vllm_sampling(params: SamplingParams, prompt_index: int):
     )
 
 
-def finish_reason(engine: str, reason: Any) -> str:
-    if reason in ("stop", "length"):
+def finish_reason(engine: str, reason: Any, *, partial: bool = False) -> str:
+    if reason in ("stop", "length") or (partial and reason == "abort"):
         return reason
     raise EngineError(f"{engine}: request ended with finish reason {reason!r} (aborted or failed)")
 

@@ -124,7 +124,7 @@ class VllmServerEngine(ServerEngineBase):
                 raise EngineError(f"{self.name}: server did not return token ids (vLLM too old for return_token_ids?)")
             logprobs = [float(value) for value in (choice.get("logprobs") or {}).get("token_logprobs", [])]
             samples.append(Sample(index, position, list(prompt), list(token_ids), logprobs,
-                                  finish_reason(self.name, choice.get("finish_reason"))))
+                                  finish_reason(self.name, choice.get("finish_reason"), partial=params.partial)))
             if layout is not None and tag is None:
                 samples[-1].extras["routed_experts"] = native_routes(self.name, samples[-1],
                                                                      choice.get("routed_experts"), layout["layers"])
@@ -205,9 +205,14 @@ class VllmServerEngine(ServerEngineBase):
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
-    def pause(self) -> None:
-        # "wait": in-flight requests finish; new ones are held until resume.
-        self._client.post("/pause", params="mode=wait")
+    def pause(self, mode: str = "wait") -> None:
+        """New requests are held until resume. In-flight ones: "wait" lets them finish; "abort"
+        ends them at once, each returning the tokens it has (partial rollouts continue them on
+        the new weights). Either way the KV cache is cleared, so nothing computed with the old
+        weights is reused."""
+        if mode not in ("wait", "abort"):
+            raise ValueError(f"{self.name}: pause mode must be 'wait' or 'abort', got {mode!r}")
+        self._client.post("/pause", params=f"mode={mode}")
 
     def resume(self) -> None:
         self._client.post("/resume")

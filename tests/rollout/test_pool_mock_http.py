@@ -2,9 +2,10 @@
 
 Why fakes: the behaviour under test is the pool's and the HTTP client's (splitting prompts across
 engines and putting results back in order, per-prompt seeds independent of the split, a dead
-engine named in the error, timeouts and bounded retries). Killing or stalling a real vLLM server
-on cue takes minutes per case on 2 cores; its request and response shapes are exercised live by
-tests/rollout/test_vllm_sync.py (server mode). Each fake answers /v1/completions deterministically
+engine's prompts moved to the live ones, timeouts and bounded retries). Killing or stalling a real
+vLLM server on cue takes minutes per case on 2 cores; its request and response shapes are
+exercised live by tests/rollout/test_vllm_sync.py (server mode), and one server killed with
+requests in flight by tests/rollout/test_engine_failover.py. Each fake answers /v1/completions deterministically
 from (prompt, seed), so the samples say which seed produced them.
 """
 
@@ -106,16 +107,22 @@ def test_mock_pool_keeps_prompt_order_and_split_independent_seeds(fakes):
     assert len({g[0].response_token_ids[1] for g in split}) == len(PROMPTS)
 
 
-def test_mock_pool_names_the_dead_engine(fakes):
+def test_mock_pool_moves_a_dead_engines_prompts_and_names_every_dead_engine(fakes):
     """Why a mock: see the module docstring."""
+    params = SamplingParams(n=2, max_tokens=3, seed=1)
     live, dead = fakes(), fakes()
     pool = EnginePool([engine(live, "vllm-0"), engine(dead, "vllm-1", max_retries=0)])
     dead.stop()
-    with pytest.raises(EngineUnavailable, match="vllm-1") as info:
-        pool.generate(PROMPTS, SamplingParams(n=2, seed=1))
-    assert "1 of 2 engines failed" in str(info.value)
-    with pytest.raises(EngineUnavailable, match="vllm-1"):
-        pool.health()
+    groups = pool.generate(PROMPTS, params)
+    reference = engine(fakes(), "vllm-solo").generate(PROMPTS, params)
+    assert [[s.response_token_ids for s in g] for g in groups] == [[s.response_token_ids for s in g] for g in reference]
+    assert pool.dead == ["vllm-1"] and [e.name for e in pool.live] == ["vllm-0"]
+    pool.health()  # the dead engine is no longer asked
+    live.stop()
+    with pytest.raises(EngineUnavailable, match="no live engine left.*vllm-1.*vllm-0") as info:
+        pool.generate(PROMPTS, params)
+    assert "Connection refused" in str(info.value)
+    assert pool.dead == ["vllm-1", "vllm-0"]
 
 
 def test_mock_engine_timeout_is_bounded(fakes):

@@ -143,7 +143,7 @@ def test_launch_script_renders_with_dry_run(tmp_path, script):
                             timeout=120, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     if "launch local" in text:
-        assert "-m megatron_rl.cli train --config configs/tiny_cpu.yaml" in result.stdout
+        assert f"-m megatron_rl.cli train --config configs/{path.stem}.yaml" in result.stdout
         return
     nodes, rollout_nodes = (int(value) for value in re.search(r"--nodes (\d+) --rollout-nodes (\d+)", text).groups())
     # The training nodes are those the recipe's comments state (its world sizes in MODELS).

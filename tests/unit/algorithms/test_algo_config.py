@@ -78,7 +78,7 @@ def test_recipes_follow_their_papers():
         "sequence", 3e-4, 4e-4, "seq-mean-token-mean")
     c = recipe("cispo")
     assert (c.loss.policy_loss_type, c.loss.eps_low, c.loss.loss_agg_mode) == ("cispo", 1.0, "token-mean")
-    assert set(RECIPES) == {"grpo", "dr_grpo", "dapo", "gspo", "cispo"}
+    assert set(RECIPES) == {"grpo", "dr_grpo", "dapo", "gspo", "cispo", "olmo3"}
     assert all(r.paper for r in RECIPES.values())
 
 
