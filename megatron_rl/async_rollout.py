@@ -22,9 +22,9 @@ With rollout.partial, a push happens as soon as a step ends: the engines abort t
 requests (each returns what it has), take the new weights, and every unfinished sequence
 continues from its last token on the new weights (re-prefilled, so no KV the old weights
 computed is reused); its tokens carry two versions and the loss uses each token's own
-behaviour logprob. Which token lands on which side of an update then depends on timing, so
-partial runs are not bit-reproducible. A request that reaches an engine in the instant of the
-pause is counted at the older version: staleness is never understated.
+behaviour logprob. Before the weights change, every request sent at the old version has
+returned (`_drain`), so the recorded versions are exact. Which token lands on which side of an
+update depends on timing, so partial runs are not bit-reproducible.
 
 Streaming groups and active sampling. One request per prompt group, at most
 `wanted + overgeneration` groups in flight. Groups are scored and (dynamic sampling) filtered one
@@ -103,6 +103,7 @@ class AsyncRollout:
         self._ready: dict[int, Batch] = {}
         self._version = 0  # the version the engines hold
         self._pushing = False
+        self._outstanding = 0  # requests sent and not yet returned
         self._generated_through = 0  # every batch up to this step is complete
         self._drawn = 0  # prompts drawn from the stream so far (each group's seed is its position)
         self._cursor: dict | None = None  # (sampler state, drawn) where the next batch starts
@@ -143,6 +144,8 @@ class AsyncRollout:
                 self._check()
                 self._cond.wait(_POLL_S)
             self._pushing = True
+        if self.partial:
+            self._drain()
 
     def pushed(self, version: int) -> None:
         with self._cond:
@@ -257,9 +260,9 @@ class AsyncRollout:
         """One prompt's G samples; with partial rollouts each aborted one is continued on the
         weights that replaced the ones it started with."""
         prompt = self.encode(slot.prompt)
-        version = self._version_for_request()
         params = self.params.offset(slot.position)
-        group = self.pool.generate([prompt], params, self.timeout_s)[0]
+        version, group = self._request([prompt], params)
+        group = group[0]
         samples = []
         for sample in group:
             versions = [version] * len(sample.response_token_ids)
@@ -278,24 +281,48 @@ class AsyncRollout:
         remaining = params.max_tokens - len(sample.response_token_ids)
         if remaining <= 0:
             return replace(sample, finish_reason="length"), versions, last
-        version = self._version_for_request(newer_than=last)
         seed = _continuation_seed(params.prompt_seed(0), sample.sample_index, continued)
         more = replace(params, n=1, max_tokens=remaining, seed=seed, seed_offset=0)
-        tail = self.pool.generate([prompt + sample.response_token_ids], more, self.timeout_s)[0][0]
+        version, tail = self._request([prompt + sample.response_token_ids], more, newer_than=last)
+        tail = tail[0][0]
         joined = Sample(sample.prompt_index, sample.sample_index, list(prompt),
                         sample.response_token_ids + tail.response_token_ids, sample.logprobs + tail.logprobs,
                         tail.finish_reason, dict(sample.extras))
         return joined, versions + [version] * len(tail.response_token_ids), version
 
-    def _version_for_request(self, newer_than: int | None = None) -> int:
-        """The version the engines hold for a request sent now: never during a push, and for a
-        continuation only once the update that aborted it has landed."""
+    def _request(self, prompts, params: SamplingParams, newer_than: int | None = None):
+        """(the version that generates it, the engines' answer) for a request sent now: never
+        during a push, and a continuation only once the update that aborted it has landed. It
+        counts as outstanding until it returns, which `_drain` waits for."""
         with self._cond:
             while self._pushing or (newer_than is not None and self._version <= newer_than):
                 if self._closing:
                     raise RuntimeError("asynchronous rollout closed while a request waited for a weight update")
                 self._cond.wait(_POLL_S)
-            return self._version
+            version = self._version
+            self._outstanding += 1
+        try:
+            return version, self.pool.generate(prompts, params, self.timeout_s)
+        finally:
+            with self._cond:
+                self._outstanding -= 1
+                self._cond.notify_all()
+
+    def _drain(self) -> None:
+        """Partial rollouts, before the weights change: every request sent at the old version
+        returns first, finished or aborted with the tokens it has, so each token's recorded
+        version is the one that produced it. A request still travelling when the engines paused
+        waits in their queue, and would otherwise run on the new weights under the old version:
+        resuming and aborting again admits it and returns it (with any tokens the old weights
+        gave it), until nothing sent before the push is left."""
+        self.pool.pause("abort")
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._outstanding == 0 or self._error is not None, timeout=0.2)
+                if self._outstanding == 0 or self._error is not None:
+                    return
+            self.pool.resume()
+            self.pool.pause("abort")
 
     def _check(self) -> None:
         if self._error is not None:
