@@ -68,6 +68,7 @@ class SamplingParams:
     max_tokens: int = 256
     stop: tuple[str, ...] = ()  # stop strings (need the engine's tokenizer)
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS
+    ignore_eos: bool = False  # generate max_tokens whatever is sampled (benchmarks, tests of long sequences)
     # Base seed of the request. Prompt i gets its own seed derived from (seed, i), so results do
     # not depend on how prompts are split across engines or batched, and a resumed run that
     # replays the same seed regenerates the same samples.

@@ -187,6 +187,8 @@ class SglangServerEngine(ServerEngineBase):
             sampling["stop"] = list(params.stop)
         if params.stop_token_ids:
             sampling["stop_token_ids"] = list(params.stop_token_ids)
+        if params.ignore_eos:
+            sampling["ignore_eos"] = True
         if seed is not None:
             sampling["sampling_seed"] = seed
         return sampling

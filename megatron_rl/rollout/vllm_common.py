@@ -56,6 +56,7 @@ def to_vllm_sampling(params: SamplingParams, prompt_index: int):
         max_tokens=params.max_tokens,
         stop=list(params.stop) or None,
         stop_token_ids=list(params.stop_token_ids) or None,
+        ignore_eos=params.ignore_eos,
         seed=params.prompt_seed(prompt_index),
         logprobs=0,  # the sampled token's own logprob only
     )

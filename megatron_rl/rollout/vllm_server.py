@@ -108,6 +108,8 @@ class VllmServerEngine(ServerEngineBase):
             body["stop"] = list(params.stop)
         if params.stop_token_ids:
             body["stop_token_ids"] = list(params.stop_token_ids)
+        if params.ignore_eos:
+            body["ignore_eos"] = True
         # R3: the engine's MoE routes (rollout/route_capture.py). vLLM's GPU build with
         # --enable-return-routed-experts returns them per choice; otherwise our worker extension
         # captures the requests tagged through vllm_xargs (its SamplingParams.extra_args).

@@ -13,7 +13,6 @@ Hugging Face transformers holding A and B:
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -24,22 +23,14 @@ pytest.importorskip("vllm")
 from megatron_rl.algorithms import recipe  # noqa: E402
 from megatron_rl.algorithms.policy_loss import policy_loss  # noqa: E402
 from megatron_rl.async_rollout import AsyncRollout  # noqa: E402
-from megatron_rl.config import RunConfig  # noqa: E402
 from megatron_rl.data import PromptSampler  # noqa: E402
-from megatron_rl.rollout.engine_model import write_engine_model_dir  # noqa: E402
 from megatron_rl.rollout.pool import EnginePool  # noqa: E402
 from megatron_rl.rollout.protocol import SamplingParams  # noqa: E402
-from megatron_rl.rollout.vllm_server import VllmServerEngine, VllmServerProcess  # noqa: E402
+from megatron_rl.rollout.vllm_server import VllmServerEngine  # noqa: E402
 from megatron_rl.trainer import _trajectories  # noqa: E402
 
 PROMPT = [1, 17, 33, 49, 65]
-MAX_TOKENS = 400
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+MAX_TOKENS = 900  # with ignore_eos: seconds of generation, so the update lands mid-sequence
 
 
 def _hf_model(model_dir, seed: int):
@@ -58,33 +49,31 @@ def _logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
 
 
-def test_a_sequence_continued_across_a_weight_update_carries_two_versions(tmp_path):
-    model_dir = tmp_path / "model"
-    write_engine_model_dir(RunConfig(), model_dir)
+def test_a_sequence_continued_across_a_weight_update_carries_two_versions(tiny_vllm_server, tmp_path):
+    url, model_dir = tiny_vllm_server  # the built-in tiny model's server, shared (tests/conftest.py)
     weights_a, weights_b = _hf_model(model_dir, 0), _hf_model(model_dir, 1)
-    server = VllmServerProcess.start(model_dir, port=_free_port(), log_path=tmp_path / "vllm.log",
-                                     load_format="dummy", max_model_len=1024, seed=0)
-    engine = VllmServerEngine(server.url, name="vllm-0", process=server, staging_dir=tmp_path / "staging")
+    engine = VllmServerEngine(url, name="vllm-0", staging_dir=tmp_path / "staging")
+    engine.update_weights(weights_a.state_dict().items())  # version 0
+    pool = EnginePool([engine])
+    producer = AsyncRollout(
+        pool=pool, sampler=PromptSampler(1, 1, seed=0), encode=lambda index: list(PROMPT),
+        score_group=lambda index, samples: (_trajectories([samples], [1.0] * len(samples))[0], {}),
+        params=SamplingParams(n=4, temperature=1.0, max_tokens=MAX_TOKENS, seed=3, partial=True, ignore_eos=True),
+        wanted=1, max_staleness=1, partial=True, dynamic_sampling=False, max_groups=1, overgeneration=0,
+        timeout_s=300, last_step=1)
     try:
-        engine.update_weights(weights_a.state_dict().items())  # version 0
-        pool = EnginePool([engine])
-        producer = AsyncRollout(
-            pool=pool, sampler=PromptSampler(1, 1, seed=0), encode=lambda index: list(PROMPT),
-            score_group=lambda index, samples: (_trajectories([samples], [1.0] * len(samples))[0], {}),
-            params=SamplingParams(n=4, temperature=1.0, max_tokens=MAX_TOKENS, seed=3, partial=True),
-            wanted=1, max_staleness=1, partial=True, dynamic_sampling=False, max_groups=1, overgeneration=0,
-            timeout_s=300, last_step=1)
         producer.start(1, version=0)
-        time.sleep(1.5)  # the requests are generating
-        producer.before_push(1)
-        pool.pause("abort")
+        time.sleep(1.0)  # the requests are generating
+        producer.before_push(1)  # partial: the engines abort their requests, which return what they have
         engine.update_weights(weights_b.state_dict().items())  # version 1
         pool.resume()
         producer.pushed(1)
         batch = producer.take(1)
-        producer.close()
     finally:
-        engine.shutdown()
+        producer.close()
+        # The shared server planned its in-place updates from transformers' tensor names; the
+        # next test's trainer pushes the bridge's, so it starts from a full reload.
+        engine._rpc("set_in_place_weight_updates", True)
 
     (group,) = batch.groups
     continued = [t for t in group if 0 in t.versions and 1 in t.versions]
@@ -92,7 +81,7 @@ def test_a_sequence_continued_across_a_weight_update_carries_two_versions(tmp_pa
     for t in group:
         assert len(t.versions) == len(t.response_ids) == len(t.rollout_logprobs)
         assert t.versions == sorted(t.versions)  # the old version's tokens first
-        assert len(t.response_ids) <= MAX_TOKENS and t.prompt_ids == PROMPT
+        assert len(t.response_ids) == MAX_TOKENS and t.prompt_ids == PROMPT  # continued to the full budget
 
     t = continued[0]
     cut = t.versions.index(1)

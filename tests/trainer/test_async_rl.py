@@ -1,6 +1,7 @@
 """Asynchronous RL end to end (rl.max_staleness=1) with a real vLLM CPU server beside the trainer.
 
-One server serves three runs of `megatron-rl train` in turn (each pushes its own weights first):
+One server (tests/conftest.py, shared) serves three runs of `megatron-rl train` in turn, each
+pushing its own weights first:
 
 - an uninterrupted run: every step logs rollout/staleness_mean and _max, never above 1, and 1
   on the steps after the first (the engines generated them while the trainer trained on the
@@ -13,10 +14,6 @@ One server serves three runs of `megatron-rl train` in turn (each pushes its own
 from __future__ import annotations
 
 import json
-import signal
-import socket
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -24,23 +21,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
 
 from run_records import comparable, metrics  # noqa: E402
-from test_train_loop import command, environment, run  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def server_url(tmp_path_factory):
-    from megatron_rl.config import load_config
-    from megatron_rl.rollout.engine_model import write_engine_model_dir
-    from megatron_rl.rollout.vllm_server import VllmServerProcess
-
-    root = tmp_path_factory.mktemp("server")
-    write_engine_model_dir(load_config(), root / "model")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = VllmServerProcess.start(root / "model", port=port, log_path=root / "vllm.log", load_format="dummy")
-    yield server.url
-    server.stop()
+from test_train_loop import run, stop_with_sigterm  # noqa: E402
 
 
 def asynchronous(url: str, staging: Path) -> list[str]:
@@ -48,8 +29,8 @@ def asynchronous(url: str, staging: Path) -> list[str]:
             f"rollout.staging_dir={staging}", "rl.max_staleness=1"]
 
 
-def test_staleness_one_runs_off_policy_and_resumes_exactly(server_url, tmp_path):
-    overrides = asynchronous(server_url, tmp_path / "staging")
+def test_staleness_one_runs_off_policy_and_resumes_exactly(tiny_vllm_server, tmp_path):
+    overrides = asynchronous(tiny_vllm_server[0], tmp_path / "staging")
     whole = tmp_path / "whole"
     run(whole, *overrides)
     reference = metrics(whole)
@@ -66,17 +47,7 @@ def test_staleness_one_runs_off_policy_and_resumes_exactly(server_url, tmp_path)
     assert min(reference[step]["mismatch/staleness_1/logp_abs_diff_mean"] for step in range(2, 6)) > 1e-3
 
     interrupted = tmp_path / "interrupted"
-    process = subprocess.Popen(command(interrupted, *overrides), env=environment(), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and process.poll() is None:
-        path = interrupted / "metrics.jsonl"
-        if path.is_file() and any(json.loads(line)["step"] >= 2 for line in path.read_text().splitlines() if line):
-            process.send_signal(signal.SIGTERM)
-            break
-        time.sleep(0.2)
-    output, _ = process.communicate(timeout=600)
-    assert process.returncode == 0, output[-4000:]
+    output = stop_with_sigterm(interrupted, *overrides, after_step=2)
     stopped_at = json.loads((interrupted / "run_state.json").read_text())["step"]
     assert 2 <= stopped_at < 5, output[-2000:]
 

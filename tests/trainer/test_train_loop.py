@@ -48,6 +48,22 @@ def run(out: Path, *overrides: str, config: Path | None = None) -> subprocess.Co
     return result
 
 
+def stop_with_sigterm(out: Path, *overrides: str, after_step: int) -> str:
+    """Start a run and send it SIGTERM once it has logged `after_step`; its output (it must exit 0)."""
+    process = subprocess.Popen(command(out, *overrides), env=environment(), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and process.poll() is None:
+        path = out / "metrics.jsonl"
+        if path.is_file() and any(json.loads(line)["step"] >= after_step for line in path.read_text().splitlines() if line):
+            process.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.2)
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output[-4000:]
+    return output
+
+
 def test_exact_resume_after_sigterm(tmp_path):
     whole = tmp_path / "whole"
     run(whole)
@@ -55,17 +71,7 @@ def test_exact_resume_after_sigterm(tmp_path):
     assert max(reference) == 5 and "eval/accuracy" in reference[0] and "eval/accuracy" in reference[5]
 
     interrupted = tmp_path / "interrupted"
-    process = subprocess.Popen(command(interrupted), env=environment(), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and process.poll() is None:
-        path = interrupted / "metrics.jsonl"
-        if path.is_file() and any(json.loads(line)["step"] >= 2 for line in path.read_text().splitlines() if line):
-            process.send_signal(signal.SIGTERM)
-            break
-        time.sleep(0.2)
-    output, _ = process.communicate(timeout=600)
-    assert process.returncode == 0, output[-4000:]
+    output = stop_with_sigterm(interrupted, after_step=2)
     state = json.loads((interrupted / "run_state.json").read_text())
     assert state["finished"] is False, state
     stopped_at = state["step"]
