@@ -40,7 +40,7 @@ def start_server(root: Path):
     """The vLLM server on its own core (the affinity is inherited by its processes)."""
     from megatron_rl.config import load_config
     from megatron_rl.rollout.engine_model import write_engine_model_dir
-    from megatron_rl.rollout.vllm_server import VllmServerProcess
+    from megatron_rl.rollout.engines.vllm_server import VllmServerProcess
 
     write_engine_model_dir(load_config(), root / "model")
     with socket.socket() as probe:

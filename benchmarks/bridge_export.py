@@ -77,7 +77,7 @@ def main() -> None:
     if args.quick:
         args.layers, args.hidden, args.experts, args.vocab, args.bucket_mb = 2, 256, 4, 1000, 4
     if "RANK" not in os.environ and (args.tp > 1 or "MALLOC_MMAP_THRESHOLD_" not in os.environ):
-        from megatron_rl.platform.distributed import free_port
+        from megatron_rl.runtime.distributed import free_port
 
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576", OMP_NUM_THREADS=str(max(1, 2 // args.tp)))
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.tp}",
@@ -86,12 +86,12 @@ def main() -> None:
 
     from safetensors.torch import load_file
 
-    from megatron_rl.atomic_dir import AtomicDirectory
+    from megatron_rl.checkpoint.atomic_dir import AtomicDirectory
     from megatron_rl.bridge import export_hf_weights, load_hf_weights
     from megatron_rl.bridge.hf_checkpoint import write_hf_checkpoint
     from megatron_rl.config import load_config
     from megatron_rl.model.builder import build_model
-    from megatron_rl.platform import start_runtime
+    from megatron_rl.runtime import start_runtime
 
     # One scratch name for all ranks: under torchrun they share the launcher as parent.
     config_dir = Path(tempfile.gettempdir()) / f"bridge-bench-config-{os.getppid() if 'RANK' in os.environ else os.getpid()}"
@@ -147,7 +147,7 @@ def main() -> None:
     read_s, read_mem = timed(read_all)
     import_s, import_mem = timed(lambda: load_hf_weights(built.module, built.arch, hf_dir))
 
-    if runtime.is_main:
+    if runtime.is_driver:
         n_params = sum(p.numel() for p in params) * args.tp  # approximate for TP > 1 (norms replicated)
         print(f"model: ~{n_params / 1e6:.0f}M parameters, {hf_bytes / GB:.2f} GB fp32 ({args.layers} layers, "
               f"hidden {args.hidden}, {args.experts} experts, vocab {args.vocab}); bucket {args.bucket_mb} MiB; "
@@ -174,7 +174,7 @@ def main() -> None:
         print("note: at TP1 the native-dtype export yields views of the live parameters (no copy), "
               "so its rate measures per-tensor overhead only")
     runtime.shutdown()
-    if runtime.is_main:
+    if runtime.is_driver:
         import shutil
 
         shutil.rmtree(hf_dir, ignore_errors=True)

@@ -6,7 +6,7 @@
 One process builds the policy of a MoE model whose training state (fp32 weights and Adam's two
 moments) is >= 500 MB (benchmarks/rollout.py's ~61M-parameter model: ~0.7 GB), takes real
 optimizer steps on packed samples, and checkpoints with the trainer's own code
-(megatron_rl.checkpoint.begin_save), alternating modes:
+(megatron_rl.checkpoint.store.begin_save), alternating modes:
 
   synchronous   the loop waits for begin_save, which returns once the checkpoint is published
   asynchronous  the loop waits for begin_save (gather, planning, fork), then trains on while the
@@ -39,7 +39,7 @@ GOAL = 0.2
 def build(work: Path, quick: bool):
     from megatron_rl.config import load_config
     from megatron_rl.model.policy import Policy
-    from megatron_rl.platform import start_runtime
+    from megatron_rl.runtime import start_runtime
 
     overrides = ["device=cpu", f"output_dir={work / 'run'}", "logging.wandb_mode=disabled"]
     if not quick:
@@ -84,10 +84,10 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "2")
 
-    from megatron_rl.console import quiet_dependencies
+    from megatron_rl.observability.console import quiet_dependencies
 
     quiet_dependencies()
-    from megatron_rl import checkpoint as ckpt
+    from megatron_rl.checkpoint import store as ckpt
 
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-"))
     config, runtime, policy = build(work, args.quick)

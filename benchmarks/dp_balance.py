@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_rl.experience import Trajectory, group_tokens, minibatches, my_groups  # noqa: E402
+from megatron_rl.train.experience import Trajectory, group_tokens, minibatches, my_groups  # noqa: E402
 
 
 def draw_groups(count: int, group_size: int, max_response_tokens: int, seed: int) -> list[list[Trajectory]]:

@@ -138,10 +138,11 @@ def versions() -> dict:
 
 def run_variant(args) -> dict:
     from megatron_rl.algorithms import compute_step_normalizer
-    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.config import load_config
+    from megatron_rl.errors import ConfigError
     from megatron_rl.model.packing import pack_by_token_budget
     from megatron_rl.model.policy import Policy
-    from megatron_rl.platform import start_runtime
+    from megatron_rl.runtime import start_runtime
 
     hf = model_config(args)
     config_dir = Path(tempfile.mkdtemp(prefix="fp8-moe-bench-"))

@@ -66,9 +66,9 @@ def main() -> None:
     from megatron_rl.bridge import load_hf_weights
     from megatron_rl.config import load_config
     from megatron_rl.model.policy import Policy
-    from megatron_rl.platform import start_runtime
+    from megatron_rl.runtime import start_runtime
     from megatron_rl.rollout import SamplingParams, hf_weight_stream
-    from megatron_rl.rollout.vllm_colocated import VllmColocatedEngine
+    from megatron_rl.rollout.engines.vllm_colocated import VllmColocatedEngine
 
     work = Path(tempfile.mkdtemp(prefix="rollout-bench-"))
     raw = model_config(args.quick)
@@ -85,7 +85,7 @@ def main() -> None:
     # ---- 1. generation overhead ----------------------------------------------------------------
     from vllm.inputs import TokensPrompt
 
-    from megatron_rl.rollout.vllm_common import to_vllm_sampling
+    from megatron_rl.rollout.engines.vllm_common import to_vllm_sampling
 
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, raw["vocab_size"], (int(n),), generator=generator).tolist()
@@ -164,9 +164,9 @@ def main() -> None:
     engine.shutdown()
 
     if args.server:
-        from megatron_rl.platform.distributed import free_port
-        from megatron_rl.rollout.transport import write_safetensors_dir
-        from megatron_rl.rollout.vllm_server import VllmServerEngine, VllmServerProcess
+        from megatron_rl.runtime.distributed import free_port
+        from megatron_rl.rollout.weights.transport import write_safetensors_dir
+        from megatron_rl.rollout.engines.vllm_server import VllmServerEngine, VllmServerProcess
 
         server = VllmServerProcess.start(work / "hf", port=free_port(), log_path=work / "server.log", dtype="float32",
                                          max_model_len=512, cache_dir=work / "cache")

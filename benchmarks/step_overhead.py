@@ -90,11 +90,11 @@ def large_hf_config() -> dict:
 
 
 def make_step(config, recipe, tokenizer, seed: int):
-    """One RL step's trajectories, as `Trainer.collect` + `score` produce them (all groups kept)."""
+    """One RL step's trajectories, as `SyncCollector.take` (train/collect.py) produces them (all groups kept)."""
     import torch
 
     from megatron_rl.data import ALPHABET, PromptSampler, encode_prompt, load_datasets
-    from megatron_rl.experience import Trajectory, group_advantages
+    from megatron_rl.train.experience import Trajectory, group_advantages
 
     rl = config.rl
     train_set, _ = load_datasets(config.data)
@@ -154,10 +154,10 @@ def count_torch_calls(fn) -> int:
 
 
 class Ours:
-    """The trainer's own old-logprob pass and update (megatron_rl/trainer.py), on fixed data."""
+    """The trainer's own old-logprob pass and update (megatron_rl/train/trainer.py), on fixed data."""
 
     def __init__(self, config, runtime, policy, recipe, groups):
-        from megatron_rl.experience import minibatches, my_groups, pack_minibatch
+        from megatron_rl.train.experience import minibatches, my_groups, pack_minibatch
         from megatron_rl.model.routing import RouterTrace
 
         self.config, self.runtime, self.policy, self.recipe = config, runtime, policy, recipe
@@ -167,7 +167,7 @@ class Ours:
         self.packed = [pack_minibatch(t, config.micro_batch_tokens, policy.pad_to_multiple) for t in self.per_update]
 
     def old_logprobs(self) -> None:
-        from megatron_rl.experience import store_logprobs
+        from megatron_rl.train.experience import store_logprobs
 
         flat = [batch for batches in self.packed for batch in batches]
         if self.routing is not None:
@@ -181,7 +181,7 @@ class Ours:
             position += len(batches)
 
     def update(self, index: int):
-        from megatron_rl.experience import make_loss_fn, response_masks, step_normalizer
+        from megatron_rl.train.experience import make_loss_fn, response_masks, step_normalizer
 
         batches, trajs = self.packed[index], self.per_update[index]
         normalizer = step_normalizer(response_masks(batches, trajs, self.recipe), self.recipe,
@@ -223,6 +223,8 @@ class Reference:
         import torch
         from transformers import AutoModelForCausalLM
 
+        from megatron_rl.algorithms.from_config import recipe_for
+
         model, info = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, output_loading_info=True)
         problems = {k: v for k, v in info.items() if v}
         if problems:
@@ -232,7 +234,7 @@ class Reference:
         self.experts = getattr(model.config, "_experts_implementation", None)
         opt = config.optimizer
         self.clip = opt.clip_grad
-        loss = config.rl.algorithm().loss
+        loss = recipe_for(config.rl).loss
         self.eps_low, self.eps_high = loss.eps_low, loss.eps_high
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2),
                                           eps=opt.adam_eps, weight_decay=opt.weight_decay)
@@ -340,10 +342,11 @@ def worker(args) -> None:
 def _measure(name: str, work: Path, args) -> None:
     import torch
 
+    from megatron_rl.algorithms.from_config import recipe_for
     from megatron_rl.config import load_config
     from megatron_rl.data import build_char_tokenizer
     from megatron_rl.model.policy import Policy
-    from megatron_rl.platform import start_runtime
+    from megatron_rl.runtime import start_runtime
 
     overrides = ["device=cpu", f"output_dir={work / 'run'}", "logging.wandb_mode=disabled"]
     if name == "large":
@@ -353,7 +356,7 @@ def _measure(name: str, work: Path, args) -> None:
     config = load_config(None, overrides)
     runtime = start_runtime(config)
     policy = Policy(config, runtime, total_steps=config.rl.steps * config.rl.updates_per_rollout)
-    recipe = config.rl.algorithm()
+    recipe = recipe_for(config.rl)
     groups = make_step(config, recipe, build_char_tokenizer(), seed=config.seed)
     ours = Ours(config, runtime, policy, recipe, groups)
     updates = config.rl.updates_per_rollout
@@ -508,8 +511,8 @@ BUCKETS = [
     (3, "output layer + postprocess", [("gpt_model.py", "_postprocess")]),
     (2, "our logprobs + loss, forward (Policy._loss)", [("megatron_rl/model/policy.py", "_loss")]),
     (3, "vocab_parallel_logprobs_entropy", [("megatron_rl/model/logprobs.py", "vocab_parallel_logprobs_entropy")]),
-    (3, "loss_fn (padding, masks) + policy_loss", [("megatron_rl/experience.py", "loss_fn")]),
-    (4, "policy_loss", [("megatron_rl/algorithms/policy_loss.py", "policy_loss")]),
+    (3, "loss_fn (padding, masks) + policy_loss", [("megatron_rl/train/experience.py", "loss_fn")]),
+    (4, "policy_loss", [("megatron_rl/algorithms/loss.py", "policy_loss")]),
     (2, "backward (autograd, schedules.backward_step)", [("schedules.py", "backward_step")]),
     (3, "autograd engine own time (C++ kernels, graph)", "run_backward_own"),
     (3, "Python autograd Functions' backward (linears, logprobs)", [("megatron/core/tensor_parallel/layers.py", "backward"),
@@ -843,8 +846,8 @@ started = time.time()
 import megatron_rl.cli as cli
 events.append(("import megatron_rl.cli", started, time.time()))
 started = time.time()
-import megatron_rl.trainer
-events.append(("import megatron_rl.trainer", started, time.time()))
+import megatron_rl.train.trainer
+events.append(("import megatron_rl.train.trainer", started, time.time()))
 # The heavy libraries the phases below import on first use, imported here one by one so that each
 # phase's duration is its own work (the total to the first progress line stays the same).
 for module in ("torch.distributed", "megatron.core.parallel_state", "megatron.core.tensor_parallel",
@@ -855,16 +858,16 @@ for module in ("torch.distributed", "megatron.core.parallel_state", "megatron.co
     except ImportError:
         continue
     events.append(("import " + module, started, time.time()))
-wrap("megatron_rl.trainer", None, "preflight", "preflight (config, reward functions, datasets)")
-wrap("megatron_rl.platform.runtime", None, "start_runtime", "start_runtime (process group, CPU layer, Megatron state)")
-wrap("megatron_rl.trainer", "Trainer", "__init__", "Trainer.__init__")
+wrap("megatron_rl.train.trainer", None, "preflight", "preflight (config, reward functions, datasets)")
+wrap("megatron_rl.runtime.session", None, "start_runtime", "start_runtime (process group, CPU layer, Megatron state)")
+wrap("megatron_rl.train.trainer", "Trainer", "__init__", "Trainer.__init__")
 wrap("megatron_rl.model.policy", "Policy", "__init__", "Policy.__init__ (model, DDP, optimizer)")
-wrap("megatron_rl.trainer", "Trainer", "_prepare_engine_model", "engine model directory + tokenizer")
+wrap("megatron_rl.train.trainer", "Trainer", "_prepare_engine_model", "engine model directory + tokenizer")
 wrap("megatron_rl.rollout.client", None, "build_engines", "build_engines (rollout engine start)")
-wrap("megatron_rl.trainer", "Trainer", "sync_weights", "sync_weights (push weights to the engine)")
-wrap("megatron_rl.warm_start", None, "warm_start", "warm_start (all steps)")
-wrap("megatron_rl.trainer", "Trainer", "evaluate", "evaluate (held-out)")
-wrap("megatron_rl.trainer", "Trainer", "rl_step", "rl_step")
+wrap("megatron_rl.train.trainer", "Trainer", "sync_weights", "sync_weights (push weights to the engine)")
+wrap("megatron_rl.train.warm_start", None, "warm_start", "warm_start (all steps)")
+wrap("megatron_rl.train.trainer", "Trainer", "evaluate", "evaluate (held-out)")
+wrap("megatron_rl.train.trainer", "Trainer", "rl_step", "rl_step")
 try:
     code = cli.main(argv)
 finally:
@@ -899,11 +902,11 @@ PROGRESS = r"^(warm start 1/|step [1-9]\d*/)"
 def measure_startup(echo) -> dict:
     result = {"import_cli_s": import_time("import megatron_rl.cli"), "python_s": import_time("pass"),
               "import_torch_s": import_time("import torch"),
-              "import_trainer_s": import_time("import megatron_rl.trainer, megatron.core.optimizer"),
+              "import_trainer_s": import_time("import megatron_rl.train.trainer, megatron.core.optimizer"),
               "import_vllm_s": import_time("import vllm")}
     echo(f"start-up: `python -c \"import megatron_rl.cli\"` {result['import_cli_s']:.2f} s; for comparison: bare "
          f"interpreter {result['python_s']:.2f} s, `import torch` {result['import_torch_s']:.2f} s, "
-         f"`import megatron_rl.trainer, megatron.core.optimizer` {result['import_trainer_s']:.2f} s, "
+         f"`import megatron_rl.train.trainer, megatron.core.optimizer` {result['import_trainer_s']:.2f} s, "
          f"`import vllm` {result['import_vllm_s']:.2f} s (medians of 3)")
     echo(f"start-up: {shown_command(STARTUP_OVERRIDES)}")
     with tempfile.TemporaryDirectory(prefix="step-overhead-startup-") as tmp:
@@ -1058,7 +1061,7 @@ def markdown(args, models: dict, startup: dict | None, training: dict | None) ->
                   "",
                   f"`python -c \"import megatron_rl.cli\"`: {startup['import_cli_s']:.2f} s. For comparison (separate "
                   f"interpreters, medians of 3): bare interpreter {startup['python_s']:.2f} s, `import torch` "
-                  f"{startup['import_torch_s']:.2f} s, `import megatron_rl.trainer, megatron.core.optimizer` "
+                  f"{startup['import_torch_s']:.2f} s, `import megatron_rl.train.trainer, megatron.core.optimizer` "
                   f"{startup['import_trainer_s']:.2f} s, `import vllm` {startup['import_vllm_s']:.2f} s.", "",
                   "Timeline of the start-up run (seconds since launch; stdout, and stderr marked):", "",
                   "```text"]

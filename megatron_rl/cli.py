@@ -23,7 +23,9 @@ import dataclasses
 import json
 import sys
 
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.config import load_config
+
+from megatron_rl.errors import ConfigError
 
 # A smoke run appends to OUTPUT_DIR/metrics.jsonl: by default it must not write into the directory
 # of the main job the same recipe names (its rows would mix with the real run's curve).
@@ -96,16 +98,16 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "convert":
-        from megatron_rl import convert
+        from megatron_rl.tools import convert
 
         return convert.main(argv[1:])
     if argv and argv[0] == "verify-hf":
-        from megatron_rl import verify_hf
+        from megatron_rl.tools import verify_hf
 
         return verify_hf.main(argv[1:])
     args = _parser().parse_args(argv)
     if not getattr(args, "verbose", False):
-        from megatron_rl.console import quiet_dependencies
+        from megatron_rl.observability.console import quiet_dependencies
 
         quiet_dependencies()  # before anything imports torch
     overrides = command_overrides(args)
@@ -119,18 +121,18 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(parse_hf_config(*load_hf_config(config.model.hf_config)).__dict__, indent=2))
             return 0
         if args.command == "train":
-            from megatron_rl.preflight import check_layout_and_paths
+            from megatron_rl.train.preflight import check_layout_and_paths
 
             check_layout_and_paths(config)  # milliseconds: before torch is even imported
         if args.command == "sft":
             return _sft(args, config, overrides)
         if args.command == "train":
-            from megatron_rl.trainer import train
+            from megatron_rl.train.trainer import train
 
             result = train(config)
             _print_summary(config, result)
             return 0
-        from megatron_rl.smoke import run_smoke
+        from megatron_rl.train.smoke import run_smoke
 
         run_smoke(config, steps=args.steps)
         return 0
@@ -150,7 +152,7 @@ def command_overrides(args) -> list[str]:
 
 
 def _sft(args, config, overrides: list[str]) -> int:
-    from megatron_rl import sft
+    from megatron_rl.train import sft
 
     result = sft.run_sft(config, args.output_dir, force=args.force)  # checks everything before importing torch
     if result.is_driver:

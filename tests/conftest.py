@@ -83,7 +83,7 @@ def tiny_vllm_server(tmp_path_factory):
 
     from megatron_rl.config import load_config
     from megatron_rl.rollout.engine_model import write_engine_model_dir
-    from megatron_rl.rollout.vllm_server import VllmServerProcess
+    from megatron_rl.rollout.engines.vllm_server import VllmServerProcess
 
     root = tmp_path_factory.mktemp("tiny-vllm-server")
     write_engine_model_dir(load_config(), root / "model")

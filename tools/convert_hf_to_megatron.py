@@ -9,7 +9,7 @@ Same as `megatron-rl convert hf-to-megatron ...`.
 
 import sys
 
-from megatron_rl.convert import main
+from megatron_rl.tools.convert import main
 
 if __name__ == "__main__":
     sys.exit(main(["hf-to-megatron", *sys.argv[1:]]))

@@ -10,7 +10,7 @@ Same as `megatron-rl convert megatron-to-hf ...`.
 
 import sys
 
-from megatron_rl.convert import main
+from megatron_rl.tools.convert import main
 
 if __name__ == "__main__":
     sys.exit(main(["megatron-to-hf", *sys.argv[1:]]))

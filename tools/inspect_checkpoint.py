@@ -35,10 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", action="store_true", help="list every file with its size")
     args = parser.parse_args(argv)
 
-    from megatron_rl.checkpoint import MANIFEST, STATE, verify
-    from megatron_rl.checkpoint_manager import flatten_config
-    from megatron_rl.config import ConfigError
-    from megatron_rl.convert import resolve_checkpoint
+    from megatron_rl.checkpoint.store import MANIFEST, STATE, verify
+    from megatron_rl.checkpoint.manager import flatten_config
+    from megatron_rl.errors import ConfigError
+    from megatron_rl.checkpoint.format import resolve_checkpoint
 
     try:
         path = resolve_checkpoint(args.path)

@@ -11,34 +11,14 @@ Public API (kept stable: the trainer and outside checks call it; see docs/algori
 * step normalization: ``compute_step_normalizer(masks, ...)`` -> ``StepNormalizer``.
 * metrics: ``reduce_metrics(dicts, group=None)``, ``length_bias_metrics(rewards, lengths)``.
 * helpers: ``kl_penalty``, ``agg_loss``, ``segments_to_padded``.
+* names (``names.py``, no torch): every algorithm name a config may write, declared once;
+  ``from_config.recipe_for(rl)``: the recipe a run's ``rl`` section selects.
+
+The names below load on first use (PEP 562), so that the config can import ``names`` and
+``from_config`` without importing torch.
 """
 
-from megatron_rl.algorithms.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    STD_ESTIMATORS,
-    compute_advantages,
-    dr_grpo_advantages,
-    grpo_advantages,
-    process_advantages,
-    reinforce_plus_plus_baseline_advantages,
-    rloo_advantages,
-)
-from megatron_rl.algorithms.aggregation import LOSS_AGG_MODES, agg_loss
-from megatron_rl.algorithms.config import PolicyLossConfig
-from megatron_rl.algorithms.kl import KL_TYPES, kl_penalty
-from megatron_rl.algorithms.layout import segments_to_padded
-from megatron_rl.algorithms.metrics import length_bias_metrics, reduce_metrics
-from megatron_rl.algorithms.normalization import StepNormalizer, compute_step_normalizer
-from megatron_rl.algorithms.policy_loss import policy_loss
-from megatron_rl.algorithms.recipes import RECIPES, Recipe, recipe
-from megatron_rl.algorithms.shaping import (
-    apply_overlong_penalty,
-    dynamic_sampling_keep,
-    is_truncated,
-    mask_truncated,
-    overlong_penalty,
-    zero_spread_groups,
-)
+import importlib
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -70,3 +50,46 @@ __all__ = [
     "agg_loss",
     "segments_to_padded",
 ]
+
+_MODULE_OF = {
+    "ADVANTAGE_ESTIMATORS": "advantages",
+    "STD_ESTIMATORS": "advantages",
+    "compute_advantages": "advantages",
+    "dr_grpo_advantages": "advantages",
+    "grpo_advantages": "advantages",
+    "process_advantages": "advantages",
+    "reinforce_plus_plus_baseline_advantages": "advantages",
+    "rloo_advantages": "advantages",
+    "LOSS_AGG_MODES": "aggregation",
+    "agg_loss": "aggregation",
+    "PolicyLossConfig": "config",
+    "KL_TYPES": "kl",
+    "kl_penalty": "kl",
+    "segments_to_padded": "layout",
+    "length_bias_metrics": "metrics",
+    "reduce_metrics": "metrics",
+    "StepNormalizer": "normalization",
+    "compute_step_normalizer": "normalization",
+    "policy_loss": "loss",
+    "RECIPES": "recipes",
+    "Recipe": "recipes",
+    "recipe": "recipes",
+    "apply_overlong_penalty": "shaping",
+    "dynamic_sampling_keep": "shaping",
+    "is_truncated": "shaping",
+    "mask_truncated": "shaping",
+    "overlong_penalty": "shaping",
+    "zero_spread_groups": "shaping",
+}
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'megatron_rl.algorithms' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"megatron_rl.algorithms.{_MODULE_OF[name]}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

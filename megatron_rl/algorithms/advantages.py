@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.algorithms._checks import check_mask, finite_number
+from megatron_rl.algorithms.names import ADVANTAGE_ESTIMATORS
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -42,7 +43,6 @@ __all__ = [
     "process_advantages",
 ]
 
-ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_process")
 STD_ESTIMATORS = ("unbiased", "population")
 
 

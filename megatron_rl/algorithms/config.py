@@ -14,15 +14,12 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from megatron_rl.algorithms._checks import finite_number
-from megatron_rl.algorithms.normalization import LOSS_AGG_MODES
 from megatron_rl.algorithms.kl import canonical_kl_type
+from megatron_rl.algorithms.names import LOSS_AGG_MODES, RATIO_LEVELS, TIS_LEVELS, TIS_MODES
 
 __all__ = ["PolicyLossConfig", "resolve_aliases", "POLICY_LOSS_TYPES", "RATIO_LEVELS", "TIS_LEVELS", "TIS_MODES"]
 
 POLICY_LOSS_TYPES = ("ppo", "cispo")
-RATIO_LEVELS = ("token", "sequence", "sequence_token")
-TIS_LEVELS = ("token", "sequence")
-TIS_MODES = ("truncate", "mask")
 NONFINITE_MODES = ("raise", "mask")
 
 

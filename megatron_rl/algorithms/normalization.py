@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.algorithms._checks import check_mask, finite_number
+# Aggregation modes (verl's loss_agg_mode names); aggregation.py turns each into token weights.
+from megatron_rl.algorithms.names import LOSS_AGG_MODES
 
 __all__ = ["LOSS_AGG_MODES", "StepNormalizer", "compute_step_normalizer", "sequence_lengths"]
 
-# Aggregation modes (verl's loss_agg_mode names); aggregation.py turns each into token weights.
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
 
 
 @dataclass(frozen=True)

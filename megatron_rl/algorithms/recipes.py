@@ -19,7 +19,7 @@ steps to run. What each recipe takes from its paper:
     eps_low = 0.2 / eps_high = 0.28, ``token-mean`` over all tokens of the step, no KL, dynamic
     sampling (drop zero-spread groups), overlong reward shaping with L_max = 20480 and
     L_cache = 4096 (the paper's generation budget and a fifth of it; a run's ``rl`` config
-    scales them to its own ``max_response_tokens``, ``RLConfig.algorithm``). Truncated-
+    scales them to its own ``max_response_tokens``, ``from_config.recipe_for``). Truncated-
     completion masking (overlong filtering) was DAPO's ablation, not its final recipe:
     ``mask_truncated=False``.
 ``gspo`` -- GSPO (arXiv:2507.18071) §4.1 / §5.1: sequence-level ratio s_i (length-normalized),
@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 from megatron_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS, STD_ESTIMATORS
 from megatron_rl.algorithms.config import PolicyLossConfig, resolve_aliases
+from megatron_rl.algorithms.names import RECIPE_NAMES
 
 __all__ = ["Recipe", "RECIPES", "recipe"]
 
@@ -146,6 +147,9 @@ RECIPES: dict[str, Recipe] = {
         paper="MiniMax-M1 (CISPO), arXiv:2506.13585 §3.1",
     ),
 }
+
+if set(RECIPES) != set(RECIPE_NAMES):  # names.py declares what a config may name
+    raise ImportError(f"recipes {sorted(RECIPES)} differ from the names a config accepts {sorted(RECIPE_NAMES)}")
 
 
 def recipe(name: str, **overrides) -> Recipe:

@@ -36,7 +36,7 @@ from megatron_rl.bridge.fp8_export import SCALE_SUFFIX, dequantize_blockwise
 from megatron_rl.bridge.layouts import merge, piece_rows
 from megatron_rl.bridge.mappings import expand
 from megatron_rl.bridge.placement import Placement, placements
-from megatron_rl.config import ConfigError
+from megatron_rl.errors import ConfigError
 from megatron_rl.model.hf_config import ArchitectureSpec
 
 # Tensors some checkpoints carry that are not parameters of the model.

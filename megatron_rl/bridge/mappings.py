@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_rl.config import ConfigError
+from megatron_rl.errors import ConfigError
 from megatron_rl.model.hf_config import FAMILIES, ArchitectureSpec
 
 

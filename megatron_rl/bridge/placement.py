@@ -45,7 +45,7 @@ _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 # Transformer Engine's layer spec names the same tensors differently: norms are fused into the
 # following linear, and grouped experts are one module with weight0..weightN-1 (TEGroupedMLP,
 # one weight per local expert). TE modules cannot be built without CUDA, so this is checked on
-# names (tests/unit/test_bridge_names.py) and on a local-spec model whose parameters are renamed
+# names (tests/bridge/test_bridge_names.py) and on a local-spec model whose parameters are renamed
 # and re-tagged the way TE names and tags them (tests/bridge/test_grouped_experts.py).
 _TE_NAMES = [
     (re.compile(r"\.self_attention\.linear_qkv\.layer_norm_weight$"), ".input_layernorm.weight"),

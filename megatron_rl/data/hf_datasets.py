@@ -16,7 +16,7 @@ Nothing is downloaded: only packaged builders on local files are used, and paths
 exist are refused before this module is reached.
 
 ``datasets`` is imported inside the functions (about a second of imports), so runs that do not
-use it never pay for it. Rows become records by the built-in reader's rules (``prompts._record``);
+use it never pay for it. Rows become records by the built-in reader's rules (``records.record_from_row``);
 before that, every configured field (prompt_key, answer_key, the keys of data.columns) is looked
 up among the dataset's columns, so a misspelled key names the columns there are instead of
 failing on row 0. Errors name the path, the split and the row index (0-based).
@@ -30,6 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from megatron_rl.data.records import PromptDataset, record_from_row
 from megatron_rl.errors import ConfigError
 
 __all__ = ["SUFFIX_BUILDERS", "is_saved_dataset", "load_hf_prompts"]
@@ -186,8 +187,6 @@ def load_hf_prompts(path: str | Path, *, key: str = "train", split: str = "train
 
     ``key`` is the data config key the path came from ("train" / "heldout"), for messages.
     """
-    from megatron_rl.data.prompts import PromptDataset, _record
-
     path = Path(path)
     columns = dict(columns or {})
     fields = _configured_fields(prompt_key, answer_key, columns)
@@ -199,6 +198,6 @@ def load_hf_prompts(path: str | Path, *, key: str = "train", split: str = "train
         source = str(path)
         rows = _file_rows(path, key, fields, keep_columns)
     keep_other = other_columns == "keep"
-    records = [_record(row, f"{source} row index {index}", prompt_key, answer_key, columns, keep_other)
+    records = [record_from_row(row, f"{source} row index {index}", prompt_key, answer_key, columns, keep_other)
                for index, row in enumerate(rows)]
     return PromptDataset(records, source)

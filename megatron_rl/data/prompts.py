@@ -22,12 +22,14 @@ Parquet needs ``pyarrow`` (``pip install pyarrow``); JSONL needs nothing.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal, Mapping, Sequence
+from typing import Any, Iterator, Literal, Mapping
 
-from megatron_rl.errors import ConfigError
 from megatron_rl.data.config import RESERVED_NAMES, DataConfig
+# Imports `datasets` only when a dataset is read through it.
+from megatron_rl.data.hf_datasets import SUFFIX_BUILDERS, load_hf_prompts
+from megatron_rl.data.records import PromptDataset, PromptRecord, get_field, prompt_text, record_from_row
+from megatron_rl.errors import ConfigError
 from megatron_rl.rewards.synthetic import TaskConfig, make_task
 
 __all__ = [
@@ -40,137 +42,6 @@ __all__ = [
     "prompt_text",
     "get_field",
 ]
-
-Message = Mapping[str, str]
-
-
-@dataclass(frozen=True)
-class PromptRecord:
-    prompt: str | tuple[Message, ...]
-    answer: str | None = None
-    metadata: Mapping[str, Any] = field(default_factory=dict)
-
-
-class PromptDataset(Sequence[PromptRecord]):
-    """An immutable, indexable list of records and where they came from (for messages)."""
-
-    def __init__(self, records: Sequence[PromptRecord], source: str):
-        if not records:
-            raise ConfigError(f"{source}: no prompt records")
-        self._records = tuple(records)
-        self.source = source
-
-    def __len__(self) -> int:
-        return len(self._records)
-
-    def __getitem__(self, index):  # type: ignore[override]
-        return self._records[index]
-
-    def __iter__(self) -> Iterator[PromptRecord]:
-        return iter(self._records)
-
-    def select(self, indices: Sequence[int]) -> list[PromptRecord]:
-        return [self._records[i] for i in indices]
-
-    def __repr__(self) -> str:
-        return f"PromptDataset({len(self)} records from {self.source})"
-
-
-def prompt_text(prompt: str | Sequence[Message]) -> str:
-    """The text a reward function sees as ``prompt``: the text, or the last user message."""
-    if isinstance(prompt, str):
-        return prompt
-    users = [message["content"] for message in prompt if message.get("role") == "user"]
-    return users[-1] if users else prompt[-1]["content"]
-
-
-# --------------------------------------------------------------------------- fields
-
-
-def get_field(row: Mapping[str, Any], key: str) -> Any:
-    """``row[key]`` where a dotted key walks nested mappings and lists ("messages.0.content").
-
-    A key present as a whole (a field literally named "a.b") wins over the dotted walk.
-    Raises KeyError with the part that is missing.
-    """
-    if key in row:
-        return row[key]
-    node: Any = row
-    walked: list[str] = []
-    for part in key.split("."):
-        if isinstance(node, Mapping) and part in node:
-            node = node[part]
-        elif isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            where = f"under '{'.'.join(walked)}'" if walked else "at the top level"
-            keys = f"; it has {', '.join(map(repr, list(node)[:10]))}" if isinstance(node, Mapping) else ""
-            raise KeyError(f"missing key '{part}' {where}{keys}")
-        walked.append(part)
-    return node
-
-
-def _as_prompt(value: Any, where: str) -> str | tuple[Message, ...]:
-    if isinstance(value, str):
-        if not value:
-            raise ConfigError(f"{where}: the prompt is empty")
-        return value
-    if isinstance(value, (list, tuple)) and value:
-        messages = []
-        for i, message in enumerate(value):
-            if not (isinstance(message, Mapping) and isinstance(message.get("role"), str)
-                    and isinstance(message.get("content"), str)):
-                raise ConfigError(f"{where}: chat message {i} must be a mapping with string 'role' and 'content'")
-            messages.append({"role": message["role"], "content": message["content"]})
-        return tuple(messages)
-    raise ConfigError(f"{where}: the prompt must be a string or a list of chat messages, got {type(value).__name__}")
-
-
-def _as_answer(value: Any, where: str) -> str:
-    # Numbers are common in math sets (GSM8K-style integer answers); their text is the answer.
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)
-    raise ConfigError(f"{where}: the answer must be a string or a number, got {type(value).__name__} {value!r}")
-
-
-def _metadata(row: Mapping[str, Any], where: str, prompt_key: str, answer_key: str | None,
-              columns: Mapping[str, str], keep_other: bool) -> dict[str, Any]:
-    metadata = {}
-    if keep_other:
-        metadata = {k: v for k, v in row.items()
-                    if k not in RESERVED_NAMES and k not in (prompt_key, answer_key) and k not in columns}
-    for source, target in columns.items():
-        try:
-            value = get_field(row, source)
-        except KeyError as exc:
-            raise ConfigError(f"{where}: data.columns key '{source}': {exc.args[0]}") from None
-        if target in metadata:
-            raise ConfigError(
-                f"{where}: data.columns renames '{source}' to '{target}', but the row also has a field "
-                f"'{target}'; rename that one too in data.columns, or set data.other_columns=drop"
-            )
-        metadata[target] = value
-    return metadata
-
-
-def _record(row: Any, where: str, prompt_key: str, answer_key: str | None,
-            columns: Mapping[str, str] | None = None, keep_other: bool = True) -> PromptRecord:
-    if not isinstance(row, Mapping):
-        raise ConfigError(f"{where}: expected an object with fields, got {type(row).__name__}")
-    values = {}
-    for role, key in (("prompt", prompt_key), ("answer", answer_key)):
-        if key is None:
-            continue
-        try:
-            values[role] = get_field(row, key)
-        except KeyError as exc:
-            raise ConfigError(f"{where}: {role} key '{key}': {exc.args[0]}") from None
-    metadata = _metadata(row, where, prompt_key, answer_key, columns or {}, keep_other)
-    answer = _as_answer(values["answer"], f"{where}: answer key '{answer_key}'") if answer_key else None
-    return PromptRecord(_as_prompt(values["prompt"], f"{where}: prompt key '{prompt_key}'"), answer, metadata)
-
 
 # --------------------------------------------------------------------------- files
 
@@ -212,7 +83,7 @@ def load_prompts(path: str | Path, *, prompt_key: str = "prompt", answer_key: st
     if not path.is_file():
         raise ConfigError(f"prompt file {path} does not exist")
     keep_other = other_columns == "keep"
-    records = [_record(row, where, prompt_key, answer_key, columns, keep_other) for where, row in reader(path)]
+    records = [record_from_row(row, where, prompt_key, answer_key, columns, keep_other) for where, row in reader(path)]
     return PromptDataset(records, str(path))
 
 
@@ -241,8 +112,6 @@ _BUILTIN_SUFFIXES = (".jsonl", ".parquet")
 
 
 def _missing_path(key: str, path: Path) -> ConfigError:
-    from megatron_rl.data.hf_datasets import SUFFIX_BUILDERS
-
     suffixes = ", ".join(sorted(set(_BUILTIN_SUFFIXES) | set(SUFFIX_BUILDERS)))
     hint = ""
     if not path.suffix and not path.is_absolute() and len(path.parts) == 2:
@@ -279,8 +148,6 @@ def load_source(config: DataConfig, key: Literal["train", "heldout"]) -> PromptD
                   other_columns=config.other_columns)
     if not _uses_datasets(config, f"data.{key}", path):
         return load_prompts(path, **fields)
-    from megatron_rl.data.hf_datasets import load_hf_prompts  # imports `datasets` only when called
-
     return load_hf_prompts(path, key=key, split=getattr(config, f"{key}_split"), **fields)
 
 

@@ -27,7 +27,6 @@ from megatron_rl.errors import ConfigError
 
 __all__ = [
     "ALPHABET", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "build_char_tokenizer", "save_tokenizer", "write_char_tokenizer",
-    "write_run_tokenizer",
 ]
 
 PAD, BOS, EOS, UNK = "<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>"
@@ -103,23 +102,3 @@ def save_tokenizer(tokenizer, directory: str | Path) -> Path:
 def write_char_tokenizer(directory: str | Path, alphabet: str = ALPHABET, **kwargs) -> Path:
     """Build the character tokenizer and save it (e.g. into a model directory for vLLM)."""
     return save_tokenizer(build_char_tokenizer(alphabet, **kwargs), directory)
-
-
-def write_run_tokenizer(config, directory: str | Path) -> Path:
-    """The tokenizer files of a run (`config`: a RunConfig) into `directory` (the rollout engine's
-    model directory, an sft checkpoint): this character tokenizer for synthetic data, else the
-    files of checkpoint.init_from (a Hugging Face model directory, or the hf_config/ of a
-    megatron-rl checkpoint, training checkpoints and run directories included) or of the
-    directory holding model.hf_config."""
-    if config.data.train == "synthetic":
-        return write_char_tokenizer(directory)
-    from megatron_rl.bridge.hf_checkpoint import copy_tokenizer_files
-    from megatron_rl.convert import names_megatron_checkpoint, resolve_checkpoint
-
-    source = Path(config.checkpoint.init_from or config.model.hf_config)
-    source = source if source.is_dir() else source.parent
-    if names_megatron_checkpoint(source):  # a checkpoint, or a run directory meaning its latest
-        source = resolve_checkpoint(source) / "hf_config"
-    if not copy_tokenizer_files(source, directory):
-        raise ConfigError(f"no tokenizer files in {source}: set checkpoint.init_from to a Hugging Face model directory")
-    return Path(directory)

@@ -12,7 +12,7 @@ trainer uses for its own engines (megatron_rl.rollout.engine_model), and dummy w
 pushes its weights before the first rollout and after every step.
 
 Nothing transport-specific is set at start-up: every server runs our worker extension
-(megatron_rl.rollout.vllm_worker) with VLLM_SERVER_DEV_MODE=1 (POST /collective_rpc), set by
+(megatron_rl.rollout.worker.extension) with VLLM_SERVER_DEV_MODE=1 (POST /collective_rpc), set by
 VllmServerProcess.start. Through /collective_rpc the trainer asks the server's workers to load
 safetensors files (rollout.weight_transport: files) or to join a process group with the trainer's
 pipeline-stage leaders over a TCP rendezvous on MASTER_ADDR and receive their broadcasts
@@ -29,7 +29,9 @@ import sys
 import threading
 from pathlib import Path
 
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.config import load_config
+
+from megatron_rl.errors import ConfigError
 
 
 def start_server(config, *, index: int, port: int, host: str, tensor_parallel_size: int):
@@ -37,7 +39,7 @@ def start_server(config, *, index: int, port: int, host: str, tensor_parallel_si
     VllmServerProcess once it answers /health."""
     from megatron_rl.rollout.engine_model import write_engine_model_dir
     from megatron_rl.rollout.factory import engine_dtype, server_args
-    from megatron_rl.rollout.vllm_server import VllmServerProcess
+    from megatron_rl.rollout.engines.vllm_server import VllmServerProcess
 
     if config.rollout.engine != "vllm":
         raise ConfigError(f"rollout.engine={config.rollout.engine}: rollout nodes run vLLM servers only")

@@ -6,7 +6,8 @@
 Before anything is submitted: the config (with the overrides) is validated and the parallel layout
 checked against the job's world size (training nodes x processes per node), so a node count that
 does not fit is refused naming the key. The resolved config is written to OUTPUT_DIR/config.yaml
-and the job (and every requeue of it) trains from that copy. Templates: `slurm/*.sbatch.tmpl`.
+and the job (and every requeue of it) trains from that copy. Templates: `megatron_rl/launch/templates/`
+(package data, so an installed copy finds them; the repository's `slurm/` links to them), or --template.
 
 With --rollout-nodes R (disaggregated) the job has R more nodes running vLLM servers of
 rollout.server_tp GPUs each (--gpus-per-node / server_tp per node; one per node on CPU), started
@@ -33,7 +34,7 @@ import yaml
 from megatron_rl.config import RunConfig, load_config, to_dict
 from megatron_rl.errors import ConfigError
 
-REPO_TEMPLATES = Path(__file__).resolve().parents[2] / "slurm"
+TEMPLATES = Path(__file__).resolve().parent / "templates"
 PLACEHOLDER = re.compile(r"\{\{([A-Z_]+)\}\}")
 
 
@@ -98,7 +99,7 @@ def disaggregated_transport(config: RunConfig) -> str:
 def resolve_config(config_path: str | None, overrides: list[str], world_size: int, *, disaggregated: bool) -> RunConfig:
     """Load and check the config for a job of `world_size` trainer ranks (no torch import).
     Disaggregated: the config as the job runs it (servers, the weight transport resolved)."""
-    from megatron_rl.preflight import check_layout_and_paths
+    from megatron_rl.train.preflight import check_layout_and_paths
 
     if disaggregated:
         overrides = overrides + ["rollout.mode=server"]
@@ -137,10 +138,10 @@ def template_path(options: SlurmOptions) -> Path:
             raise ConfigError(f"--template {path} does not exist")
         return path
     name = "train_disaggregated.sbatch.tmpl" if options.rollout_nodes else "train_colocated.sbatch.tmpl"
-    path = REPO_TEMPLATES / name
+    path = TEMPLATES / name
     if not path.is_file():
-        raise ConfigError(f"sbatch template {path} not found (an installed package has no slurm/ directory): "
-                          "pass --template with a copy of the repository's slurm/" + name)
+        raise ConfigError(f"sbatch template {path} not found: the package is incomplete (reinstall it), or pass "
+                          f"--template with a copy of the repository's slurm/{name}")
     return path
 
 

@@ -19,7 +19,9 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from megatron_rl.config import ConfigError, ModelConfig, RunConfig
+from megatron_rl.config import ModelConfig, RunConfig
+
+from megatron_rl.errors import ConfigError
 from megatron_rl.model import fp8
 from megatron_rl.model.hf_config import ArchitectureSpec
 from megatron_rl.model.layout_checks import check_divisibility  # noqa: F401  (re-exported)

@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 import torch
 from packaging.version import InvalidVersion, Version
 
-from megatron_rl.config import ConfigError, ModelConfig, RunConfig
+from megatron_rl.config import ModelConfig, RunConfig
+
+from megatron_rl.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.config import ConfigError
+from megatron_rl.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ from megatron_rl.model.hf_config import ArchitectureSpec
 from megatron_rl.model.logprobs import vocab_parallel_logprobs_entropy
 from megatron_rl.model.packing import PackedBatch, pack
 from megatron_rl.model.state import model_state
-from megatron_rl.platform import cpu_compat
-from megatron_rl.platform.runtime import Runtime
+from megatron_rl.runtime.cpu import megatron_patches as cpu_compat
+from megatron_rl.runtime.session import Runtime
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, PackedBatch], tuple[torch.Tensor, dict]]
 

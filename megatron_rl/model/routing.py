@@ -20,7 +20,7 @@ as [tokens, k] index tensors on this rank (with sequence parallelism, its slice 
 R3 (`rl.routing_replay: rollout`, rollout routing replay) replays the ROLLOUT ENGINE's routes
 instead: every token the engine ran a forward on carries the engine's top-k per MoE layer
 (`Trajectory.routed_experts`, [prompt + response - 1, MoE layers, k], see
-megatron_rl/rollout/route_capture.py), and the old-logprob, reference and training forwards
+megatron_rl/rollout/worker/route_capture.py), and the old-logprob, reference and training forwards
 all use them, so the trainer computes the network the engine sampled from:
 
     trace.load_rollout_routes(packed, trajectories, model, moe_layer_pattern)

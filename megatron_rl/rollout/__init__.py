@@ -22,7 +22,7 @@ from megatron_rl.rollout.protocol import (
     Sample,
     SamplingParams,
 )
-from megatron_rl.rollout.weight_sync import drain, hf_weight_stream
+from megatron_rl.rollout.weights.stream import drain, hf_weight_stream
 
 __all__ = [
     "EngineDied", "EngineError", "EnginePool", "EngineTimeout", "EngineUnavailable", "RolloutEngine", "Sample",

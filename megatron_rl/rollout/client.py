@@ -27,7 +27,7 @@ from megatron_rl.config import RunConfig
 from megatron_rl.rollout.factory import build_engines, build_transport, torch_dtype
 from megatron_rl.rollout.pool import EnginePool
 from megatron_rl.rollout.protocol import RolloutEngine, Sample, SamplingParams
-from megatron_rl.rollout.weight_sync import hf_weight_stream
+from megatron_rl.rollout.weights.stream import hf_weight_stream
 
 
 class RolloutClient:

@@ -30,7 +30,7 @@ def engine_config(config) -> dict:
 
 def write_engine_model_dir(config, directory: str | Path) -> Path:
     """Write the engine's model directory for `config` into `directory` (created if needed)."""
-    from megatron_rl.data.tokenizer import write_run_tokenizer
+    from megatron_rl.checkpoint.format import write_run_tokenizer
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -40,3 +40,16 @@ def write_engine_model_dir(config, directory: str | Path) -> Path:
     (directory / "generation_config.json").write_text(json.dumps(generation))
     write_run_tokenizer(config, directory)
     return directory
+
+
+def load_engine_tokenizer(directory: str | Path):
+    """The tokenizer of an engine model directory, which every rank decodes and encodes with;
+    refused without an EOS token (responses could never stop)."""
+    from transformers import AutoTokenizer
+
+    from megatron_rl.errors import ConfigError
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"the tokenizer in {directory} has no EOS token; responses could never stop")
+    return tokenizer

@@ -12,9 +12,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_rl.config import ConfigError, RunConfig
+from megatron_rl.config import RunConfig
+
+from megatron_rl.errors import ConfigError
 from megatron_rl.rollout.protocol import RolloutEngine
-from megatron_rl.rollout.transport import CollectiveTransport, FilesTransport, InProcessTransport, WeightTransport
+from megatron_rl.rollout.weights.transport import CollectiveTransport, FilesTransport, InProcessTransport, WeightTransport
 
 
 def engine_dtype(config: RunConfig) -> str:
@@ -56,7 +58,7 @@ def build_transport(config: RunConfig, master_addr: str) -> WeightTransport:
     if kind == "files":
         staging = Path(rollout.staging_dir) if rollout.staging_dir else Path(config.output_dir) / ".weights"
         return FilesTransport(staging, bucket_bytes)
-    from megatron_rl.platform.distributed import free_port
+    from megatron_rl.runtime.distributed import free_port
 
     backend = "nccl" if kind == "nccl" or torch.cuda.is_available() else "gloo"
     return CollectiveTransport(host=master_addr, backend=backend, bucket_bytes=bucket_bytes,
@@ -66,7 +68,7 @@ def build_transport(config: RunConfig, master_addr: str) -> WeightTransport:
 def native_routes(config: RunConfig) -> bool:
     """R3 on GPU: vLLM returns each request's routed experts itself. (On CPU that needs vLLM's
     model runner V2, which needs Triton; there our worker extension captures them instead,
-    rollout/route_capture.py.)"""
+    rollout/worker/route_capture.py.)"""
     return config.rl.routing_replay == "rollout" and torch.cuda.is_available()
 
 
@@ -82,7 +84,7 @@ def server_args(config, tensor_parallel_size: int, *, cuda: bool | None = None) 
         args += ["--distributed-executor-backend", "uni"]
     if config.rl.routing_replay == "rollout" and cuda:  # native_routes
         # R3 on GPU: vLLM returns every completion's routes itself; the worker extension's capture
-        # (the CPU path, rollout/route_capture.py) cannot run inside CUDA graphs.
+        # (the CPU path, rollout/worker/route_capture.py) cannot run inside CUDA graphs.
         args.append("--enable-return-routed-experts")
     return args
 
@@ -92,7 +94,7 @@ def build_engines(config: RunConfig, model_dir: Path, *, local_rank: int, seed: 
     output_dir = Path(config.output_dir)
     dtype = engine_dtype(config)
     if rollout.mode == "colocated":
-        from megatron_rl.rollout.vllm_colocated import VllmColocatedEngine
+        from megatron_rl.rollout.engines.vllm_colocated import VllmColocatedEngine
 
         return [VllmColocatedEngine(
             model_dir, dtype=dtype, max_model_len=rollout.max_model_len, seed=seed,
@@ -105,7 +107,7 @@ def build_engines(config: RunConfig, model_dir: Path, *, local_rank: int, seed: 
     # A files push through a single engine's own update_weights still needs a directory.
     staging = Path(rollout.staging_dir) if rollout.staging_dir else output_dir / ".weights"
     if rollout.engine == "sglang":
-        from megatron_rl.rollout.sglang import SglangServerEngine
+        from megatron_rl.rollout.engines.sglang import SglangServerEngine
 
         if not rollout.server_urls:
             raise ConfigError("rollout.engine=sglang needs rollout.server_urls (SGLang servers are started by the launcher)")
@@ -113,14 +115,14 @@ def build_engines(config: RunConfig, model_dir: Path, *, local_rank: int, seed: 
                                    request_timeout_s=rollout.request_timeout_s, max_retries=rollout.max_retries)
                 for index, url in enumerate(rollout.server_urls)]
 
-    from megatron_rl.rollout.vllm_server import VllmServerEngine, VllmServerProcess
+    from megatron_rl.rollout.engines.vllm_server import VllmServerEngine, VllmServerProcess
 
     started: list = []
     try:
         if rollout.server_urls:
             servers = [(url, None) for url in rollout.server_urls]
         else:
-            from megatron_rl.platform.distributed import free_port
+            from megatron_rl.runtime.distributed import free_port
 
             for index in range(rollout.num_servers):
                 started.append(VllmServerProcess.start(

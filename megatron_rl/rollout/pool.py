@@ -12,12 +12,12 @@ exhausted; or any other failure after which its health check fails too) is marke
 `EngineDied`, a warning names it, and the prompts it had not returned are generated again on the
 live engines with the same global indices, so with the same seeds: every prompt's group appears
 exactly once. A dead engine gets no more requests, pauses or health checks (`pool.live`,
-`pool.dead`); weight transports drop it on every trainer rank (rollout/transport.py, `drop`).
+`pool.dead`); weight transports drop it on every trainer rank (rollout/weights/transport.py, `drop`).
 Only when no engine is left does generate raise (EngineUnavailable naming every dead engine).
 Failures that are not deaths (a refused request: EngineError, the engine still healthy) raise as
 before, naming the engine.
 
-Weights reach the pool's engines through a transport (rollout/transport.py), one engine at a time
+Weights reach the pool's engines through a transport (rollout/weights/transport.py), one engine at a time
 or all at once, never through the pool.
 """
 

@@ -10,7 +10,7 @@ named in a warning and its unfinished prompts are generated again, with the same
 live ones.
 
 Engines differ in where they run (inside the trainer processes, behind HTTP) and in which weight
-transports they can receive (rollout/transport.py); the trainer never branches on which one it
+transports they can receive (rollout/weights/transport.py); the trainer never branches on which one it
 holds. What a transport calls on an engine:
 
     update_weights(stream)            in-process: (hf_name, tensor) pairs by reference (colocated)

@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_rl.atomic_dir import AtomicDirectory
+from megatron_rl.checkpoint.atomic_dir import AtomicDirectory
 from megatron_rl.bridge import export_hf_weights, load_hf_weights, owned_hf_names
 from megatron_rl.bridge.hf_checkpoint import write_hf_checkpoint
 from megatron_rl.config import load_config
 from megatron_rl.model.builder import build_model
 from megatron_rl.model.packing import pack, pack_by_token_budget
-from megatron_rl.platform import start_runtime
+from megatron_rl.runtime import start_runtime
 
 TOKENS = [3, 17, 99, 250, 7, 42, 311, 5, 480, 64, 128, 2, 77, 199, 13, 401, 9, 333, 21, 150]
 

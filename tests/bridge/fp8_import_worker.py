@@ -20,13 +20,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_rl.atomic_dir import AtomicDirectory
+from megatron_rl.checkpoint.atomic_dir import AtomicDirectory
 from megatron_rl.bridge import load_hf_weights
 from megatron_rl.bridge.hf_checkpoint import write_hf_checkpoint
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.config import load_config
+from megatron_rl.errors import ConfigError
 from megatron_rl.model.builder import build_model
 from megatron_rl.model.hf_config import load_hf_config, parse_hf_config
-from megatron_rl.platform import start_runtime
+from megatron_rl.runtime import start_runtime
 
 
 def main() -> None:

@@ -23,14 +23,14 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl.atomic_dir import AtomicDirectory
+from megatron_rl.checkpoint.atomic_dir import AtomicDirectory
 from megatron_rl.bridge import fp8_rollout_stream, with_quantization_config
 from megatron_rl.bridge.fp8_export import modules_to_not_convert, quantized_names
 from megatron_rl.bridge.hf_checkpoint import write_hf_checkpoint
 from megatron_rl.config import load_config
 from megatron_rl.model.builder import build_model
-from megatron_rl.platform import start_runtime
-from megatron_rl.rollout.weight_sync import hf_weight_stream
+from megatron_rl.runtime import start_runtime
+from megatron_rl.rollout.weights.stream import hf_weight_stream
 
 ENGINE_DTYPE = torch.bfloat16
 

@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_rl.atomic_dir import AtomicDirectory
+from megatron_rl.checkpoint.atomic_dir import AtomicDirectory
 from megatron_rl.bridge import export_hf_weights, load_hf_weights, owned_hf_names, quantize_fp8_blockwise
 from megatron_rl.bridge.hf_checkpoint import write_hf_checkpoint
 from megatron_rl.config import load_config
 from megatron_rl.model.builder import build_model
-from megatron_rl.platform import start_runtime
+from megatron_rl.runtime import start_runtime
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 _TE_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "allreduce", "sequence_parallel")

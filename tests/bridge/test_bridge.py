@@ -21,7 +21,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from megatron_rl.model.hf_config import load_hf_config
-from megatron_rl.platform.distributed import free_port
+from megatron_rl.runtime.distributed import free_port
+
+pytestmark = pytest.mark.multiprocess
 
 WORKER = Path(__file__).with_name("bridge_worker.py")
 REPO = WORKER.parents[2]

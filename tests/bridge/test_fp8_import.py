@@ -30,13 +30,15 @@ from safetensors.torch import load_file, save_file
 
 from megatron_rl.bridge.fp8_export import dequantize_blockwise, fp8_quantization_config
 from megatron_rl.model.hf_config import parse_hf_config
-from megatron_rl.platform.distributed import free_port
+from megatron_rl.runtime.distributed import free_port
 
 HERE = Path(__file__).parent
 WORKER = HERE / "fp8_import_worker.py"
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 from test_bridge import family_configs, make_hf_model  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
 
 FP8 = torch.float8_e4m3fn
 TP2 = ["parallel.tp=2", "parallel.etp=2"]

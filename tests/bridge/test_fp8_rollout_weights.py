@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_rl.bridge.fp8_export import fp8_quantization_config, quantized_names, with_quantization_config
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.config import load_config
+from megatron_rl.errors import ConfigError
 from megatron_rl.model.hf_config import load_hf_config, parse_hf_config
 
 WORKER = Path(__file__).with_name("fp8_rollout_worker.py")
@@ -127,7 +128,7 @@ def test_fp8_rollout_needs_a_bfloat16_engine(overrides, message):
 
 
 def test_preflight_refuses_fp8_rollout_on_a_cpu_engine(monkeypatch):
-    from megatron_rl import preflight
+    from megatron_rl.train import preflight
 
     monkeypatch.setattr(preflight, "_vllm_cpu_build", lambda: None)
     config = load_config(None, ["model.export_fp8=true", "model.precision=bf16", "device=cpu"])

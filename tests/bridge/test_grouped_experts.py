@@ -27,7 +27,9 @@ from megatron_rl.bridge.layouts import split
 from megatron_rl.bridge.mappings import expand
 from megatron_rl.bridge.placement import canonical_name, tp_split_dim
 from megatron_rl.model.hf_config import load_hf_config, parse_hf_config
-from megatron_rl.platform.distributed import free_port
+from megatron_rl.runtime.distributed import free_port
+
+pytestmark = pytest.mark.multiprocess
 
 WORKER = Path(__file__).with_name("grouped_worker.py")
 REPO = WORKER.parents[2]

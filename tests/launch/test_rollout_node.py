@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.config import load_config
+
+from megatron_rl.errors import ConfigError
 from megatron_rl.launch import rollout_node
 from megatron_rl.launch.slurm import SlurmOptions, prepare
 from megatron_rl.rollout.engine_model import engine_config, write_engine_model_dir
@@ -39,7 +41,7 @@ class Launched(Exception):
 
 @pytest.fixture
 def launched(monkeypatch):
-    from megatron_rl.rollout.vllm_server import VllmServerProcess
+    from megatron_rl.rollout.engines.vllm_server import VllmServerProcess
 
     def launch(cls, command, *, env, **kwargs):
         raise Launched(command, env)
@@ -63,7 +65,7 @@ def test_server_is_ready_for_every_transport_at_its_tensor_parallel_size(tmp_pat
         server = start(config, tp)
         command = server.command
         assert server.env["VLLM_SERVER_DEV_MODE"] == "1"  # POST /collective_rpc
-        assert arg(command, "--worker-extension-cls") == "megatron_rl.rollout.vllm_worker.WeightSyncWorker"
+        assert arg(command, "--worker-extension-cls") == "megatron_rl.rollout.worker.extension.WeightSyncWorker"
         assert arg(command, "--tensor-parallel-size") == str(tp)
         assert arg(command, "--load-format") == "dummy"  # the trainer pushes the weights
         assert arg(command, "--port") == "18123" and arg(command, "--seed") == str(config.seed + 1)

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slurm
+
 REPO = Path(__file__).resolve().parents[2]
 SHORT = ["rl.prompts_per_step=8", "rl.group_size=4", "rl.max_response_tokens=6", "warm_start.steps=20",
          "data.num_heldout=16", "rl.eval_every=0", "checkpoint.every_steps=2", "logging.wandb_mode=disabled"]

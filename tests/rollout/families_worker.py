@@ -35,7 +35,7 @@ DECODE_TOKENS = 6
 
 # vLLM's CPU MLA backend takes only a 576-wide latent cache: kv_lora_rank 512 + qk_rope_head_dim 64.
 # Everything else is tiny. DeepSeek: q LoRA (as published), plain RoPE (the path vLLM's CPU
-# rotary kernel got wrong, see megatron_rl/rollout/vllm_worker.py), a dense first layer, then
+# rotary kernel got wrong, see megatron_rl/rollout/worker/extension.py), a dense first layer, then
 # MoE layers with a shared expert and sigmoid routing over 2 groups (1 chosen). vLLM reads
 # topk_method/scoring_func from config.json (transformers hard-codes them), as the published
 # configs carry them. GLM-4.5: partial rotary 0.5, q/k/v bias, qk-norm, shared expert, sigmoid
@@ -141,7 +141,7 @@ def main() -> None:
                     "per_expert_names": any(".experts.0.gate_proj.weight" in name for name in checkpoints[0]),
                     "bias_tensors": sorted(n for n in checkpoints[0] if n.endswith("e_score_correction_bias"))}
 
-    from megatron_rl.rollout.vllm_colocated import VllmColocatedEngine
+    from megatron_rl.rollout.engines.vllm_colocated import VllmColocatedEngine
 
     engine = VllmColocatedEngine(dirs[0], dtype="float32", max_model_len=256, seed=0)
     try:

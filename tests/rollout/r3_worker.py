@@ -4,7 +4,7 @@
 
 1. Build the Megatron policy from HF_DIR and start a colocated vLLM engine from the same files.
 2. Generate with `return_routed_experts`: every sample carries the engine's routes
-   [prompt + response - 1, MoE layers, k] (captured inside the engine, rollout/route_capture.py).
+   [prompt + response - 1, MoE layers, k] (captured inside the engine, rollout/worker/route_capture.py).
    One long prompt with n=2 makes the second sample's prompt come from vLLM's prefix cache.
 3. With the engine's weights, the trainer's own routes agree with the engine's on (nearly) every
    token: evidence that the captured routes are the engine's routing of these very tokens.
@@ -25,10 +25,10 @@ import torch.distributed as dist
 
 from megatron_rl.bridge import load_hf_weights
 from megatron_rl.config import load_config
-from megatron_rl.experience import Trajectory, pack_minibatch
+from megatron_rl.train.experience import Trajectory, pack_minibatch
 from megatron_rl.model import routing
 from megatron_rl.model.policy import Policy
-from megatron_rl.platform import start_runtime
+from megatron_rl.runtime import start_runtime
 from megatron_rl.rollout import SamplingParams
 
 # (mode, micro-batch, router) -> ([tokens, k] experts the forward used, those it would choose itself)
@@ -87,7 +87,7 @@ def main() -> None:
     policy.optimizer.reload_model_params()
     trace = routing.RouterTrace.attach()
 
-    from megatron_rl.rollout.vllm_colocated import VllmColocatedEngine
+    from megatron_rl.rollout.engines.vllm_colocated import VllmColocatedEngine
 
     engine = VllmColocatedEngine(args.hf, dtype="float32", max_model_len=256, seed=0)
     report: dict = {}

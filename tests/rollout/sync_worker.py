@@ -31,7 +31,7 @@ from megatron_rl.bridge import load_hf_weights
 from megatron_rl.config import load_config
 from megatron_rl.model.packing import pack_by_token_budget
 from megatron_rl.model.policy import Policy
-from megatron_rl.platform import start_runtime
+from megatron_rl.runtime import start_runtime
 from megatron_rl.rollout import SamplingParams, hf_weight_stream
 
 PROMPTS = [[3, 17, 99, 250, 7], [42, 311, 5], [480, 64, 128, 2, 77, 199], [13, 401, 9, 333]]
@@ -101,7 +101,7 @@ def main() -> None:
     started = time.perf_counter()
     engine = client = None
     if args.mode == "colocated":
-        from megatron_rl.rollout.vllm_colocated import VllmColocatedEngine
+        from megatron_rl.rollout.engines.vllm_colocated import VllmColocatedEngine
 
         engine = VllmColocatedEngine(args.hf, dtype="float32", max_model_len=256, seed=0)
     else:
@@ -163,7 +163,7 @@ def main() -> None:
         report["synced_diffs"] = diffs(sampling)
         if engine is not None:
             # A second push: from the second on, the engine copies into its parameters in place
-            # (vllm_worker._InPlacePlan) instead of vLLM's full reload; it must agree just as well.
+            # (rollout/worker/inplace_copy.py) instead of vLLM's full reload; it must agree just as well.
             policy.train_step(batches, lambda lp, ent, b: (-(lp * b.loss_mask[0]).sum() / normalizer, {}))
             engine.update_weights(hf_weight_stream(policy.module, policy.arch, destination="all", bucket_bytes=1 << 16))
             report["synced_diffs"] += diffs(sampling)

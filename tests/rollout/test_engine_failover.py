@@ -26,13 +26,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_rl.platform.launch_env import free_port
+from megatron_rl.runtime.launch_env import free_port
 from megatron_rl.rollout import EngineError, EnginePool, SamplingParams
 from megatron_rl.rollout.protocol import EngineDied, EngineUnavailable
-from megatron_rl.rollout.vllm_server import VllmServerEngine
+from megatron_rl.rollout.engines.vllm_server import VllmServerEngine
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bridge"))
 from test_pool_mock_http import fakes  # noqa: E402,F401  (the fixture of fake servers)
+
+pytestmark = pytest.mark.engine
 
 POOL_LOGGER = "megatron_rl.rollout.pool"
 
@@ -61,7 +63,7 @@ def servers(tmp_path_factory):
     from vocab_tokenizer import write_tokenizer
 
     from megatron_rl.model.hf_config import load_hf_config
-    from megatron_rl.rollout.vllm_server import VllmServerProcess
+    from megatron_rl.rollout.engines.vllm_server import VllmServerProcess
 
     root = tmp_path_factory.mktemp("failover")
     raw = dict(load_hf_config("tiny-qwen3")[0], vocab_size=256)
@@ -85,7 +87,7 @@ def servers(tmp_path_factory):
 def test_server_killed_in_flight_its_prompts_go_to_the_survivor(servers, world, tmp_path, caplog):
     from safetensors.torch import load_file
 
-    from megatron_rl.rollout.transport import FilesTransport
+    from megatron_rl.rollout.weights.transport import FilesTransport
 
     root, processes = servers
     engines = [VllmServerEngine(process.url, name=process.name, process=process, max_retries=1)
@@ -240,7 +242,7 @@ class GroupEngine:
         return self.ranks
 
     def join_weight_group(self, spec_json, offset):
-        from megatron_rl.rollout.weight_group import GroupSpec, join_stage_group
+        from megatron_rl.rollout.weights.group import GroupSpec, join_stage_group
 
         assert not self.dead, f"{self.name} is dead but was asked to join"
         spec = GroupSpec.from_json(spec_json)
@@ -249,7 +251,7 @@ class GroupEngine:
         self.joined_as = [offset + rank for rank in range(self.ranks)]
 
     def receive_weights(self):
-        from megatron_rl.rollout.weight_group import receive_stage
+        from megatron_rl.rollout.weights.group import receive_stage
 
         if self.dead:
             raise EngineUnavailable(f"{self.name}: dead")
@@ -264,7 +266,7 @@ class GroupEngine:
 
 
 def test_collective_transport_rebuilds_its_groups_without_the_dead_engine(world, monkeypatch):
-    from megatron_rl.rollout import transport as transports
+    from megatron_rl.rollout.weights import transport as transports
 
     monkeypatch.setattr(transports, "_stage_and_leader", lambda: (0, True))
     monkeypatch.setattr(transports, "_pipeline_stages", lambda: 1)

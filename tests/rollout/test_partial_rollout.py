@@ -21,13 +21,15 @@ import torch
 pytest.importorskip("vllm")
 
 from megatron_rl.algorithms import recipe  # noqa: E402
-from megatron_rl.algorithms.policy_loss import policy_loss  # noqa: E402
-from megatron_rl.async_rollout import AsyncRollout  # noqa: E402
+from megatron_rl.algorithms.loss import policy_loss  # noqa: E402
+from megatron_rl.train.async_rollout import AsyncRollout  # noqa: E402
 from megatron_rl.data import PromptSampler  # noqa: E402
 from megatron_rl.rollout.pool import EnginePool  # noqa: E402
 from megatron_rl.rollout.protocol import SamplingParams  # noqa: E402
-from megatron_rl.rollout.vllm_server import VllmServerEngine  # noqa: E402
-from megatron_rl.trainer import _trajectories  # noqa: E402
+from megatron_rl.rollout.engines.vllm_server import VllmServerEngine  # noqa: E402
+from megatron_rl.train.scoring import to_trajectories  # noqa: E402
+
+pytestmark = pytest.mark.engine
 
 PROMPT = [1, 17, 33, 49, 65]
 MAX_TOKENS = 900  # with ignore_eos: seconds of generation, so the update lands mid-sequence
@@ -57,7 +59,7 @@ def test_a_sequence_continued_across_a_weight_update_carries_two_versions(tiny_v
     pool = EnginePool([engine])
     producer = AsyncRollout(
         pool=pool, sampler=PromptSampler(1, 1, seed=0), encode=lambda index: list(PROMPT),
-        score_group=lambda index, samples: (_trajectories([samples], [1.0] * len(samples))[0], {}),
+        score_group=lambda index, samples: (to_trajectories([samples], [1.0] * len(samples))[0], {}),
         params=SamplingParams(n=4, temperature=1.0, max_tokens=MAX_TOKENS, seed=3, partial=True, ignore_eos=True),
         wanted=1, max_staleness=1, partial=True, dynamic_sampling=False, max_groups=1, overgeneration=0,
         timeout_s=300, last_step=1)

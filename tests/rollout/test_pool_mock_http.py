@@ -18,9 +18,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from megatron_rl.platform.launch_env import free_port
+from megatron_rl.runtime.launch_env import free_port
 from megatron_rl.rollout import EnginePool, EngineTimeout, EngineUnavailable, SamplingParams
-from megatron_rl.rollout.vllm_server import VllmServerEngine
+from megatron_rl.rollout.engines.vllm_server import VllmServerEngine
 
 
 class FakeVllm:

@@ -1,6 +1,6 @@
 """R3 (rollout routing replay, `rl.routing_replay: rollout`) against a real vLLM engine (CPU build).
 
-The engine's routes are captured inside vLLM (megatron_rl/rollout/route_capture.py) and replayed
+The engine's routes are captured inside vLLM (megatron_rl/rollout/worker/route_capture.py) and replayed
 by the trainer (megatron_rl/model/routing.py). On a tiny Qwen3-MoE whose MoE layers are its
 second and third (so routers map to MoE layers by their global layer number), see r3_worker.py:
 - every sample carries [prompt + response - 1, MoE layers, k] routes; a prompt served from the
@@ -25,14 +25,18 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config import ConfigError, load_config
-from megatron_rl.platform.distributed import free_port
+from megatron_rl.config import load_config
+
+from megatron_rl.errors import ConfigError
+from megatron_rl.runtime.distributed import free_port
 
 WORKER = Path(__file__).with_name("r3_worker.py")
 REPO = WORKER.parents[2]
 sys.path.insert(0, str(REPO / "tests" / "bridge"))
 from test_bridge import family_configs, make_hf_model  # noqa: E402
 from vocab_tokenizer import write_tokenizer  # noqa: E402
+
+pytestmark = [pytest.mark.engine, pytest.mark.multiprocess]
 
 
 def needs_vllm() -> None:
@@ -109,7 +113,7 @@ def test_routing_replay_refusals():
         load_config(None, ["rl.routing_replay=always"])
     with pytest.raises(ConfigError, match="only the vLLM engines"):
         load_config(None, ["rl.routing_replay=rollout", "rollout.engine=sglang", "rollout.mode=server"])
-    from megatron_rl.preflight import check_layout_and_paths
+    from megatron_rl.train.preflight import check_layout_and_paths
 
     with pytest.raises(ConfigError, match="tiny-qwen3 is a dense model"):
         check_layout_and_paths(load_config(None, ["rl.routing_replay=rollout", "model.hf_config=tiny-qwen3"]))

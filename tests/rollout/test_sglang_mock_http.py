@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from megatron_rl.rollout.protocol import EngineError, EngineTimeout, EngineUnavailable, RolloutEngine, SamplingParams
-from megatron_rl.rollout.sglang import SglangServerEngine
+from megatron_rl.rollout.engines.sglang import SglangServerEngine
 
 EOS = 2  # the fake model's end-of-sequence token
 LAYERS, TOP_K = 2, 2  # shape of the fake routed experts

@@ -9,8 +9,8 @@ For each family, one colocated engine (in its own process, see families_worker.p
 - the correction bias changes the logprobs (> 1e-3), so a stale one would fail the comparison.
 
 On vLLM's CPU build the DeepSeek case fails without `fix_cpu_rotary_embedding` in
-megatron_rl/rollout/vllm_worker.py (off by ~0.1-0.3 from the first load on), and both families
-fail after a push without `_repack_cpu_moe` (off by 0.2-0.75); neither raises an error.
+megatron_rl/rollout/worker/extension.py (off by ~0.1-0.3 from the first load on), and both families
+fail after a push without `repack_cpu_moe` (off by 0.2-0.75); neither raises an error.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.engine
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
 

@@ -2,11 +2,11 @@
 
 For a tiny dense (Qwen3) and a tiny MoE (Qwen3-MoE) policy, in both engine modes, and for
 DeepSeek-V3 (multi-latent attention, trainer and engine at TP2) colocated (GLM-4.5 and DeepSeek-V3
-on one process: tests/trainer/test_model_families.py and tests/rollout/test_vllm_families.py):
+on one process: tests/train/test_model_families.py and tests/rollout/test_vllm_families.py):
 - before training, engine and trainer agree (<= 1e-4, fp32);
 - after 3 optimizer steps WITHOUT a push they disagree (> 1e-3): the comparison can fail;
 - after the push they agree again (<= 1e-4). On vLLM's CPU build the MoE case fails without the
-  expert repacking in megatron_rl/rollout/vllm_worker.py, and it fails silently: this test is
+  expert repacking in megatron_rl/rollout/worker/extension.py, and it fails silently: this test is
   the guard;
 - n samples per prompt come back grouped and in order; finish reasons are "stop" for a stop
   token and "length" for the token budget.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.platform.distributed import free_port
+from megatron_rl.runtime.distributed import free_port
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
 
@@ -32,6 +32,8 @@ sys.path.insert(0, str(REPO / "tests" / "bridge"))
 from test_bridge import family_configs, make_hf_model  # noqa: E402
 from vocab_tokenizer import write_tokenizer  # noqa: E402
 
+pytestmark = [pytest.mark.engine, pytest.mark.multiprocess]
+
 SYNC_TOL = 1e-4
 STALE_MIN = 1e-3
 
@@ -39,7 +41,7 @@ STALE_MIN = 1e-3
 # size 576 (kv_lora_rank 512 + rope 64); its DeepSeek model reads topk_method / scoring_func, which
 # transformers does not write (the engine starts from this directory here; the trainer's engine
 # directory adds them, hf_config.with_implied_keys); and expert widths the CPU MoE kernel takes
-# unpadded at engine TP2 (vllm_worker._cpu_moe_kernels).
+# unpadded at engine TP2 (runtime/cpu/vllm_repairs.cpu_moe_kernels).
 ENGINE_OVERRIDES = {
     "deepseek_v3": dict(kv_lora_rank=512, qk_rope_head_dim=64, topk_method="noaux_tc", scoring_func="sigmoid",
                         moe_intermediate_size=64),

@@ -1,7 +1,7 @@
 """The collective transport's wire: stage leaders broadcast buckets to every engine rank.
 
 Real gloo process groups on a real TCP store, in separate processes, as the trainer's stage
-leaders and the engines' workers build them (rollout/weight_group.py). Checked: every receiver
+leaders and the engines' workers build them (rollout/weights/group.py). Checked: every receiver
 gets every tensor bit for bit, in order, for dtypes of every width (FP8 weights with float32
 scales, bf16, int64, a 0-d tensor, sizes that are not multiples of the alignment), across two
 pipeline stages with one group each; and a bucket whose metadata disagrees with its payload is
@@ -16,8 +16,8 @@ import traceback
 import pytest
 import torch
 
-from megatron_rl.platform.launch_env import free_port
-from megatron_rl.rollout.weight_group import (
+from megatron_rl.runtime.launch_env import free_port
+from megatron_rl.rollout.weights.group import (
     GroupSpec,
     TensorMeta,
     host_store,

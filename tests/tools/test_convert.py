@@ -19,6 +19,8 @@ REPO = Path(__file__).parents[2]
 sys.path.insert(0, str(REPO / "tests" / "bridge"))
 from test_bridge import family_configs, hf_logits, make_hf_model, read_checkpoint  # noqa: E402
 
+pytestmark = pytest.mark.multiprocess
+
 
 def tool(name: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")

@@ -27,6 +27,8 @@ REPO = Path(__file__).parents[2]
 sys.path.insert(0, str(REPO / "tests" / "bridge"))
 from test_bridge import VOCAB, family_configs, make_hf_model  # noqa: E402
 
+pytestmark = pytest.mark.multiprocess
+
 VERDICT = re.compile(r"^verify-hf: max \|logit diff\| = (\S+) over (\d+) tokens \(tolerance (\S+)\): (ok|FAILED)$")
 TOLERANCE = 1e-4
 
@@ -73,7 +75,7 @@ def verify(*args: str, torchrun: int = 0, env: dict[str, str] | None = None,
 
 
 def _free_port() -> int:
-    from megatron_rl.platform.launch_env import free_port
+    from megatron_rl.runtime.launch_env import free_port
 
     return free_port()
 

@@ -1,0 +1,304 @@
+"""The Megatron checkpoint format every megatron-rl tool and run reads and writes.
+
+A Megatron checkpoint directory holds Megatron's torch_dist files plus:
+    hf_config/           the model's config.json and tokenizer files (the model is self-described)
+    megatron_rl.json     format tag, padded vocabulary size, the layout and precision it was saved at
+
+`save_megatron_checkpoint` writes this format (`megatron-rl convert`, `megatron-rl sft`); the
+conversion back to Hugging Face reads it, and `megatron-rl train checkpoint.init_from=DIR` starts
+from it. A training checkpoint (checkpoint/store.py) is the same format with its weights in a
+subdirectory ("weights_dir") and a MANIFEST.json.
+
+A checkpoint can be named in any of these forms (`resolve_checkpoint`):
+    DIR                   a directory holding megatron_rl.json (convert, sft output)
+    RUN/checkpoints/step_000030   a training checkpoint: megatron_rl.json says where the weights are
+                                  ("weights_dir"); its MANIFEST.json is verified before loading
+    RUN/checkpoints       the step its `latest` file names
+    RUN                   a run directory: RUN/checkpoints/latest
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+from megatron_rl.config import RunConfig
+from megatron_rl.data.tokenizer import write_char_tokenizer
+from megatron_rl.errors import ConfigError
+
+FORMAT = "megatron_rl.torch_dist.v1"
+METADATA = "megatron_rl.json"
+MANIFEST = "MANIFEST.json"  # a training checkpoint's file list (megatron_rl.checkpoint.store)
+LATEST = "latest"  # in a checkpoints directory: the name of the newest step directory
+USE_ANOTHER = "re-convert it, or use another checkpoint (e.g. an earlier step_* directory of the run)"
+
+
+def save_megatron_checkpoint(module, raw_hf_config: dict, directory: Path, config: RunConfig, *,
+                             tokenizer_dir: str | Path | None, source: str, extra: dict | None = None) -> None:
+    """Collective: the model's weights as torch_dist files in `directory` (empty, e.g. an
+    AtomicDirectory's staging), then, on global rank 0, hf_config/ (config.json and the tokenizer
+    files found in `tokenizer_dir`) and megatron_rl.json. `extra`: more fields for megatron_rl.json."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.bridge.hf_checkpoint import copy_tokenizer_files
+
+    directory = Path(directory)
+    dist_checkpointing.save(module.sharded_state_dict(), str(directory))
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    (directory / "hf_config").mkdir()
+    (directory / "hf_config" / "config.json").write_text(json.dumps(raw_hf_config, indent=2) + "\n")
+    copy_tokenizer_files(tokenizer_dir, directory / "hf_config")
+    p = config.parallel
+    metadata = {
+        "format": FORMAT,
+        "padded_vocab_size": module.vocab_size,
+        "precision": config.model.precision,
+        "saved_layout": {"tp": p.tp, "pp": p.pp, "ep": p.ep, "etp": p.expert_tp},
+        "source": source,
+        **(extra or {}),
+    }
+    (directory / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
+
+
+def is_megatron_checkpoint(path: str | Path) -> bool:
+    """A directory in the format above (else, for checkpoint.init_from: a Hugging Face model)."""
+    return (Path(path) / METADATA).is_file()
+
+
+def names_megatron_checkpoint(path: str | Path) -> bool:
+    """`path` is meant as a megatron-rl checkpoint in one of the forms `resolve_checkpoint` takes
+    (a checkpoint, a checkpoints directory, a run directory), not as a Hugging Face model."""
+    path = Path(path)
+    return is_megatron_checkpoint(path) or (path / LATEST).is_file() or (path / "checkpoints").is_dir()
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The checkpoint directory (holding megatron_rl.json) that `path` names: itself, the step
+    that `path/latest` names, or the one `path/checkpoints/latest` names (a run directory)."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"checkpoint {path} does not exist")
+    if not path.is_dir():
+        raise ConfigError(f"checkpoint {path} is a file; pass the checkpoint directory (the one holding {METADATA})")
+    if is_megatron_checkpoint(path):
+        return path
+    if (path / "checkpoints").is_dir():
+        return _newest_step(path / "checkpoints", run=path)
+    if (path / LATEST).is_file() or any(path.glob("step_*")):
+        return _newest_step(path)
+    raise ConfigError(
+        f"{path} is not a megatron-rl checkpoint: it holds no {METADATA}, no {LATEST} file and no checkpoints/ "
+        "directory. Pass the output of `megatron-rl convert hf-to-megatron` or `megatron-rl sft`, a training "
+        "checkpoint (RUN/checkpoints/step_NNNNNN), RUN/checkpoints or the run directory RUN"
+    )
+
+
+def _newest_step(root: Path, run: Path | None = None) -> Path:
+    """The step directory `root/latest` names; `run`: the run directory `root` belongs to."""
+    latest = root / LATEST
+    if not latest.is_file():
+        steps = sorted(p.name for p in root.glob("step_*") if p.is_dir())
+        if run is not None and not steps:
+            raise ConfigError(f"run directory {run} has no checkpoints yet ({latest} does not exist)")
+        hint = f"; pass a step directory instead, e.g. {root / steps[-1]}" if steps else ""
+        raise ConfigError(f"{latest} does not exist, so the newest checkpoint is unknown{hint}")
+    name = latest.read_text().strip()
+    if not name or Path(name).name != name or name in (".", ".."):
+        raise ConfigError(f"{latest} should hold the name of a step directory, not {name!r}; "
+                          "pass a step directory (e.g. step_000030) instead")
+    step = root / name
+    if not step.is_dir():
+        raise ConfigError(f"{latest} names {name}, but {step} does not exist (deleted?); pass an existing "
+                          "step directory instead")
+    if not is_megatron_checkpoint(step):
+        raise ConfigError(f"{step} holds no {METADATA}: the save did not finish, or an older megatron-rl "
+                          "wrote it; pass another step directory")
+    return step
+
+
+def weights_path(ckpt: str | Path) -> Path:
+    """The directory of the torch_dist weight files of a checkpoint (its "weights_dir")."""
+    return Path(ckpt) / read_metadata(ckpt).get("weights_dir", ".")
+
+
+def check_intact(ckpt: Path) -> None:
+    """Refuse a training checkpoint its MANIFEST.json disagrees with (a file missing, truncated
+    or, where the manifest has checksums, corrupt). Others have no manifest: nothing to check."""
+    if not (ckpt / MANIFEST).is_file():
+        return
+    from megatron_rl.checkpoint import store as checkpoint
+
+    problem = checkpoint.verify(ckpt)
+    if problem is not None:
+        raise ConfigError(f"checkpoint {ckpt} is damaged: {problem}; use another checkpoint (e.g. an earlier "
+                          "step_* directory of the run)")
+
+
+def _check_intact_once(ckpt: Path) -> None:
+    """check_intact on global rank 0 only (it may read every file), the verdict shared."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return check_intact(ckpt)
+    verdict = [None]
+    if dist.get_rank() == 0:
+        try:
+            check_intact(ckpt)
+        except ConfigError as exc:
+            verdict = [str(exc)]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise ConfigError(verdict[0])
+
+
+def pin_checkpoint_vocab(config: RunConfig) -> RunConfig:
+    """`config` with model.padded_vocab_size taken from checkpoint.init_from when that is a
+    megatron-rl checkpoint and the size is not set: the padding depends on the TP size the
+    checkpoint was saved at, and pinning it lets the checkpoint load at any other layout."""
+    source = config.checkpoint.init_from
+    if source is None or not names_megatron_checkpoint(source):
+        return config
+    return with_vocab_of(config, resolve_checkpoint(source))
+
+
+def with_vocab_of(config: RunConfig, ckpt: Path) -> RunConfig:
+    """`config` with model.padded_vocab_size set to the row count checkpoint `ckpt` recorded,
+    unless the config sets it."""
+    if config.model.padded_vocab_size is not None:
+        return config
+    rows = read_metadata(ckpt)["padded_vocab_size"]
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, padded_vocab_size=rows))
+
+
+def load_initial_weights(policy, source: str | Path) -> None:
+    """checkpoint.init_from into a built Policy: a megatron-rl checkpoint in any form
+    `resolve_checkpoint` takes (saved at any layout; build the policy from
+    `pin_checkpoint_vocab(config)`) or a Hugging Face model directory. Collective."""
+    if names_megatron_checkpoint(source):
+        ckpt = resolve_checkpoint(source)
+        _check_intact_once(ckpt)
+        weights = weights_path(ckpt)
+        check_weight_files(weights)
+        try:
+            policy.load_model(str(weights))  # refreshes the optimizer's main weights too
+        except Exception as exc:
+            raise ConfigError(_unloadable(weights, exc)) from exc
+    else:
+        from megatron_rl.bridge import load_hf_weights
+
+        load_hf_weights(policy.module, policy.arch, source)
+        policy.optimizer.reload_model_params()
+
+
+def read_metadata(ckpt: str | Path) -> dict:
+    path = Path(ckpt) / METADATA
+    if not path.is_file():
+        raise ConfigError(f"{ckpt} is not a checkpoint written by megatron-rl ({METADATA} is missing)")
+    try:
+        metadata = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path} is unreadable ({exc}); {USE_ANOTHER}") from None
+    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
+        found = metadata.get("format") if isinstance(metadata, dict) else metadata
+        raise ConfigError(f"{path}: format {found!r} is not {FORMAT!r}")
+    _check_weights_dir(Path(ckpt), metadata.get("weights_dir", "."))
+    return metadata
+
+
+def _check_weights_dir(ckpt: Path, relative) -> None:
+    if not isinstance(relative, str) or Path(relative).is_absolute() or ".." in Path(relative).parts:
+        raise ConfigError(f"{ckpt / METADATA}: weights_dir must be a path inside {ckpt}, got {relative!r}")
+    if not (ckpt / relative).is_dir():
+        raise ConfigError(f"{ckpt / METADATA}: weights_dir {relative!r} does not exist in {ckpt}: the "
+                          f"checkpoint is incomplete; {USE_ANOTHER}")
+
+
+def check_weight_files(weights: Path) -> None:
+    """Every .distcp file the torch_dist index (.metadata) refers to exists and is long enough;
+    a truncated file otherwise surfaces as a bare EOFError deep inside the loader."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(weights)).read_metadata().storage_data
+    except Exception as exc:
+        raise ConfigError(f"{weights / '.metadata'} is missing or unreadable ({_first_line(exc)}); "
+                          f"{USE_ANOTHER}") from None
+    needed: dict[str, int] = {}
+    for item in storage.values():
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+    for name, size in sorted(needed.items()):
+        file = weights / name
+        if not file.is_file():
+            raise ConfigError(f"{file} is missing from the checkpoint; {USE_ANOTHER}")
+        if file.stat().st_size < size:
+            raise ConfigError(f"{file} is truncated ({file.stat().st_size} bytes, the checkpoint's index needs "
+                              f"{size}); {USE_ANOTHER}")
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text if len(text) <= 300 else text[:300] + "..."
+
+
+def _unloadable(weights: Path, exc: BaseException) -> str:
+    """One line for an exception of the torch_dist loader, naming the .distcp file if it says which."""
+    text = "\n".join(str(e) for e in _chain(exc))
+    file = re.search(r"[\w.-]+\.distcp", text)
+    where = f" (file {weights / file.group(0)})" if file else ""
+    return (f"cannot load the weights in {weights}{where}: {_first_line(exc)}. A file is corrupt, or the "
+            f"checkpoint does not match its hf_config/; {USE_ANOTHER}")
+
+
+def _chain(exc: BaseException | None):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def load_megatron_weights(module, weights: Path) -> None:
+    """Collective: the model's weights from a torch_dist directory, with one-line errors that
+    name the directory (and the file where it can be told) instead of the loader's traceback."""
+    import torch
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.bridge.importer import first_error, non_finite
+
+    try:
+        with torch.no_grad():
+            state = dist_checkpointing.load(module.sharded_state_dict(), str(weights))
+    except Exception as exc:
+        raise ConfigError(_unloadable(weights, exc)) from exc
+    # torch_dist stores no checksum: NaN/infinite weights are the damage that can be seen.
+    bad = next((name for name, value in state.items() if isinstance(value, torch.Tensor) and non_finite(value)), None)
+    error = first_error(f"tensor {bad} in {weights} holds NaN or infinite values: a file is corrupt or "
+                         f"the model diverged; {USE_ANOTHER}" if bad else None)
+    if error:
+        raise ConfigError(error)
+    with torch.no_grad():
+        module.load_state_dict(state)
+
+
+def write_run_tokenizer(config, directory: str | Path) -> Path:
+    """The tokenizer files of a run (`config`: a RunConfig) into `directory` (the rollout engine's
+    model directory, an sft checkpoint): this character tokenizer for synthetic data, else the
+    files of checkpoint.init_from (a Hugging Face model directory, or the hf_config/ of a
+    megatron-rl checkpoint, training checkpoints and run directories included) or of the
+    directory holding model.hf_config."""
+    if config.data.train == "synthetic":
+        return write_char_tokenizer(directory)
+    from megatron_rl.bridge.hf_checkpoint import copy_tokenizer_files  # imports torch and safetensors
+
+    source = Path(config.checkpoint.init_from or config.model.hf_config)
+    source = source if source.is_dir() else source.parent
+    if names_megatron_checkpoint(source):  # a checkpoint, or a run directory meaning its latest
+        source = resolve_checkpoint(source) / "hf_config"
+    if not copy_tokenizer_files(source, directory):
+        raise ConfigError(f"no tokenizer files in {source}: set checkpoint.init_from to a Hugging Face model directory")
+    return Path(directory)

@@ -1,0 +1,226 @@
+"""The model, its parallel layout and the optimizer: what Megatron-Core builds and trains."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron_rl.errors import ConfigError
+
+Precision = Literal["fp32", "bf16"]
+Fp8Recipe = Literal["delayed", "current", "blockwise", "mxfp8"]
+Dispatcher = Literal["alltoall", "allgather"]
+
+
+@dataclass
+class ModelConfig:
+    # A Hugging Face config.json (file or directory holding one), or the name of a preset shipped
+    # with the package (see megatron_rl/model/presets/).
+    hf_config: str = "tiny-qwen3-moe"
+    precision: Precision = "fp32"
+    # FP8 training through Transformer Engine (needs precision: bf16 and a CUDA GPU; checked
+    # against the GPU and the TE version before the model is built, see model/fp8.py):
+    #   delayed    per-tensor scales from an amax history (compute capability 8.9+)
+    #   current    per-tensor scales from the current tensor (Megatron: "tensorwise"; 8.9+)
+    #   blockwise  1x128 activation and 128x128 weight tiles, DeepSeek-V3 style (9.0+)
+    #   mxfp8      32-element blocks with power-of-two scales (Blackwell, 10.x)
+    fp8_recipe: Fp8Recipe | None = None
+    # Keep the GEMM weights themselves in FP8 and all-gather them in FP8 (saves memory; the
+    # distributed optimizer keeps the fp32 master copy, so it requires parallel.distributed_optimizer).
+    fp8_param: bool = False
+    # Transformer layers kept in BF16 at the start / end of the model while the rest runs in FP8
+    # (the first and last layers are the most sensitive to quantization). Megatron-Core supports
+    # this with every recipe except delayed scaling.
+    fp8_bf16_first_layers: int = 0
+    fp8_bf16_last_layers: int = 0
+    # Grouped-GEMM experts (TE's GroupedLinear: all local experts in one kernel). None = on with
+    # the Transformer Engine layer spec, off with the local spec (which cannot run it).
+    moe_grouped_gemm: bool | None = None
+    # The rollout engines serve FP8 weights: weight sync hands them every linear weight as
+    # float8_e4m3fn with one scale per 128x128 block (the HF FP8 checkpoint format of DeepSeek-V3
+    # and Qwen3-FP8; bridge/fp8_export.py), the engine's config.json says so, and embeddings,
+    # lm_head, norms and routers stay at the engine dtype. Needs a bfloat16 engine (FP8 GEMMs take
+    # BF16 activations) on GPU: vLLM's CPU build is refused (preflight). Independent of
+    # fp8_recipe: a BF16-trained policy can serve FP8. Checkpoints and the final hf_model export
+    # stay at the training precision. Engines at rollout.server_urls must have been started from
+    # a config.json carrying the matching quantization_config (bridge.with_quantization_config).
+    export_fp8: bool = False
+    # Megatron pads the embedding rows to a multiple of this times TP; the padding never enters
+    # the softmax of our logprobs (it is masked), and the bridge trims it on export.
+    make_vocab_size_divisible_by: int = 128
+    # Embedding rows including padding. None = Megatron's rule above. Checkpoints record theirs
+    # and loading reuses it, so a checkpoint saved at one TP size loads at another.
+    padded_vocab_size: int | None = None
+    moe_token_dispatcher: Dispatcher = "alltoall"
+    # RL on verifiable rewards usually trains without the load-balancing loss; set > 0 to add it.
+    moe_aux_loss_coeff: float = 0.0
+    # Aux-loss-free load balancing (DeepSeek-V3, GLM-4.5: models whose router carries
+    # e_score_correction_bias). After every optimizer step each router's bias moves by this rate
+    # toward even expert loads (Megatron-Core's expert-bias update; 1e-3 in DeepSeek-V3's
+    # pre-training). 0 keeps the checkpoint's bias fixed, the usual choice for RL fine-tuning.
+    # The bias is saved in checkpoints, exported and pushed to rollout engines as
+    # e_score_correction_bias, and frozen in the KL reference.
+    moe_router_bias_update_rate: float = 0.0
+    # "auto": Transformer Engine layers when TE and CUDA are present, local layers otherwise.
+    layer_spec: Literal["auto", "local", "transformer_engine"] = "auto"
+
+    @property
+    def fp8_bf16_layers(self) -> bool:
+        return self.fp8_bf16_first_layers > 0 or self.fp8_bf16_last_layers > 0
+
+    def validate(self, where: str) -> None:
+        if self.make_vocab_size_divisible_by < 1:
+            raise ConfigError(f"{where}.make_vocab_size_divisible_by must be >= 1")
+        if self.padded_vocab_size is not None and self.padded_vocab_size < 1:
+            raise ConfigError(f"{where}.padded_vocab_size must be >= 1")
+        if self.moe_aux_loss_coeff < 0:
+            raise ConfigError(f"{where}.moe_aux_loss_coeff must be >= 0")
+        if self.moe_router_bias_update_rate < 0:
+            raise ConfigError(f"{where}.moe_router_bias_update_rate must be >= 0, got {self.moe_router_bias_update_rate}")
+        self._validate_fp8(where)
+
+    def _validate_fp8(self, where: str) -> None:
+        """FP8 settings that are wrong on any machine (the GPU and TE checks come at build time)."""
+        recipe = self.fp8_recipe
+        if recipe is not None and self.precision != "bf16":
+            # TE's FP8 GEMMs take BF16 inputs and Megatron keeps fp32 master weights only for
+            # bf16/fp16 params; an fp32 model would quantize from fp32 activations nobody tested.
+            raise ConfigError(f"{where}.fp8_recipe={recipe!r} requires precision: bf16 (got {self.precision})")
+        if self.fp8_param and recipe is None:
+            raise ConfigError(f"{where}.fp8_param=true needs an FP8 recipe: set fp8_recipe as well")
+        for key in ("fp8_bf16_first_layers", "fp8_bf16_last_layers"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{where}.{key} must be >= 0, got {getattr(self, key)}")
+        if self.fp8_bf16_layers:
+            if recipe is None:
+                raise ConfigError(
+                    f"{where}.fp8_bf16_first_layers/fp8_bf16_last_layers only apply with fp8_recipe set"
+                )
+            if recipe == "delayed":
+                # Megatron-Core refuses it: leaving and re-entering the FP8 autocast per layer
+                # breaks delayed scaling's amax reduction.
+                raise ConfigError(
+                    f"{where}.fp8_recipe=delayed cannot keep layers in BF16 (fp8_bf16_first_layers/"
+                    "fp8_bf16_last_layers); use fp8_recipe: current or blockwise, or set both to 0"
+                )
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1  # tensor parallel
+    pp: int = 1  # pipeline parallel
+    ep: int = 1  # expert parallel
+    etp: int | None = None  # expert tensor parallel; None means "same as tp"
+    cp: int = 1  # context parallel
+    # None = on whenever tp > 1 (Megatron requires it for MoE with TP, and it saves activations).
+    sequence_parallel: bool | None = None
+    distributed_optimizer: bool = True
+    # Uneven pipeline stages (pp > 1): layers on the first / last stage; the other stages split
+    # the rest evenly. For layer counts pp does not divide (DeepSeek-V3's 61), and to give the
+    # stages holding the embedding and the output layer fewer transformer layers.
+    pp_first_stage_layers: int | None = None
+    pp_last_stage_layers: int | None = None
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def uses_sequence_parallel(self) -> bool:
+        return self.tp > 1 if self.sequence_parallel is None else self.sequence_parallel
+
+    def validate(self, where: str) -> None:
+        for name in ("tp", "pp", "ep", "cp"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
+        if self.etp is not None and self.etp < 1:
+            raise ConfigError(f"{where}.etp must be >= 1 (or null for 'same as tp'), got {self.etp}")
+        for name in ("pp_first_stage_layers", "pp_last_stage_layers"):
+            value = getattr(self, name)
+            if value is not None and (value < 1 or self.pp == 1):
+                raise ConfigError(f"{where}.{name}={value} needs pp > 1 and a value >= 1 (leave it null otherwise)")
+        if self.pp == 2 and self.pp_first_stage_layers is not None and self.pp_last_stage_layers is not None:
+            raise ConfigError(f"{where}: with pp=2 set pp_first_stage_layers or pp_last_stage_layers, not both")
+        if self.sequence_parallel is False and self.tp > 1:
+            # Megatron-Core's MoE layers refuse TP without sequence parallelism, and for dense
+            # models it only costs memory; keep one supported path.
+            raise ConfigError(
+                f"{where}.sequence_parallel=false with tp={self.tp} is not supported: "
+                "leave it unset (on when tp > 1)"
+            )
+
+    def validate_for_model(self, where: str, *, num_experts: int | None) -> None:
+        """Layout checks that depend on the model (MoE or dense)."""
+        if num_experts:
+            if self.tp > 1 and self.ep == 1 and self.expert_tp == 1:
+                # Measured: the expert weights are then replicated across the TP group but their
+                # gradients are never reduced over it, so TP ranks drift apart.
+                raise ConfigError(
+                    f"{where}: tp={self.tp} with ep=1 and etp=1 trains MoE experts wrongly "
+                    "(expert gradients are not reduced across the tensor-parallel group). "
+                    f"Use etp={self.tp} (expert tensor parallel) or ep>1."
+                )
+            if num_experts % self.ep:
+                raise ConfigError(
+                    f"{where}.ep={self.ep} must divide the number of experts ({num_experts})"
+                )
+        elif self.ep > 1 or (self.etp is not None and self.etp != self.tp):
+            raise ConfigError(f"{where}: ep/etp are only meaningful for MoE models (this one is dense)")
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // (self.tp * self.pp * self.cp)
+
+    def validate_world_size(self, world_size: int, where: str = "parallel") -> None:
+        dense_block = self.tp * self.pp * self.cp
+        if world_size % dense_block:
+            raise ConfigError(
+                f"{where}: world size {world_size} is not divisible by tp*pp*cp = "
+                f"{self.tp}*{self.pp}*{self.cp} = {dense_block}"
+            )
+        expert_block = self.expert_tp * self.ep * self.pp
+        if world_size % expert_block:
+            raise ConfigError(
+                f"{where}: world size {world_size} is not divisible by etp*ep*pp = "
+                f"{self.expert_tp}*{self.ep}*{self.pp} = {expert_block}"
+            )
+
+
+@dataclass
+class OptimizerConfig:
+    # Defaults are the built-in tiny run's; the recipes in configs/ set their own.
+    lr: float = 5e-4
+    # Floor of the decay; None = lr / 10.
+    min_lr: float | None = None
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    # Learning-rate schedule over optimizer steps: linear warm-up, then constant or a decay to
+    # min_lr over lr_decay_steps (None = the run's total optimizer steps).
+    lr_warmup_steps: int = 0
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "cosine"
+    lr_decay_steps: int | None = None
+
+    def validate(self, where: str) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"{where}.lr must be > 0, got {self.lr}")
+        if self.lr_warmup_steps < 0:
+            raise ConfigError(f"{where}.lr_warmup_steps must be >= 0")
+        if self.lr_decay_steps is not None and self.lr_decay_steps <= self.lr_warmup_steps:
+            raise ConfigError(f"{where}.lr_decay_steps must be > lr_warmup_steps ({self.lr_warmup_steps})")
+        if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"{where}.min_lr ({self.min_lr}) must be in [0, lr={self.lr}]")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"{where}.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.adam_eps <= 0:
+            raise ConfigError(f"{where}.adam_eps must be > 0, got {self.adam_eps}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"{where}.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.clip_grad < 0:
+            raise ConfigError(f"{where}.clip_grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
+
+    @property
+    def effective_min_lr(self) -> float:
+        return self.lr / 10 if self.min_lr is None else self.min_lr

@@ -1,0 +1,183 @@
+"""The RL loop's section: what one step generates, how it trains on it, and the algorithm.
+
+The algorithm names are declared once, in megatron_rl/algorithms/names.py (no torch); the
+recipe this section selects, with its overrides and run-dependent defaults, is built by
+megatron_rl/algorithms/from_config.py (`recipe_for(config.rl)`).
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from megatron_rl.algorithms.from_config import overlong_lengths
+from megatron_rl.algorithms.names import LossAggMode, OutcomeAdvantageEstimator, RatioLevel, RecipeName, TisLevel, TisMode
+from megatron_rl.errors import ConfigError
+
+# The estimators a run can use (a config names them as algorithms/names.py does).
+AdvantageEstimator = OutcomeAdvantageEstimator
+# YAML reads a bare `off` as false; "off" turns TIS off even where the recipe has it.
+TisLevelSetting = Literal[TisLevel, "off"]
+
+
+RoutingReplay = Literal["off", "training", "rollout"]
+
+
+def _routing_replay_value(value: Any) -> Any:
+    """rl.routing_replay as written: true / false (the former boolean key, and YAML's reading of a
+    bare `off`) mean training / off; anything else is checked against RoutingReplay."""
+    if value is True:
+        return "training"
+    if value is False:
+        return "off"
+    return value
+
+
+def _off_value(value: Any) -> Any:
+    """YAML reads a bare `off` as false: rl.tis_level: off / false mean "off"."""
+    return "off" if value is False else value
+
+
+def _check_choice(where: str, name: str, value: Any, hint: Any) -> None:
+    allowed = typing.get_args(hint)
+    if value is not None and value not in allowed:
+        raise ConfigError(f"{where}.{name}: {value!r} is not one of {', '.join(map(repr, allowed))} (or null for "
+                          f"the recipe's value)")
+
+
+@dataclass
+class RLConfig:
+    """The RL loop: what one step generates, how it trains on it, and the algorithm."""
+
+    # grpo | dr_grpo | dapo | gspo | cispo | olmo3 (megatron_rl.algorithms.recipes); the
+    # algorithm fields below that are None keep the recipe's value.
+    recipe: RecipeName = "dapo"
+    kl_coef: float | None = None
+    entropy_coef: float | None = None
+    eps_low: float | None = None
+    eps_high: float | None = None
+    dynamic_sampling: bool | None = None
+    # Group-relative advantage: grpo ((r - mean) / std), dr_grpo (r - mean), rloo (leave-one-out
+    # mean), reinforce_plus_plus_baseline (r - group mean, whitened over the batch).
+    advantage_estimator: AdvantageEstimator | None = None
+    # Loss reduction: token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum,
+    # seq-mean-token-sum-norm (Dr. GRPO; L_norm = max_response_tokens), token-sum.
+    loss_agg_mode: LossAggMode | None = None
+    # Importance ratio: token (PPO), sequence (GSPO), sequence_token (GSPO-token).
+    ratio_level: RatioLevel | None = None
+    # DAPO overlong reward shaping: 0 up to overlong_max_length - overlong_buffer_length, then a
+    # linear ramp to -overlong_penalty_factor at overlong_max_length. DAPO's 20480 / 4096 are its
+    # generation budget and a fifth of it, so when the recipe shapes (dapo) or either length is set
+    # here, a length left null follows that rule at this run's budget: overlong_max_length =
+    # max_response_tokens and overlong_buffer_length = round(0.2 * overlong_max_length), at least 1
+    # (DAPO's own numbers would never penalize a response budget up to 16384). A soft budget at or
+    # beyond max_response_tokens is refused (it would never apply); overlong_penalty_factor: 0
+    # turns shaping off.
+    overlong_max_length: int | None = None
+    overlong_buffer_length: int | None = None
+    overlong_penalty_factor: float | None = None
+    # Truncated responses (cut at max_response_tokens) leave the loss (DAPO overlong filtering).
+    mask_truncated: bool | None = None
+    # Train/inference mismatch correction (truncated importance sampling against the engine's
+    # logprobs, weight pi_old_train / pi_rollout): tis_level token | sequence | off (null: the
+    # recipe's; the olmo3 recipe has token-level TIS); tis_mode truncate (clip the weight to
+    # [tis_lower, tis_upper]) | mask (weight 0 outside it). Setting tis_upper alone (e.g. 2.0)
+    # turns token-level TIS on, as before.
+    tis_level: TisLevelSetting | None = field(default=None, metadata={"coerce": _off_value})
+    tis_mode: TisMode | None = None
+    tis_upper: float | None = None
+    tis_lower: float | None = None
+    # Samples may come from a policy at most this many versions older than the one being
+    # updated; 0 = synchronous. At >= 1, unless tis_level is set, the loss is AReaL's decoupled
+    # objective (arXiv:2505.24298): the PPO ratio against the proximal policy (old logprobs the
+    # trainer recomputes at the step's start) times the behaviour weight proximal / engine,
+    # which is token-level TIS, truncated at tis_upper (2.0 when null).
+    max_staleness: int = 0
+    # Dual clip for negative advantages (c > 1), None = off.
+    dual_clip_c: float | None = None
+    # Defaults: the built-in tiny run (about 3 minutes of RL on 2 CPU cores).
+    steps: int = 150  # RL steps (one rollout batch each)
+    prompts_per_step: int = 32
+    group_size: int = 8  # samples per prompt (G)
+    # Optimizer updates per rollout batch (mini-batches). With more than one, the old-policy
+    # logprobs are recomputed before the first update and the ratio departs from 1.
+    updates_per_rollout: int = 2
+    max_response_tokens: int = 6
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # Dynamic sampling: extra generate rounds allowed to refill the batch after dropping groups
+    # whose rewards are all equal.
+    max_refill_rounds: int = 3
+    # MoE routing across the forwards of a step (megatron_rl/model/routing.py):
+    #   off       every forward routes by itself; `moe/routing_drift` counts the training
+    #             forward's routes that differ from the old-logprob forward's
+    #   training  the experts chosen in the old-logprob forward are replayed in the training
+    #             forward (Megatron-Core router replay), so the ratio compares one routed network
+    #   rollout   R3 (rollout routing replay): the rollout engine's own routes of every token it
+    #             ran are replayed in the old-logprob, reference and training forwards, so the
+    #             trainer computes the network the engine sampled from; `moe/rollout_routing_drift`
+    #             counts the trainer's own choices that differ from the engine's. vLLM engines only.
+    # true / false are read as training / off (YAML reads a bare `off` as false).
+    routing_replay: RoutingReplay = field(default="off", metadata={"coerce": _routing_replay_value})
+    eval_every: int = 25  # RL steps between held-out evaluations (0: only before and after)
+    eval_prompts: int | None = None  # None: the whole held-out set
+    eval_temperature: float = 0.0  # greedy by default: accuracy of the policy's best answer
+
+    def __post_init__(self):
+        self.routing_replay = _routing_replay_value(self.routing_replay)
+        self.tis_level = _off_value(self.tis_level)
+
+    def validate(self, where: str) -> None:
+        if self.routing_replay not in typing.get_args(RoutingReplay):
+            raise ConfigError(f"{where}.routing_replay: {self.routing_replay!r} is not one of "
+                              f"{', '.join(map(repr, typing.get_args(RoutingReplay)))}")
+        for name in ("steps", "prompts_per_step", "updates_per_rollout", "max_response_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
+        if self.group_size < 2:
+            raise ConfigError(f"{where}.group_size must be >= 2 (group-relative advantages need a group)")
+        if self.prompts_per_step % self.updates_per_rollout:
+            raise ConfigError(f"{where}.updates_per_rollout={self.updates_per_rollout} must divide "
+                              f"prompts_per_step={self.prompts_per_step} (whole groups per update)")
+        if self.max_refill_rounds < 0 or self.eval_every < 0:
+            raise ConfigError(f"{where}.max_refill_rounds and eval_every must be >= 0")
+        if not 0 < self.top_p <= 1 or self.temperature < 0 or self.eval_temperature < 0:
+            raise ConfigError(f"{where}: temperature must be >= 0 and top_p in (0, 1]")
+        self._validate_algorithm(where)
+        if self.eval_prompts is not None and self.eval_prompts < 1:
+            raise ConfigError(f"{where}.eval_prompts must be >= 1 or null")
+
+    def _validate_algorithm(self, where: str) -> None:
+        """The algorithm knobs, without building the recipe (that imports torch; trainer.preflight
+        builds it and reports the loss config's own checks)."""
+        for name, hint in (("recipe", RecipeName), ("advantage_estimator", AdvantageEstimator),
+                           ("loss_agg_mode", LossAggMode), ("ratio_level", RatioLevel), ("tis_level", TisLevelSetting),
+                           ("tis_mode", TisMode)):
+            _check_choice(where, name, getattr(self, name), hint)
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ConfigError(f"{where}.max_staleness must be an integer >= 0 (0 = synchronous), "
+                              f"got {self.max_staleness!r}")
+        for name in ("overlong_max_length", "overlong_buffer_length"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{where}.{name} must be an integer >= 1 (or null), got {value!r}")
+        if (self.overlong_max_length is not None and self.overlong_buffer_length is not None
+                and self.overlong_buffer_length > self.overlong_max_length):
+            raise ConfigError(f"{where}.overlong_buffer_length={self.overlong_buffer_length} must be <= "
+                              f"overlong_max_length={self.overlong_max_length}")
+        factor = self.overlong_penalty_factor
+        if factor is not None and not (factor >= 0 and factor != float("inf")):
+            raise ConfigError(f"{where}.overlong_penalty_factor must be a finite number >= 0 (0 = no shaping), "
+                              f"got {factor}")
+        if self.overlong_max_length is not None or self.overlong_buffer_length is not None:
+            overlong_lengths(self, None, None, where)  # lengths given here: do they ever apply? (DAPO's ratio, as dapo's)
+        if self.tis_upper is not None and not 1 < self.tis_upper < float("inf"):
+            raise ConfigError(f"{where}.tis_upper must be > 1 (or null), got {self.tis_upper}")
+        if self.tis_lower is not None and not 0 < self.tis_lower < 1:
+            raise ConfigError(f"{where}.tis_lower must be in (0, 1) (or null for no lower bound), got {self.tis_lower}")
+        if self.tis_level == "off":
+            given = [name for name in ("tis_mode", "tis_upper", "tis_lower") if getattr(self, name) is not None]
+            if given:
+                raise ConfigError(f"{where}.{given[0]} has no effect with tis_level=off; remove it or set tis_level "
+                                  f"to token or sequence")

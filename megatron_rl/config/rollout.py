@@ -1,0 +1,89 @@
+"""The rollout engines: where they run, how weights reach them, how requests are bounded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatron_rl.errors import ConfigError
+
+
+@dataclass
+class RolloutConfig:
+    """The rollout engine: where it runs, how weights reach it, and how requests are bounded."""
+
+    engine: Literal["vllm", "sglang"] = "vllm"
+    # colocated: an engine inside the trainer processes, its tensor parallelism spanning the
+    # trainer's ranks (vLLM only; the default on CPU). server: OpenAI-compatible HTTP servers,
+    # started by us on this node (server_urls empty) or already running elsewhere.
+    mode: Literal["colocated", "server"] = "colocated"
+    server_urls: list[str] = field(default_factory=list)
+    num_servers: int = 1  # servers to start when server_urls is empty
+    # Tensor parallel size of each server we start: one value for all, or one per server (servers
+    # at server_urls report their own size to the collective transport).
+    server_tp: int | list[int] = 1
+    # Engine dtype; "auto" follows model.precision (fp32 -> float32, bf16 -> bfloat16).
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    max_model_len: int = 1024
+    gpu_memory_utilization: float = 0.5
+    cpu_kv_cache_gib: float = 1.0
+    # How weights travel after each step (rollout/weights/transport.py). stream: by reference into a
+    # colocated engine. files: safetensors on a filesystem the servers share. collective: a
+    # broadcast from each pipeline stage's leader to every rank of every server (vLLM), gloo on
+    # CPU and NCCL on GPU; nccl: the same, requiring NCCL. auto: stream when colocated, collective
+    # to vLLM servers, files to SGLang servers.
+    weight_transport: Literal["auto", "stream", "files", "collective", "nccl"] = "auto"
+    weight_bucket_mb: int = 512
+    # Where the files transport stages buckets; must be visible to the servers. None = OUTPUT_DIR/.weights
+    staging_dir: str | None = None
+    startup_timeout_s: float = 600.0
+    request_timeout_s: float = 900.0
+    max_retries: int = 2  # per request, for transient HTTP failures; then the engine is reported dead
+    # Asynchronous RL (rl.max_staleness >= 1, servers only; megatron_rl/train/async_rollout.py).
+    # partial: a weight update lands mid-generation: the engines abort their in-flight requests,
+    # take the new weights, and every unfinished sequence continues from its last token on the
+    # new weights (re-prefilled: no KV computed by the old weights is reused); its tokens record
+    # which policy version produced them. false: an update waits until the engines are idle.
+    partial: bool = False
+    # Active sampling with dynamic sampling: groups are generated ahead of need so the engines
+    # stay busy while zero-spread groups are dropped. At most this many groups beyond those still
+    # needed are in flight; the unused ones are dropped when the step's batch is complete (the
+    # bound on over-generation). None = a quarter of rl.prompts_per_step.
+    overgeneration_groups: int | None = None
+
+    def tp_of_server(self, index: int) -> int:
+        """The tensor parallel size of the `index`-th server we start."""
+        sizes = self.server_tp if isinstance(self.server_tp, list) else [self.server_tp]
+        return sizes[index] if len(sizes) > 1 else sizes[0]
+
+    def validate(self, where: str) -> None:
+        if self.engine == "sglang" and self.mode == "colocated":
+            raise ConfigError(f"{where}.mode=colocated is vLLM only; SGLang runs as servers (mode: server)")
+        if self.weight_transport == "stream" and self.mode == "server":
+            raise ConfigError(f"{where}.weight_transport=stream needs mode=colocated; servers take files or collective")
+        if self.weight_transport in ("files", "collective", "nccl") and self.mode == "colocated":
+            raise ConfigError(f"{where}.weight_transport={self.weight_transport} is for servers; colocated engines use stream")
+        if self.weight_transport in ("collective", "nccl") and self.engine == "sglang":
+            raise ConfigError(f"{where}.weight_transport={self.weight_transport}: SGLang servers take weights through "
+                              f"files (weight_transport: files, with staging_dir on a filesystem they share)")
+        sizes = self.server_tp if isinstance(self.server_tp, list) else [self.server_tp]
+        if not sizes or any(size < 1 for size in sizes):
+            raise ConfigError(f"{where}.server_tp must be >= 1 (one value, or one per server), got {self.server_tp}")
+        if isinstance(self.server_tp, list) and len(sizes) not in (1, self.num_servers):
+            raise ConfigError(f"{where}.server_tp lists {len(sizes)} sizes for num_servers={self.num_servers}; "
+                              f"give one value for all servers or one per server")
+        for name in ("num_servers", "max_model_len", "weight_bucket_mb"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_retries < 0:
+            raise ConfigError(f"{where}.max_retries must be >= 0")
+        for name in ("startup_timeout_s", "request_timeout_s", "cpu_kv_cache_gib"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{where}.{name} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"{where}.gpu_memory_utilization must be in (0, 1]")
+        for url in self.server_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"{where}.server_urls: {url!r} must start with http:// or https://")
+        if self.overgeneration_groups is not None and self.overgeneration_groups < 0:
+            raise ConfigError(f"{where}.overgeneration_groups must be >= 0 (or null), got {self.overgeneration_groups}")

@@ -1,0 +1,147 @@
+"""The root of the tree (RunConfig) and its small sections; the checks that cross sections.
+
+Checks that need the world size (does the layout divide the number of ranks?) live in
+`ParallelConfig.validate_world_size`, called by the runtime at start-up, and by the launcher
+before a job is submitted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatron_rl.config.model import ModelConfig, OptimizerConfig, ParallelConfig
+from megatron_rl.config.rl import RLConfig
+from megatron_rl.config.rollout import RolloutConfig
+from megatron_rl.data.config import DataConfig
+from megatron_rl.errors import ConfigError
+from megatron_rl.rewards.config import RewardConfig
+
+Device = Literal["auto", "cpu", "cuda"]
+
+
+@dataclass
+class WarmStartConfig:
+    """Supervised warm start before RL (the built-in default learns its task format this way):
+    next-token loss on the targets of the training prompts."""
+
+    steps: int = 250  # 0 = none (the default is the built-in tiny run's)
+    batch_size: int = 64
+    lr: float = 3e-3
+
+    def validate(self, where: str) -> None:
+        if self.steps < 0 or self.batch_size < 1 or self.lr <= 0:
+            raise ConfigError(f"{where}: steps must be >= 0, batch_size >= 1 and lr > 0")
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 10  # 0: only on SIGTERM/SIGUSR1 and at the end
+    keep_last: int = 2
+    # "auto": continue from the newest intact checkpoint in OUTPUT_DIR/checkpoints, if there is
+    # one (refused when checkpoints exist but none is intact); "none": start over (an earlier run's
+    # checkpoints and metrics are moved into OUTPUT_DIR/previous-<time>/); or a checkpoint path.
+    resume: str = "auto"
+    # Initial weights: None (random init, for the built-in default), a Hugging Face model
+    # directory, a directory written by `megatron-rl convert hf-to-megatron` or `megatron-rl sft`,
+    # or a training checkpoint (a step_* directory, or a run directory meaning its latest).
+    init_from: str | None = None
+    # Write checkpoints in the background (a forked writer per rank) while training continues.
+    async_save: bool = True
+    # At the end of the run, export the policy as a Hugging Face model into OUTPUT_DIR/hf_model.
+    export_hf: bool = True
+    # Resuming a checkpoint written with another config is refused (naming the keys) unless true;
+    # the layout, logging and checkpoint keys may always differ.
+    allow_config_change: bool = False
+
+    def validate(self, where: str) -> None:
+        if self.every_steps < 0 or self.keep_last < 1:
+            raise ConfigError(f"{where}: every_steps must be >= 0 and keep_last >= 1")
+
+
+@dataclass
+class LoggingConfig:
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    wandb_project: str = "megatron-rl"
+    run_name: str | None = None
+
+
+@dataclass
+class RunConfig:
+    """The root of the tree."""
+
+    seed: int = 1234
+    device: Device = "auto"
+    output_dir: str = "runs/default"
+    # Tokens per packed micro-batch when computing logprobs or training.
+    micro_batch_tokens: int = 4096
+    # Chunk of tokens for the vocab-parallel logprob/entropy kernel (bounds fp32 memory).
+    logprob_chunk_tokens: int = 1024
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rewards: RewardConfig = field(default_factory=RewardConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self, where: str = "config") -> RunConfig:
+        if self.micro_batch_tokens < 1:
+            raise ConfigError(f"{where}: micro_batch_tokens must be >= 1")
+        if self.logprob_chunk_tokens < 1:
+            raise ConfigError(f"{where}: logprob_chunk_tokens must be >= 1")
+        self.model.validate(f"{where}: model")
+        self.parallel.validate(f"{where}: parallel")
+        self.optimizer.validate(f"{where}: optimizer")
+        self.rollout.validate(f"{where}: rollout")
+        self.rl.validate(f"{where}: rl")
+        if self.rl.routing_replay == "rollout":
+            if self.rollout.engine != "vllm":
+                raise ConfigError(f"{where}: rl.routing_replay=rollout needs the rollout engine's routes, which only "
+                                  f"the vLLM engines return here (rollout.engine={self.rollout.engine}); use "
+                                  "rl.routing_replay=training")
+            if self.parallel.cp > 1:
+                raise ConfigError(f"{where}: rl.routing_replay=rollout maps the engine's routes onto whole packed "
+                                  f"sequences and does not support context parallelism (parallel.cp={self.parallel.cp})")
+        self._validate_async(where)
+        self.warm_start.validate(f"{where}: warm_start")
+        self.data.validate(f"{where}: data")
+        self.rewards.validate(f"{where}: rewards")
+        self.checkpoint.validate(f"{where}: checkpoint")
+        self._validate_fp8_rollout(where)
+        # The recipe overrides are checked by trainer.preflight (building a Recipe imports torch).
+        return self
+
+    def _validate_async(self, where: str) -> None:
+        """Asynchronous RL needs engines that generate while the trainer trains: servers."""
+        staleness = self.rl.max_staleness
+        if staleness and self.rollout.mode != "server":
+            raise ConfigError(
+                f"{where}: rl.max_staleness={staleness} overlaps generation with training, which needs "
+                f"engines running beside the trainer (rollout.mode: server); a colocated engine shares the "
+                f"trainer's processes and devices, so nothing would overlap. Use rollout.mode=server or "
+                f"rl.max_staleness=0")
+        if self.rollout.partial and not staleness:
+            raise ConfigError(f"{where}: rollout.partial=true continues sequences across weight updates, which only "
+                              f"happen mid-generation with rl.max_staleness >= 1")
+        if self.rollout.partial and self.rl.routing_replay == "rollout":
+            raise ConfigError(f"{where}: rollout.partial=true with rl.routing_replay=rollout: a continued sequence's "
+                              f"routes would come from two weight versions; use one or the other")
+
+    def _validate_fp8_rollout(self, where: str) -> None:
+        """model.export_fp8 on any machine (the engine's device is checked by preflight)."""
+        if not self.model.export_fp8:
+            return
+        dtype = self.rollout.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if self.model.precision == "bf16" else "float32"
+        if dtype != "bfloat16":
+            # vLLM's and SGLang's fp8 methods accept bfloat16/float16 activations only (vLLM
+            # refuses float32 at engine start, after the model was built).
+            raise ConfigError(
+                f"{where}: model.export_fp8=true needs a bfloat16 rollout engine (FP8 weights run with BF16 "
+                f"activations), but the engine dtype is {dtype}: set rollout.dtype: bfloat16 or model.precision: bf16"
+            )

@@ -1,0 +1,155 @@
+"""What a user reads during and after a run: a console line per step, metrics.jsonl, wandb.
+
+    log = MetricsLog(output_dir, total_steps, wandb=config.logging, resume_step=k, enabled=is_driver)
+    log.step(step, metrics)       # one JSON line per step (every metric), one console line
+    log.close()
+
+Every metric of a step goes to OUTPUT_DIR/metrics.jsonl as one JSON object with "step". On
+resume the file is cut back to the checkpoint's step first, so steps the interrupted run
+logged after its last checkpoint are not duplicated; a fresh run starts an empty file. wandb is
+offline by default (files under OUTPUT_DIR/wandb, `wandb sync` uploads them later) and online
+when configured.
+
+Every row also carries two wall-clock keys (never compared by the exact-resume check):
+
+    "time"        Unix time (seconds, float) when the row was written
+    "elapsed_s"   seconds of run time up to this row: counted from the MetricsLog's creation
+                  (the trainer creates it once the policy is built) and, on resume, continued
+                  from the elapsed_s of the last row kept after the cut-back. So elapsed_s is the
+                  run time that produced the kept rows, summed over the interrupted and resumed
+                  processes; the time an interrupted process spent on steps after its last
+                  checkpoint (thrown away, then redone) and the gap between the processes are
+                  not counted. elapsed_s never decreases down the file; time does not either
+                  unless the system clock is set back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.errors import ConfigError
+
+# The console line: (metric key, label, format). Missing keys are left out.
+CONSOLE = [
+    ("reward/mean", "reward", "{:.3f}"),
+    ("eval/accuracy", "eval-acc", "{:.3f}"),
+    ("train/accuracy", "acc", "{:.3f}"),
+    ("actor/kl", "kl", "{:.4f}"),
+    ("actor/entropy", "entropy", "{:.3f}"),
+    ("actor/clip_frac", "clip", "{:.3f}"),
+    ("moe/routing_drift", "drift", "{:.3f}"),
+    ("response/length_mean", "len", "{:.1f}"),
+]
+PHASES = ["generate", "score", "logprobs", "train", "sync"]
+WALL_CLOCK = ("time", "elapsed_s")  # keys every row carries; they differ between identical runs
+
+
+class MetricsLog:
+    def __init__(self, output_dir: str | Path, total_steps: int, *, wandb_mode: str = "offline",
+                 wandb_project: str = "megatron-rl", run_name: str | None = None, config: dict | None = None,
+                 resume_step: int | None = None, enabled: bool = True, stream=None):
+        self.enabled, self.total_steps = enabled, total_steps
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.stream = stream or sys.stdout
+        self._wandb = None
+        self._started = time.monotonic()  # elapsed_s is measured on the monotonic clock
+        self._elapsed_before = 0.0  # run time of the rows kept from interrupted processes
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # A fresh run (no checkpoint step, or 0) starts a new file: rows of an earlier attempt in
+        # this directory that never checkpointed would otherwise stay, and step 0 appear twice.
+        truncate_metrics(self.path, resume_step if resume_step else -1)
+        if resume_step:
+            self._elapsed_before = max((r.get("elapsed_s", 0.0) for r in read_metrics(self.path)), default=0.0)
+        if wandb_mode != "disabled":
+            self._wandb = _start_wandb(Path(output_dir), wandb_mode, wandb_project, run_name, config, resume_step)
+
+    def step(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{key: _plain(value) for key, value in sorted(metrics.items())}}
+        record["time"] = time.time()
+        record["elapsed_s"] = self._elapsed_before + (time.monotonic() - self._started)
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            self._wandb.log(record, step=step)
+        print(self.console_line(step, record), file=self.stream, flush=True)
+
+    def console_line(self, step: int, record: dict[str, Any]) -> str:
+        parts = [f"step {step}/{self.total_steps}"]
+        for key, label, fmt in CONSOLE:
+            value = record.get(key)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                parts.append(f"{label} {fmt.format(value)}")
+        times = [f"{phase} {record[f'time/{phase}_s']:.1f}" for phase in PHASES if f"time/{phase}_s" in record]
+        if times:
+            parts.append("[s: " + " ".join(times) + "]")
+        return "  ".join(parts)
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def truncate_metrics(path: Path, keep_through_step: int) -> None:
+    """Keep only records with step <= keep_through_step (atomic rewrite)."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= keep_through_step]
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text("".join(line + "\n" for line in kept))
+    os.replace(temporary, path)
+
+
+def check_wandb_available(mode: str) -> None:
+    """Called during config validation, before any expensive work."""
+    if mode == "disabled":
+        return
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            f"logging.wandb_mode={mode!r} needs the wandb package: pip install 'megatron-rl[wandb]', "
+            "or set logging.wandb_mode=disabled"
+        ) from None
+
+
+def _start_wandb(output_dir: Path, mode: str, project: str, name: str | None, config: dict | None, resume_step):
+    import wandb
+
+    directory = output_dir / "wandb"
+    directory.mkdir(parents=True, exist_ok=True)
+    # The run id is stored beside the metrics so a resumed run continues the same wandb run.
+    id_file = output_dir / ".wandb_run_id"
+    run_id = id_file.read_text().strip() if resume_step and id_file.is_file() else uuid.uuid4().hex[:12]
+    id_file.write_text(run_id)
+    return wandb.init(project=project, name=name, id=run_id, resume="allow", dir=str(directory), mode=mode,
+                      config=config or {}, settings=wandb.Settings(silent=True, console="off"))
+
+
+def _plain(value):
+    if hasattr(value, "item"):
+        return value.item()
+    return value

@@ -1,0 +1,223 @@
+"""vLLM inside the trainer's own processes (colocated; the default on CPU).
+
+Every trainer rank builds one vLLM engine with `distributed_executor_backend="external_launcher"`:
+vLLM then joins the trainer's existing torch.distributed world and shards the model with tensor
+parallelism across all ranks (vLLM's TP size = trainer world size). Generation is SPMD: every rank
+calls `generate` with the same prompts and gets the same samples. Measured on the CPU build: the
+plain single-process engine ("uni") hangs inside a torchrun world of 2 (vLLM builds its groups
+over the whole existing world), and vLLM data parallelism with MoE is not implemented on CPU, so
+the shared-world TP engine is the one colocated layout that works everywhere.
+
+Weights travel by reference: every rank passes the full HF-named stream (see
+`megatron_rl.rollout.weights.stream`) to its own worker, which keeps its TP slice.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from megatron_rl.runtime.cpu.megatron_patches import suspended
+from megatron_rl.rollout.protocol import (
+    EngineError,
+    EngineUnavailable,
+    Sample,
+    SamplingParams,
+    WeightStream,
+    check_grouping,
+)
+from megatron_rl.rollout.worker.route_capture import ROUTE_CAPTURE_KEY, attach_captured_routes, native_routes, new_tags
+from megatron_rl.rollout.engines.vllm_common import samples_from_request_output, to_vllm_sampling, vllm_environment
+from megatron_rl.rollout.worker.extension import WORKER_EXTENSION
+from megatron_rl.runtime.cpu.vllm_repairs import fix_cpu_rotary_embedding
+
+
+class VllmColocatedEngine:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: str = "float32",
+        max_model_len: int = 1024,
+        seed: int = 0,
+        cache_dir: str | Path | None = None,
+        cpu_kv_cache_gib: float = 1.0,
+        gpu_memory_utilization: float = 0.5,
+        load_format: str = "auto",
+        local_rank: int = 0,
+        name: str = "vllm-colocated",
+        engine_args: dict | None = None,
+    ):
+        """`load_format="dummy"` starts from random weights (no checkpoint on disk needed); the
+        caller must then push weights before generating, as the trainer does at start-up.
+        `engine_args`: further `vllm.LLM` arguments (e.g. enable_return_routed_experts on GPU)."""
+        self.name = name
+        on_cpu = not torch.cuda.is_available()
+        os.environ.update(vllm_environment(cache_dir, on_cpu=on_cpu, kv_cache_gib=cpu_kv_cache_gib))
+        if on_cpu and os.environ.get("TORCH_COMPILE_DISABLE") == "1":
+            # torch read TORCH_COMPILE_DISABLE when it was imported, long before this engine: set
+            # what it sets. Otherwise the sampler's first call compiles (3-20 s on 2 cores) for
+            # nothing the trainer reads. The trainer itself compiles nothing on CPU.
+            from torch._dynamo import config as dynamo_config
+
+            dynamo_config.disable = True
+        # The engine core must live in this process: a child process could not share the
+        # trainer's world, and tensors could not be passed by reference.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        # The worker lives in this process and imported worker/extension.py before vLLM: apply its
+        # pre-build fixes here (the server's workers get them when vLLM imports the extension).
+        if on_cpu:
+            fix_cpu_rotary_embedding()
+
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        world = torch.distributed.get_world_size() if distributed else 1
+        if distributed:
+            # vLLM's external launcher reads the rank from torchrun's variables; a SLURM task or a
+            # single process started by us does not have them.
+            os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
+            os.environ.setdefault("LOCAL_RANK", str(local_rank))
+        started = time.perf_counter()
+        # vLLM runs gc.collect() about five times while it starts; over a heap that already holds
+        # torch, Megatron-Core, transformers and the policy, each took ~0.3 s on 2 cores (1.4 s
+        # in all). Everything alive now lives for the whole run, so move it out of the
+        # collector's view first, as vLLM itself does once it has started (freeze_gc_heap).
+        gc.freeze()
+        # vLLM's CPU build names no CUDA device: it runs without Megatron's CPU redirection (a
+        # Python call per torch op otherwise), here and in generate / update_weights.
+        with suspended():
+            self._llm = LLM(
+                model=str(model_dir),
+                dtype=dtype,
+                max_model_len=max_model_len,
+                seed=seed,
+                tensor_parallel_size=world,
+                distributed_executor_backend="external_launcher" if distributed else "uni",
+                enforce_eager=on_cpu,  # CUDA graphs on GPU; nothing to capture on CPU
+                gpu_memory_utilization=gpu_memory_utilization,
+                load_format=load_format,
+                worker_extension_cls=WORKER_EXTENSION,
+                **(engine_args or {}),
+            )
+        self.startup_s = time.perf_counter() - started
+        self._paused = False
+        self._closed = False
+        self.weights_loaded = load_format != "dummy"
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, timeout_s: float | None = None) -> list[list[Sample]]:
+        """`timeout_s` is not enforceable here: the engine runs on this thread (an SPMD step on every
+        rank); a hang is bounded by the trainer's collective timeout instead."""
+        self._check_usable()
+        from vllm.inputs import TokensPrompt
+
+        sampling = [to_vllm_sampling(params, index) for index in range(len(prompts))]
+        # R3: the engine's MoE routes of every sample (rollout/worker/route_capture.py).
+        layout = self._route_layout() if params.return_routed_experts else None
+        tags = new_tags(len(prompts)) if layout is not None and not layout["native"] else None
+        for vllm_params, tag in zip(sampling, tags or []):
+            vllm_params.extra_args = {**(vllm_params.extra_args or {}), ROUTE_CAPTURE_KEY: tag}
+        with suspended():
+            outputs = self._llm.generate(
+                [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts],
+                sampling,
+                use_tqdm=False,
+            )
+            captured = self._llm.collective_rpc("route_capture_take", args=(json.dumps(tags),))[0] if tags else None
+        groups = [samples_from_request_output(self.name, index, prompt, output)
+                  for index, (prompt, output) in enumerate(zip(prompts, outputs))]
+        check_grouping(self.name, prompts, params, groups)
+        for group, output, tag in zip(groups, outputs, tags or [None] * len(groups)):
+            if tag is not None:
+                attach_captured_routes(self.name, group, captured[tag], params.n)
+            elif layout is not None:  # vLLM's own capture (GPU, enable_return_routed_experts)
+                completions = sorted(output.outputs, key=lambda completion: completion.index)
+                for sample, completion in zip(group, completions):
+                    sample.extras["routed_experts"] = native_routes(self.name, sample, completion.routed_experts,
+                                                                    layout["layers"])
+        return groups
+
+    def _route_layout(self) -> dict:
+        """The engine's route capture, started on first use (route_capture.RouteCaptureWorker)."""
+        layout = getattr(self, "_routes", None)
+        if layout is None:
+            with suspended():
+                (layout,) = self._llm.collective_rpc("route_capture_enable")
+                if not layout["native"]:
+                    self._llm.reset_prefix_cache()  # no cached prefix may predate the capture
+            self._routes = layout
+        return layout
+
+    def update_weights(self, weights: WeightStream) -> int:
+        if self._closed:
+            raise EngineUnavailable(f"{self.name}: engine was shut down")
+        with suspended():
+            (count,) = self._llm.collective_rpc("update_weights_from_stream", args=(weights,))
+            # Cached prefixes hold KV computed with the old weights.
+            self._llm.reset_prefix_cache()
+        if count == 0:
+            raise EngineError(f"{self.name}: weight update received no tensors")
+        self.weights_loaded = True
+        return count
+
+    def reset_prefix_cache(self) -> None:
+        with suspended():
+            self._llm.reset_prefix_cache()
+
+    # A colocated engine shares the trainer's processes: weights come by reference, never over
+    # files or a network group.
+    def load_weight_files(self, directory: str) -> int:
+        raise EngineError(f"{self.name}: a colocated engine takes weights in process (weight_transport=stream)")
+
+    def weight_receivers(self) -> int:
+        return self.load_weight_files("")
+
+    def join_weight_group(self, spec_json: str, rank_offset: int) -> None:
+        self.load_weight_files("")
+
+    def receive_weights(self) -> int:
+        return self.load_weight_files("")
+
+    def fingerprint(self) -> dict:
+        return self._llm.collective_rpc("weights_fingerprint")[0]
+
+    def pause(self) -> None:
+        # vLLM's sleep mode (which frees KV cache and weights for training) exists on GPU only;
+        # generation here is synchronous, so pausing means refusing generate until resume.
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+
+    def health(self) -> None:
+        if self._closed:
+            raise EngineUnavailable(f"{self.name}: engine was shut down")
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # Not vLLM's own engine-core shutdown: it ends with cleanup_dist_env_and_memory, which
+        # destroys torch's default process group, i.e. the trainer's world. vLLM also registers
+        # that shutdown to run when the engine is garbage collected, so detach it, then release
+        # the worker's model, KV cache and scheduler ourselves. vLLM's subgroups of the world
+        # live until the process ends (destroying them would pass None, the default group, for
+        # a world-sized group).
+        client = self._llm.llm_engine.engine_core
+        client._finalizer.detach()  # private, but the only handle on that registered shutdown
+        core = client.engine_core
+        core.model_executor.shutdown()
+        core.scheduler.shutdown()
+        del self._llm
+
+    def _check_usable(self) -> None:
+        self.health()
+        if self._paused:
+            raise EngineError(f"{self.name}: generate called while paused; call resume() first")
+        if not self.weights_loaded:
+            raise EngineError(f"{self.name}: started with dummy weights and none were pushed yet")

@@ -1,0 +1,112 @@
+"""What a step trains on, from the synchronous loop: generate, score, keep, refill.
+
+Both collectors (this one, and `async_rollout.AsyncCollector` for rl.max_staleness >= 1) give
+the trainer the same calls, so its loop does not branch on the mode:
+
+    collector.start(next_step, resumed_state)   # after the first weight push
+    rollout = collector.take(step, timings)     # StepRollout: the kept groups and their metrics
+    collector.before_push(version, timings)     # around each weight push,
+    collector.pause_mode(version)               # how the engines stop for it,
+    collector.after_push(version)
+    collector.state_dict()                      # what a checkpoint records (the sampler's cursor, ...)
+    collector.close()
+
+The sampling parameters of every request a run sends are made here (`rollout_params`,
+`eval_params`), and so is each request's seed (`step_seed`): a resumed run regenerates the same
+samples.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from megatron_rl.rollout.protocol import SamplingParams
+from megatron_rl.train.experience import StepRollout
+from megatron_rl.train.scoring import GroupScorer, assemble_step, keeps_group
+
+
+def step_seed(seed: int, step: int, round_: int) -> int:
+    """The engine's sampling seed for a step's generate round (-1: the held-out evaluation)."""
+    return (seed * 1_000_003 + step * 101 + round_) & 0x7FFF_FFFF
+
+
+def rollout_params(rl, seed: int, *, partial: bool = False) -> SamplingParams:
+    """G samples per prompt for training (`rl`: the RLConfig), with the engine's MoE routes when
+    R3 replays them; `partial`: the engines may abort and the caller continues (async)."""
+    return SamplingParams(n=rl.group_size, temperature=rl.temperature, top_p=rl.top_p,
+                          max_tokens=rl.max_response_tokens, seed=seed,
+                          return_routed_experts=rl.routing_replay == "rollout", partial=partial)
+
+
+def eval_params(rl, seed: int) -> SamplingParams:
+    """One sample per held-out prompt, at the evaluation temperature (greedy by default)."""
+    return SamplingParams(n=1, temperature=rl.eval_temperature, max_tokens=rl.max_response_tokens,
+                          seed=step_seed(seed, -1, 0))
+
+
+class SyncCollector:
+    """G samples for each of prompts_per_step prompts; with dynamic sampling, groups whose rewards
+    are all equal (no learning signal) are dropped and refilled from further prompts, at most
+    max_refill_rounds extra rounds. Every rank runs it (the engines answer every rank alike)."""
+
+    def __init__(self, *, config, dynamic_sampling: bool, sampler, train_set, rollout, scorer: GroupScorer,
+                 encode: Callable, runtime, notify: Callable[[str], None]):
+        """`rollout`: the RolloutClient; `encode(prompt)`: its token ids; `notify(text)`: a line
+        for the console (the sampler's notices). Every rank holds one (`runtime` unused here)."""
+        self.rl, self.seed, self.dynamic_sampling = config.rl, config.seed, dynamic_sampling
+        self.sampler, self.train_set, self.rollout, self.scorer = sampler, train_set, rollout, scorer
+        self.encode, self.notify = encode, notify
+
+    def start(self, next_step: int, resumed_state: dict | None) -> None:
+        """Nothing runs ahead of the trainer."""
+
+    def take(self, step: int, timings: dict) -> StepRollout:
+        wanted = self.rl.prompts_per_step
+        kept, kept_prompts, generated, reward_rounds, rounds = [], [], [], [], 0
+        timings["time/generate_s"] = timings["time/score_s"] = 0.0
+        indices = self.sampler.next_batch()
+        while True:
+            records = self.train_set.select(indices)
+            tick = time.perf_counter()
+            params = rollout_params(self.rl, step_seed(self.seed, step, rounds))
+            samples = self.rollout.generate([self.encode(r.prompt) for r in records], params)
+            timings["time/generate_s"] += time.perf_counter() - tick
+            tick = time.perf_counter()
+            scored, reward_metrics = self.scorer.score(records, samples)
+            reward_rounds.append((sum(len(g) for g in scored), reward_metrics))
+            timings["time/score_s"] += time.perf_counter() - tick
+            generated.extend(scored)
+            for index, group in zip(indices, scored):
+                self.sampler.observe(index, [t.reward for t in group])
+                if keeps_group(group, self.dynamic_sampling):
+                    kept.append(group)
+                    kept_prompts.append(index)
+            if len(kept) >= wanted or not self.dynamic_sampling or rounds >= self.rl.max_refill_rounds:
+                break
+            rounds += 1
+            indices = self.sampler.take(wanted - len(kept))
+        kept, kept_prompts = kept[:wanted], kept_prompts[:wanted]
+        # The sampler's metrics for the groups trained on (curriculum band shares), then its step
+        # boundary (a curriculum's pause clock).
+        sampler_metrics = self.sampler.band_metrics(kept_prompts)
+        for notice in self.sampler.pop_notices():
+            self.notify(notice)
+        self.sampler.step()
+        return assemble_step(kept, generated, reward_rounds, sampler_metrics, {"rollout/refill_rounds": rounds})
+
+    def before_push(self, version: int | None, timings: dict | None) -> None:
+        """Nothing is in flight between steps."""
+
+    def pause_mode(self, version: int | None) -> str:
+        """How the engines stop for a push: nothing is in flight, so they simply wait."""
+        return "wait"
+
+    def after_push(self, version: int | None) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"sampler": self.sampler.state_dict()}
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,112 @@
+"""Generated samples -> scored trajectories, and the rules both collectors share.
+
+    scorer = GroupScorer(config.rewards, tokenizer, runtime)
+    groups, reward_metrics = scorer.score(records, generated)     # collective: rewards from the driver
+    keeps_group(group, recipe.dynamic_sampling)                   # DAPO dynamic sampling's keep rule
+    step = assemble_step(kept, generated, reward_rounds, ...)     # the StepRollout a step trains on
+
+Rewards are computed on the driver (global rank 0), the only rank with reward functions, and
+broadcast: every rank then holds the same trajectories. The asynchronous producer scores on the
+driver alone (`score_on_driver`) and broadcasts whole batches itself.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import torch
+
+from megatron_rl.algorithms import dynamic_sampling_keep
+from megatron_rl.data import prompt_text
+from megatron_rl.rewards import RewardInput, build_scorer
+from megatron_rl.rollout.protocol import Sample
+from megatron_rl.train.experience import StepRollout, Trajectory, rollout_metrics
+
+CORRECT = 0.5  # a sample counts as correct when its reward reaches this (rule rewards are 0 or 1)
+
+
+class GroupScorer:
+    def __init__(self, reward_config, tokenizer, runtime):
+        self.tokenizer, self.runtime = tokenizer, runtime
+        self._scorer = build_scorer(reward_config) if runtime.is_driver else None
+        # The asynchronous producer and the held-out evaluation (the trainer's thread) share it.
+        self._lock = threading.Lock()
+
+    def score(self, records, groups: Sequence[Sequence[Sample]]) -> tuple[list[list[Trajectory]], dict]:
+        """Collective: the groups as trajectories with rewards (computed on the driver), and the
+        scorer's metrics, on every rank. `records[i]`: the dataset record of group i's prompt."""
+        rewards, metrics = self.runtime.from_driver(self.score_on_driver(records, groups)
+                                                    if self.runtime.is_driver else None)
+        return to_trajectories(groups, rewards), metrics
+
+    def score_on_driver(self, records, groups: Sequence[Sequence[Sample]]) -> tuple[list[float], dict]:
+        """The driver only: one reward per sample (in sample order) and the scorer's metrics."""
+        inputs = [RewardInput(prompt=prompt_text(record.prompt),
+                              response=self.tokenizer.decode(sample.response_token_ids, skip_special_tokens=True),
+                              answer=record.answer, metadata=record.metadata)
+                  for record, group in zip(records, groups) for sample in group]
+        with self._lock:
+            result = self._scorer.score(inputs)
+        return list(result.rewards), result.metrics()
+
+    def score_group_on_driver(self, record, samples: Sequence[Sample]) -> tuple[list[Trajectory], dict]:
+        """The driver only: one group's trajectories with rewards, and the scorer's metrics."""
+        rewards, metrics = self.score_on_driver([record], [samples])
+        return to_trajectories([samples], rewards)[0], metrics
+
+    def close(self) -> None:
+        if self._scorer is not None:
+            self._scorer.close()
+
+
+def to_trajectories(groups: Sequence[Sequence[Sample]], rewards: Sequence[float]) -> list[list[Trajectory]]:
+    """Samples with their rewards (in sample order) as trajectories; a sample's `versions` (the
+    policy version of each token) comes from the asynchronous producer, its `routed_experts`
+    from an engine asked for them (R3)."""
+    scored, cursor = [], 0
+    for index, group in enumerate(groups):
+        trajectories = []
+        for sample in group:
+            trajectories.append(Trajectory(index, sample.prompt_token_ids, sample.response_token_ids,
+                                           sample.logprobs, sample.finish_reason == "length", float(rewards[cursor]),
+                                           routed_experts=sample.extras.get("routed_experts"),
+                                           versions=sample.extras.get("versions")))
+            cursor += 1
+        scored.append(trajectories)
+    return scored
+
+
+def keeps_group(group: Sequence[Trajectory], dynamic_sampling: bool) -> bool:
+    """Whether a step trains on this group: always, or under dynamic sampling (DAPO
+    arXiv:2503.14476 §3.2) only when its rewards differ (an all-equal group has zero advantage)."""
+    if not dynamic_sampling:
+        return True
+    rewards = torch.tensor([[t.reward for t in group]], dtype=torch.float64)
+    return bool(dynamic_sampling_keep(rewards)[0])
+
+
+def combine_rounds(rounds: Sequence[tuple[int, dict]]) -> dict:
+    """The scorer's metrics over all scoring rounds of a step (`rounds`: (samples scored, metrics)
+    each): counts add up, means are weighted by the number of samples scored in each round."""
+    total = sum(count for count, _ in rounds) or 1
+    combined: dict[str, float] = {}
+    for count, metrics in rounds:
+        for key, value in metrics.items():
+            weight = count / total if key.endswith("/mean") else 1.0
+            combined[key] = combined.get(key, 0.0) + weight * value
+    return combined
+
+
+def assemble_step(kept: list[list[Trajectory]], generated: list[list[Trajectory]],
+                  reward_rounds: Sequence[tuple[int, dict]], sampler_metrics: dict, counts: dict) -> StepRollout:
+    """What a step trains on: the kept groups, numbered in order, and the step's rollout metrics
+    (the scorer's, the sampler's, those of every generated group, then the collector's `counts`)."""
+    metrics = combine_rounds(reward_rounds)
+    metrics.update(sampler_metrics)
+    metrics.update(rollout_metrics(generated, CORRECT))
+    metrics.update({"rollout/groups_kept": len(kept), "rollout/groups_generated": len(generated), **counts})
+    for index, group in enumerate(kept):
+        for trajectory in group:
+            trajectory.group = index
+    return StepRollout(kept, metrics)

@@ -1,0 +1,280 @@
+"""The RL loop: `megatron-rl train`.
+
+    for step in steps:
+        rollout   <- collector.take(step): prompts from the sampler, G samples each from the
+                     engines, rewards, dynamic sampling (collect.py; async_rollout.py runs it
+                     ahead of the trainer when rl.max_staleness >= 1)
+        advantages, packed token-budget micro-batches of this rank's groups      (experience.py)
+        old / reference logprobs, MoE routes as rl.routing_replay says       (routing_replay.py)
+        optimizer updates                                                           (train)
+        weights   -> rollout engines                                                (sync)
+        metrics, held-out evaluation (evaluate.py), checkpoint (checkpoint/manager.py)
+
+Process layout: every rank trains its share (Megatron TP/PP/EP/DP). Rollout goes through one
+client (rollout/client.py) that gives every rank the same samples and pushes weights through the
+configured transport, wherever the engines run. Rewards are computed on the driver (global rank
+0) and broadcast (scoring.py). The trainer asks the runtime, never Megatron, where it stands.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_rl.algorithms import reduce_metrics
+from megatron_rl.algorithms.from_config import recipe_for
+from megatron_rl.checkpoint.manager import CheckpointManager
+from megatron_rl.config import RunConfig, to_dict
+from megatron_rl.data import build_sampler, encode_prompt
+from megatron_rl.model.policy import Policy
+from megatron_rl.observability.metrics_log import MetricsLog
+from megatron_rl.observability.plotting import learning_summary
+from megatron_rl.rollout.client import RolloutClient
+from megatron_rl.rollout.engine_model import load_engine_tokenizer, write_engine_model_dir
+from megatron_rl.runtime import start_runtime
+from megatron_rl.train.async_rollout import AsyncCollector
+from megatron_rl.train.collect import SyncCollector
+from megatron_rl.train.evaluate import evaluate
+from megatron_rl.train.experience import (
+    group_advantages,
+    make_loss_fn,
+    minibatches,
+    my_groups,
+    pack_minibatch,
+    response_masks,
+    step_normalizer,
+    store_logprobs,
+)
+from megatron_rl.train.preflight import preflight
+from megatron_rl.train.routing_replay import RoutingReplay
+from megatron_rl.train.scoring import GroupScorer
+from megatron_rl.train.stop_signals import StopSignals
+from megatron_rl.train.warm_start import warm_start
+
+
+@dataclass
+class TrainResult:
+    steps_done: int
+    finished: bool  # False: stopped by a signal after checkpointing
+    warm_start_accuracy: float | None
+    final_accuracy: float | None
+    curve_png: Path | None
+    checkpoint: Path | None
+    is_driver: bool  # global rank 0: the rank that logs and reports
+
+
+def train(config: RunConfig) -> TrainResult:
+    datasets = preflight(config)
+    runtime = start_runtime(config)
+    try:
+        return Trainer(config, runtime, datasets).run()
+    finally:
+        runtime.shutdown()
+
+
+class Trainer:
+    def __init__(self, config: RunConfig, runtime, datasets):
+        """`datasets`: the (train, held-out) prompt datasets preflight() read."""
+        self.config, self.runtime = config, runtime
+        self.out = Path(config.output_dir)
+        self.recipe = recipe_for(config.rl)
+        self.use_kl = self.recipe.loss.kl_coef > 0
+        self.train_set, self.heldout = datasets
+        # uniform, or the Olmo 3 success-rate curriculum (data.sampler); it learns from every scored group
+        self.sampler = build_sampler(config.data, len(self.train_set), config.rl.prompts_per_step, config.seed)
+
+        self.engine_dir = self.out / "engine_model"
+        # Owns OUTPUT_DIR/checkpoints: which checkpoint to continue from, saves, the final export.
+        self.checkpoints = CheckpointManager(config, runtime, model_dir=self.engine_dir)
+        self.checkpoints.prepare()
+        chosen = self.checkpoints.choose()
+        updates = config.rl.steps * config.rl.updates_per_rollout
+        self.policy = Policy(self.checkpoints.policy_config(chosen), runtime, total_steps=updates)
+        self.routing = RoutingReplay.attach(config.rl.routing_replay, self.policy, runtime)
+        self.tokenizer = self._prepare_engine_model()
+        self.scorer = GroupScorer(config.rewards, self.tokenizer, runtime)
+        self.resumed = self.checkpoints.load(self.policy, chosen)
+        if self.resumed is not None:
+            self.sampler.load_state_dict(self.resumed.state["sampler"])
+        start_step = self.resumed.step if self.resumed else 0
+        self.log = MetricsLog(self.out, config.rl.steps, wandb_mode=config.logging.wandb_mode,
+                              wandb_project=config.logging.wandb_project, run_name=config.logging.run_name,
+                              config=to_dict(config), resume_step=start_step, enabled=runtime.is_driver)
+        # Engines start with the first weight sync (see RolloutClient).
+        self.rollout = RolloutClient(config, self.engine_dir, master_addr=runtime.launch.master_addr,
+                                     local_rank=runtime.launch.local_rank, seed=config.seed)
+        self.encode = functools.partial(encode_prompt, self.tokenizer, prompt_format=config.data.prompt_format,
+                                        system_prompt=config.data.system_prompt)
+        # The one place the loop depends on rl.max_staleness: which collector feeds it.
+        collector = AsyncCollector if config.rl.max_staleness else SyncCollector
+        self.collector = collector(config=config, dynamic_sampling=self.recipe.dynamic_sampling,
+                                   sampler=self.sampler, train_set=self.train_set, rollout=self.rollout,
+                                   scorer=self.scorer, encode=self.encode, runtime=runtime, notify=self.log.message)
+        self.stop_signals = StopSignals()
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> TrainResult:
+        config = self.config
+        self.stop_signals.install()
+        clean = False
+        try:
+            if self.resumed is None:
+                if config.warm_start.steps:
+                    warm_start(self.policy, self.tokenizer, self.train_set, config, self.runtime, self.log)
+                self.sync_weights()
+                self.log.step(0, self.evaluate())
+                start = 1
+            else:
+                self.sync_weights()
+                start = self.resumed.step + 1
+                self.log.message(f"resumed from {self.resumed.path} at step {start - 1}")
+            self.collector.start(start, self.resumed.state if self.resumed is not None else None)
+
+            last_saved = None
+            step = start - 1
+            for step in range(start, config.rl.steps + 1):
+                metrics = self.rl_step(step)
+                if step == config.rl.steps or (config.rl.eval_every and step % config.rl.eval_every == 0):
+                    metrics.update(self.evaluate())
+                self.log.step(step, metrics)
+                stop = self.stop_signals.requested(self.runtime)
+                for saved in self.checkpoints.after_step(step, self._trainer_state(), stop=bool(stop),
+                                                         last=step == config.rl.steps):
+                    last_saved = saved.path
+                    self._report_save(saved)
+                if stop:
+                    self.log.message(f"stopped by {stop} after step {step}; checkpoint {last_saved}. "
+                                     f"Continue with the same command (checkpoint.resume=auto).")
+                    self.checkpoints.record_run_state(step, finished=False)
+                    clean = True
+                    return self._result(step, finished=False, checkpoint=last_saved)
+            if config.checkpoint.export_hf:
+                path = self.checkpoints.export_hf(step, self.tokenizer, last_saved)
+                self.log.message(f"exported the policy at step {step} as a Hugging Face model: {path}")
+            self.checkpoints.record_run_state(step, finished=True)
+            clean = True
+            return self._result(step, finished=True, checkpoint=last_saved)
+        finally:
+            self.checkpoints.close(clean=clean)
+            self._shutdown()
+
+    def rl_step(self, step: int) -> dict:
+        rl, timings = self.config.rl, {}
+        rollout = self.collector.take(step, timings)
+        metrics = dict(rollout.metrics)
+
+        tick = time.perf_counter()
+        group_advantages(rollout.groups, self.recipe)
+        mine = my_groups(rollout.groups, self.runtime.dp_rank, self.runtime.dp_size)
+        per_update = minibatches(mine, rl.updates_per_rollout)
+        packed = [pack_minibatch(t, self.config.micro_batch_tokens, self.policy.pad_to_multiple) for t in per_update]
+        # With one update per rollout the old policy IS the updated one: the loss takes its
+        # logprobs from the update's own forward (ratio exactly 1, no extra pass).
+        recompute_old = rl.updates_per_rollout > 1
+        self.routing.begin_step(packed, per_update, recompute_old=recompute_old)
+        if recompute_old:
+            with self.routing.old_forward() as trace:
+                self._store_logprobs(packed, per_update, "old_logprobs", trace)
+        if self.use_kl:
+            # The reference: the policy at the start of RL (restored on resume), swapped in for its forward.
+            reference = self.checkpoints.reference_weights()
+            with self.routing.reference_forward() as trace, reference.swapped_in(self.policy.module):
+                self._store_logprobs(packed, per_update, "ref_logprobs", trace)
+        timings["time/logprobs_s"] = time.perf_counter() - tick
+
+        tick = time.perf_counter()
+        metrics.update(self._train(packed, per_update, old_from_forward=not recompute_old, policy_version=step - 1))
+        timings["time/train_s"] = time.perf_counter() - tick
+
+        tick = time.perf_counter()
+        metrics["rollout/weights_loaded"] = self.sync_weights(version=step, timings=timings)  # tensors each engine loaded
+        timings["time/sync_s"] = time.perf_counter() - tick - timings.get("time/wait_push_s", 0.0)
+        metrics.update(timings)
+        metrics["time/step_s"] = sum(timings.values())
+        return metrics
+
+    def evaluate(self) -> dict:
+        return evaluate(self.heldout, self.config.rl, self.config.seed, self.rollout, self.scorer, self.encode)
+
+    # ---- logprobs and training --------------------------------------------------------------
+
+    def _store_logprobs(self, packed, per_update, attribute: str, routing) -> None:
+        """One forward over every update's micro-batches; the response logprobs stored on the
+        trajectories as `attribute`. They exist on the last pipeline stage only, which is where
+        the loss that reads them runs."""
+        outputs = self.policy.logprobs([batch for batches in packed for batch in batches], with_entropy=False,
+                                       routing=routing)
+        if self.runtime.is_last_stage:
+            position = 0
+            for batches, trajectories in zip(packed, per_update):
+                store_logprobs(outputs[position: position + len(batches)], batches, trajectories, attribute)
+                position += len(batches)
+
+    def _train(self, packed, per_update, *, old_from_forward: bool, policy_version: int) -> dict:
+        """The step's optimizer updates; `policy_version`: the version they start from (the
+        staleness of an asynchronous sample's tokens is measured against it)."""
+        results, micro_metrics, offset = [], [], 0
+        for batches, trajectories in zip(packed, per_update):
+            normalizer = step_normalizer(response_masks(batches, trajectories, self.recipe), self.recipe,
+                                         self.policy.dp_group, self.runtime.device)
+            loss_fn = make_loss_fn(trajectories, self.recipe, normalizer, old_from_forward=old_from_forward,
+                                   use_ref=self.use_kl, policy_version=policy_version,
+                                   max_staleness=self.config.rl.max_staleness)
+            with self.routing.update(offset) as trace:
+                result = self.policy.train_step(batches, loss_fn, routing=trace)
+            offset += len(batches)
+            results.append(result)
+            micro_metrics.extend(result.metrics)
+        metrics = reduce_metrics(micro_metrics, group=self.policy.dp_group) if self.runtime.is_last_stage else {}
+        metrics = self.runtime.from_last_stage(metrics)
+        metrics.update({"train/loss": sum(r.loss for r in results), "train/grad_norm": results[-1].grad_norm,
+                        "train/lr": self.policy.learning_rate, "train/updates": len(results)})
+        metrics.update(self.routing.drift_metrics())
+        return metrics
+
+    # ---- weights, checkpoints, the end -------------------------------------------------------
+
+    def sync_weights(self, version: int | None = None, timings: dict | None = None) -> int:
+        """The policy's weights into every engine; `version`: the policy version they are (the
+        step just trained; None: the weights RL starts from). Returns the tensors each engine loaded."""
+        self.collector.before_push(version, timings)
+        count = self.rollout.sync_weights(self.policy.module, self.policy.arch,
+                                          pause_mode=self.collector.pause_mode(version))
+        self.collector.after_push(version)
+        return count
+
+    def _trainer_state(self) -> dict:
+        """What a checkpoint needs besides the policy (read when the save starts)."""
+        collector = self.collector.state_dict()  # the sampler's cursor (and, async, the batches ahead)
+        return {"sampler": collector.pop("sampler"), "seed": self.config.seed, "config": to_dict(self.config),
+                **collector}
+
+    def _report_save(self, saved) -> None:
+        mode = "in the background" if self.config.checkpoint.async_save else "synchronously"
+        self.log.message(f"checkpoint {saved.path.name}: {saved.bytes / 2**20:.1f} MiB written {mode} in "
+                         f"{saved.write_s:.2f} s (CRC-32 {saved.checksum_s:.2f} s); training waited {saved.blocked_s:.2f} s")
+
+    def _prepare_engine_model(self):
+        """The engine's model directory: config, generation config and tokenizer (weights are
+        pushed); rollout nodes write theirs with the same function (launch/rollout_node.py)."""
+        if self.runtime.is_driver:
+            write_engine_model_dir(self.config, self.engine_dir)
+        self.runtime.barrier()
+        return load_engine_tokenizer(self.engine_dir)
+
+    def _result(self, step: int, finished: bool, checkpoint: Path | None) -> TrainResult:
+        start = final = png = None
+        if self.runtime.is_driver:
+            data = self.config.data
+            task = f"synthetic {data.synthetic.task}" if data.train == "synthetic" else Path(data.train).name
+            start, final, png = learning_summary(self.out, step, title=f"{self.config.rl.recipe} on {task}")
+        return TrainResult(step, finished, start, final, png, checkpoint, self.runtime.is_driver)
+
+    def _shutdown(self) -> None:
+        self.collector.close()
+        self.log.close()
+        self.scorer.close()
+        self.rollout.shutdown()

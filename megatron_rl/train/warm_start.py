@@ -1,0 +1,78 @@
+"""Supervised warm start: next-token loss on reference responses before RL.
+
+RL from a random tiny model never sees a reward (no sample is ever right), so the built-in
+default first teaches the task's output format and some arithmetic on the training prompts'
+targets (`record.metadata["target"]`, else the answer), then RL improves from partial accuracy.
+Uses the policy's own optimizer at a fixed learning rate (`warm_start.lr`), outside the RL
+learning-rate schedule; the schedule starts at the first RL update.
+
+One function, two callers: `megatron-rl train` runs it before RL when `warm_start.steps` > 0
+(inside the trainer, so the RL run continues with the warm start's optimizer state), and
+`megatron-rl sft` (megatron_rl/train/sft.py) runs it alone and writes a checkpoint that `train`
+starts from (`checkpoint.init_from=DIR warm_start.steps=0`).
+"""
+
+from __future__ import annotations
+
+from megatron_rl.errors import ConfigError  # this module imports no torch at the top (sft's checks)
+
+
+def target_of(record):
+    """The reference response trained on: `metadata["target"]`, else the answer (None: none)."""
+    return record.metadata.get("target", record.answer)
+
+
+def check_targets(dataset, where: str = "data") -> None:
+    """Every training prompt needs a reference response; called before any model is built."""
+    for index, record in enumerate(dataset):
+        if target_of(record) is None:
+            raise ConfigError(
+                f"{where}.answer_key: training record {index} of {getattr(dataset, 'source', 'data.train')} has no "
+                "reference response (an answer, or a 'target' field) for the supervised warm start; set "
+                "data.answer_key, or warm_start.steps=0 for train"
+            )
+
+
+def warm_start(policy, tokenizer, dataset, config, runtime, log, on_step=None, label: str = "warm start") -> list[float]:
+    """`warm_start.steps` optimizer steps; returns the step losses. `on_step(step, result)` is
+    called after each step (result: the policy's StepResult); `log.message` prints progress."""
+    from megatron_rl.algorithms import compute_step_normalizer
+    from megatron_rl.data import PromptSampler, encode_prompt
+
+    settings = config.warm_start
+    sampler = PromptSampler(len(dataset), settings.batch_size, seed=config.seed + 7919)  # not the RL stream
+    eos = tokenizer.eos_token_id
+    losses = []
+    for step in range(1, settings.steps + 1):
+        records = dataset.select(sampler.next_batch())
+        mine = records[runtime.dp_rank::runtime.dp_size]
+        sequences, prompt_lengths = [], []
+        for record in mine:
+            prompt = encode_prompt(tokenizer, record.prompt, prompt_format=config.data.prompt_format,
+                                   system_prompt=config.data.system_prompt)
+            response = tokenizer(str(target_of(record)), add_special_tokens=False)["input_ids"] + [eos]
+            sequences.append(prompt + response)
+            prompt_lengths.append(len(prompt))
+        batches = _pack(sequences, prompt_lengths, config.micro_batch_tokens, policy.pad_to_multiple)
+        normalizer = compute_step_normalizer([b.loss_mask for b in batches], group=policy.dp_group,
+                                             device=runtime.device).num_tokens
+
+        def loss_fn(logprobs, entropy, batch):
+            return -(logprobs * batch.loss_mask[0]).sum() / normalizer, {}
+
+        result = policy.train_step(batches, loss_fn, lr=settings.lr)
+        losses.append(result.loss)
+        if on_step is not None:
+            on_step(step, result)
+        if step == 1 or step % max(1, settings.steps // 10) == 0 or step == settings.steps:
+            log.message(f"{label} {step}/{settings.steps}  loss {result.loss:.4f}")
+    return losses
+
+
+def _pack(sequences, prompt_lengths, token_budget, pad):
+    from megatron_rl.train.experience import pack_minibatch
+    from megatron_rl.model.packing import pack_by_token_budget
+
+    if not sequences:  # more DP ranks than samples: a zero-loss filler keeps the ranks in step
+        return pack_minibatch([], token_budget, pad)
+    return pack_by_token_budget(sequences, prompt_lengths, token_budget, pad)

@@ -1,0 +1,184 @@
+"""Checkpoint directory handling without processes: completeness and checksum checks, the
+fallback to the previous checkpoint, the refusals before a resume, and the metrics file cut back
+to the checkpoint on resume."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.checkpoint.store import LATEST, MANIFEST, STATE, STATE_VERSION, _inventory, _prune, find_resumable, verify
+from megatron_rl.checkpoint.manager import check_run_directory, config_differences
+from megatron_rl.config import load_config, to_dict
+from megatron_rl.errors import ConfigError
+from megatron_rl.observability.metrics_log import WALL_CLOCK, MetricsLog, read_metrics, truncate_metrics
+
+
+def fake_checkpoint(root: Path, step: int, config: dict | None = None) -> Path:
+    path = root / f"step_{step:06d}"
+    (path / "weights").mkdir(parents=True)
+    (path / "weights" / "shard.distcp").write_bytes(b"x" * (100 + step))
+    (path / STATE).write_text(json.dumps({"step": step, "version": STATE_VERSION, "config": config or {}}))
+    (path / MANIFEST).write_text(json.dumps({"step": step, "files": _inventory(path)}))
+    return path
+
+
+def test_complete_checkpoint_verifies(tmp_path):
+    assert verify(fake_checkpoint(tmp_path, 3)) is None
+
+
+def test_truncated_file_is_named_and_previous_checkpoint_used(tmp_path):
+    fake_checkpoint(tmp_path, 2)
+    newest = fake_checkpoint(tmp_path, 4)
+    (tmp_path / LATEST).write_text(newest.name)
+    (newest / "weights" / "shard.distcp").write_bytes(b"short")
+    found, skipped = find_resumable(tmp_path)
+    assert found == tmp_path / "step_000002"
+    assert len(skipped) == 1 and "step_000004" in skipped[0] and "weights/shard.distcp has 5 bytes" in skipped[0]
+
+
+def test_bytes_flipped_in_place_are_named_and_previous_checkpoint_used(tmp_path, flip_bytes_in_place):
+    fake_checkpoint(tmp_path, 2)
+    newest = fake_checkpoint(tmp_path, 4)
+    flip_bytes_in_place(newest / "weights" / "shard.distcp")
+    assert verify(newest, checksums=False) is None  # same size: a size check cannot see it
+    found, skipped = find_resumable(tmp_path)
+    assert found == tmp_path / "step_000002"
+    assert "weights/shard.distcp is corrupt (CRC-32" in skipped[0], skipped
+
+
+def test_checkpoint_of_an_older_format_is_named(tmp_path):
+    path = fake_checkpoint(tmp_path, 1)
+    (path / STATE).write_text(json.dumps({"step": 1}))
+    (path / MANIFEST).write_text(json.dumps({"step": 1, "files": _inventory(path)}))
+    assert "older megatron-rl (checkpoint format 1" in verify(path)
+
+
+def run_config(tmp_path: Path, *overrides: str):
+    return load_config(None, [f"output_dir={tmp_path}", *overrides])
+
+
+def test_resume_auto_refuses_when_every_checkpoint_is_unusable(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (2, 4):
+        (fake_checkpoint(root, step) / "weights" / "shard.distcp").write_bytes(b"short")
+    with pytest.raises(ConfigError) as error:
+        check_run_directory(run_config(tmp_path))
+    message = str(error.value)
+    assert "step_000004: file weights/shard.distcp has 5 bytes" in message and "step_000002" in message
+    assert "checkpoint.resume=none" in message and "previous-<time>" in message
+    check_run_directory(run_config(tmp_path, "checkpoint.resume=none"))  # starting over is allowed
+
+
+def test_resume_with_another_config_is_refused_naming_the_keys(tmp_path):
+    recorded = to_dict(run_config(tmp_path))
+    del recorded["rl"]["temperature"]  # a key the recorded config lacks counts as its default
+    fake_checkpoint(tmp_path / "checkpoints", 3, config=recorded)
+    check_run_directory(run_config(tmp_path, "parallel.tp=1", "logging.wandb_mode=disabled"))
+    with pytest.raises(ConfigError, match=r"rl.steps: 150 -> 7") as error:
+        check_run_directory(run_config(tmp_path, "rl.steps=7", "optimizer.lr=0.5"))
+    assert "optimizer.lr" in str(error.value) and "rl.temperature" not in str(error.value)
+    check_run_directory(run_config(tmp_path, "rl.steps=7", "checkpoint.allow_config_change=true"))
+
+
+def test_config_differences_ignore_layout_logging_and_checkpoint_keys(tmp_path):
+    base = to_dict(run_config(tmp_path))
+    other = to_dict(run_config(tmp_path / "elsewhere", "parallel.ep=2", "checkpoint.keep_last=5",
+                               "logging.wandb_mode=disabled", "micro_batch_tokens=1024"))
+    assert config_differences(base, other) == []
+    changed = to_dict(run_config(tmp_path, "rl.recipe=grpo"))
+    assert config_differences(base, changed) == ["rl.recipe: 'dapo' -> 'grpo'"]
+
+
+def test_recorded_config_is_read_with_todays_spellings(tmp_path):
+    """Checkpoints written when rl.routing_replay was a bool resume under its named modes."""
+    recorded = to_dict(run_config(tmp_path))
+    recorded["rl"]["routing_replay"] = True
+    assert config_differences(recorded, to_dict(run_config(tmp_path, "rl.routing_replay=training"))) == []
+    assert config_differences(recorded, to_dict(run_config(tmp_path, "rl.routing_replay=rollout"))) == [
+        "rl.routing_replay: 'training' -> 'rollout'"]
+
+
+def test_partial_save_without_manifest_is_skipped(tmp_path):
+    fake_checkpoint(tmp_path, 1)
+    partial = fake_checkpoint(tmp_path, 5)
+    (partial / MANIFEST).unlink()
+    found, skipped = find_resumable(tmp_path)
+    assert found.name == "step_000001"
+    assert "no MANIFEST.json" in skipped[0]
+
+
+def test_missing_file_and_no_checkpoint(tmp_path):
+    only = fake_checkpoint(tmp_path, 1)
+    (only / "weights" / "shard.distcp").unlink()
+    found, skipped = find_resumable(tmp_path)
+    assert found is None and "missing file weights/shard.distcp" in skipped[0]
+    assert find_resumable(tmp_path / "absent") == (None, [])
+
+
+def test_prune_keeps_the_newest_complete(tmp_path):
+    for step in (1, 2, 3, 4):
+        fake_checkpoint(tmp_path, step)
+    _prune(tmp_path, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["step_000003", "step_000004"]
+    deadline = time.monotonic() + 10  # the pruned ones are deleted in the background
+    while time.monotonic() < deadline and len(list(tmp_path.iterdir())) > 2:
+        time.sleep(0.05)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003", "step_000004"]
+
+
+def test_metrics_are_cut_back_to_the_checkpoint(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "reward/mean": s / 10}) + "\n" for s in range(6)))
+    truncate_metrics(path, 3)
+    assert [r["step"] for r in read_metrics(path)] == [0, 1, 2, 3]
+
+
+def test_metrics_log_writes_jsonl_and_console(tmp_path):
+    lines = []
+
+    class Stream:
+        def write(self, text):
+            lines.append(text)
+
+        def flush(self):
+            pass
+
+    log = MetricsLog(tmp_path, total_steps=10, wandb_mode="disabled", stream=Stream())
+    log.step(1, {"reward/mean": 0.25, "eval/accuracy": 0.5, "time/generate_s": 1.25, "actor/kl": 0.001})
+    log.close()
+    (record,) = read_metrics(tmp_path / "metrics.jsonl")
+    assert {k: v for k, v in record.items() if k not in WALL_CLOCK} == {
+        "step": 1, "actor/kl": 0.001, "eval/accuracy": 0.5, "reward/mean": 0.25, "time/generate_s": 1.25}
+    console = "".join(lines)
+    assert "step 1/10" in console and "reward 0.250" in console and "eval-acc 0.500" in console
+    assert "generate 1.2" in console
+
+
+def test_write_results_queue_survives_the_stop_signals(tmp_path):
+    """SLURM's preemption warning (USR1) and SIGTERM reach every process of the job. The process
+    serving Megatron-Core's write-results queue must outlive them, or the stop checkpoint fails
+    (it did, in the live SLURM preemption test, before the queue was started our way)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "results_queue_check.py"  # not queue.py: it would shadow the stdlib module
+    script.write_text("""
+import os, signal, time
+from megatron_rl.checkpoint.store import start_write_results_queue
+start_write_results_queue()
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+queue = filesystem_async._results_queue
+server = queue._manager._process.pid
+for number in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+    os.kill(server, number)
+time.sleep(0.5)
+queue.put({"written": 1})
+print("alive", queue.get_nowait())
+""")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "alive {'written': 1}" in result.stdout

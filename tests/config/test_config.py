@@ -1,0 +1,130 @@
+"""The config tree: loading, overrides, and errors that name the file and key."""
+
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import ParallelConfig, load_config
+
+from megatron_rl.errors import ConfigError
+
+
+def test_defaults_and_overrides():
+    config = load_config(None, ["parallel.tp=2", "model.precision=bf16", "optimizer.lr=3e-6"])
+    assert config.parallel.tp == 2 and config.parallel.uses_sequence_parallel
+    assert config.parallel.expert_tp == 2  # etp defaults to tp
+    assert config.model.precision == "bf16"
+    assert config.optimizer.lr == pytest.approx(3e-6)
+
+
+def test_yaml_file(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("seed: 7\nparallel:\n  ep: 2\n  etp: 1\nmodel:\n  hf_config: tiny-qwen3\n")
+    config = load_config(path)
+    assert (config.seed, config.parallel.ep, config.parallel.etp, config.model.hf_config) == (7, 2, 1, "tiny-qwen3")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("parallel:\n  tpp: 2\n", "unknown key 'parallel.tpp'; did you mean 'tp'?"),
+        ("model:\n  precision: fp16\n", "model.precision: 'fp16' is not one of"),
+        ("optimizer:\n  lr: fast\n", "optimizer.lr: expected a number"),
+        ("parallel:\n  tp: 0\n", "parallel.tp must be >= 1"),
+        ("- a\n- b\n", "the top level must be a mapping"),
+        ("parallel: [1\n", "not valid YAML"),
+    ],
+)
+def test_errors_name_file_and_key(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert message in str(info.value)
+    assert str(path) in str(info.value)
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("no/such/recipe.yaml")
+
+
+def test_moe_tp_without_expert_tp_or_ep_is_rejected():
+    parallel = ParallelConfig(tp=2, ep=1, etp=1)
+    with pytest.raises(ConfigError, match="trains MoE experts wrongly.*etp=2"):
+        parallel.validate_for_model("parallel", num_experts=4)
+    ParallelConfig(tp=2, ep=1, etp=2).validate_for_model("parallel", num_experts=4)
+    ParallelConfig(tp=2, ep=2, etp=1).validate_for_model("parallel", num_experts=4)
+
+
+def test_world_size_checks():
+    ParallelConfig(tp=2, ep=2).validate_world_size(4)
+    with pytest.raises(ConfigError, match="not divisible by tp\\*pp\\*cp"):
+        ParallelConfig(tp=2, pp=2).validate_world_size(6)
+    with pytest.raises(ConfigError, match="not divisible by etp\\*ep\\*pp"):
+        ParallelConfig(tp=1, ep=4).validate_world_size(2)
+    assert ParallelConfig(tp=2).data_parallel_size(8) == 4
+
+
+def test_expert_count_must_divide():
+    with pytest.raises(ConfigError, match="ep=3 must divide the number of experts"):
+        ParallelConfig(ep=3).validate_for_model("parallel", num_experts=4)
+    with pytest.raises(ConfigError, match="only meaningful for MoE"):
+        ParallelConfig(ep=2).validate_for_model("parallel", num_experts=None)
+
+
+RECIPES = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_shipped_recipes_validate(recipe):
+    assert RECIPES, "configs/ has no recipes"
+    load_config(recipe)
+
+
+@pytest.mark.parametrize(
+    "text, key, lines",
+    [
+        ("seed: 1\nparallel:\n  tp: 2\nseed: 2\n", "'seed'", (1, 4)),
+        ("parallel:\n  tp: 2\n  ep: 1\n  tp: 4\n", "'tp'", (2, 4)),  # nested mappings too
+    ],
+)
+def test_duplicate_keys_are_refused(tmp_path, text, key, lines):
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert str(path) in message and key in message
+    assert f"line {lines[0]}" in message and f"line {lines[1]}" in message
+
+
+def test_same_key_in_different_sections_and_merge_overrides_are_fine(tmp_path):
+    path = tmp_path / "ok.yaml"
+    path.write_text("optimizer:\n  lr: 0.001\nwarm_start:\n  lr: 0.01\n")
+    config = load_config(path)
+    assert config.optimizer.lr == pytest.approx(0.001) and config.warm_start.lr == pytest.approx(0.01)
+    # Overriding a key brought in by a YAML merge (`<<: *anchor`) is not a duplicate.
+    from megatron_rl.config.loader import _read_yaml
+
+    path.write_text("base: &b {a: 1, b: 2}\nderived:\n  <<: *b\n  b: 3\n")
+    assert _read_yaml(path)["derived"] == {"a": 1, "b": 3}
+
+
+def test_config_that_is_a_directory(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory.*expects a YAML file"):
+        load_config(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optimizer.adam_beta1=2.0", "optimizer.adam_beta1 must be in [0, 1)"),
+        ("optimizer.adam_beta2=-0.1", "optimizer.adam_beta2 must be in [0, 1)"),
+        ("optimizer.clip_grad=-1", "optimizer.clip_grad must be >= 0"),
+    ],
+)
+def test_optimizer_ranges(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert message in str(info.value)

@@ -1,0 +1,157 @@
+"""The YAML recipes in configs/ load, and their parallel layouts fit the models they name at the
+world sizes their comments state (the large ones are not run here: no GPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import load_config
+from megatron_rl.model.hf_config import load_hf_config, parse_hf_config
+from megatron_rl.train.preflight import check_layout_and_paths
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+# Published architecture numbers of the models the large recipes name (their config.json fields).
+QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "rms_norm_eps": 1e-6,
+             "rope_theta": 1000000.0, "tie_word_embeddings": False, "hidden_act": "silu", "vocab_size": 151936,
+             "max_position_embeddings": 40960, "head_dim": 128, "norm_topk_prob": True, "decoder_sparse_step": 1,
+             "mlp_only_layers": [], "num_experts_per_tok": 8, "num_experts": 128}
+# DeepSeek-V3's config.json as published (DeepSeek-R1's has the same numbers): the FP8 download.
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 3, "moe_layer_freq": 1, "norm_topk_prob": True, "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc", "hidden_act": "silu", "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "num_nextn_predict_layers": 1,
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                            "weight_block_size": [128, 128]},
+    "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
+    "bos_token_id": 0, "eos_token_id": 1,
+}
+DEEPSEEK_V3_BF16 = {k: v for k, v in DEEPSEEK_V3.items() if k != "quantization_config"}
+# recipe -> (config.json, world sizes its comments state)
+MODELS = {
+    "qwen3_30b_a3b.yaml": (dict(QWEN3_MOE, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                                num_key_value_heads=4, intermediate_size=6144, moe_intermediate_size=768), [32]),
+    "qwen3_235b_a22b.yaml": (dict(QWEN3_MOE, hidden_size=4096, num_hidden_layers=94, num_attention_heads=64,
+                                  num_key_value_heads=4, intermediate_size=12288, moe_intermediate_size=1536), [128]),
+    # 32 nodes of 8 H100/H200, or 64 nodes with the same layout.
+    "deepseek_v3.yaml": (DEEPSEEK_V3, [256, 512]),
+}
+CASES = [(name, world) for name, (_, worlds) in sorted(MODELS.items()) for world in worlds]
+
+
+def test_tiny_default_recipe_equals_the_built_in_default():
+    assert load_config(CONFIGS / "tiny_cpu.yaml") == load_config(None)
+
+
+def recipe_for(name: str, raw: dict, directory: Path):
+    (directory / "config.json").write_text(json.dumps(raw))
+    return load_config(CONFIGS / name, [f"model.hf_config={directory}", "checkpoint.init_from=null",
+                                        f"output_dir={directory / 'run'}"])
+
+
+@pytest.mark.parametrize("name, world", CASES, ids=[f"{n}-{w}" for n, w in CASES])
+def test_large_recipe_layout_fits_its_model(tmp_path, monkeypatch, name, world):
+    config = recipe_for(name, MODELS[name][0], tmp_path)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    check_layout_and_paths(config)
+    assert config.rollout.mode == "server"  # colocated TP over the whole world does not fit these
+
+
+def test_deepseek_v3_recipe_reads_the_published_model_fp8_or_bf16(tmp_path, monkeypatch):
+    """The recipe's model is what DeepSeek-V3's config.json describes, from either download."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "256")
+    for raw, fp8_block in ((DEEPSEEK_V3, (128, 128)), (DEEPSEEK_V3_BF16, None)):
+        directory = tmp_path / ("fp8" if fp8_block else "bf16")
+        directory.mkdir()
+        config = recipe_for("deepseek_v3.yaml", raw, directory)
+        check_layout_and_paths(config)
+        arch = parse_hf_config(*load_hf_config(config.model.hf_config))
+        assert arch.fp8_block == fp8_block and arch.num_mtp_layers == 1
+        assert (arch.num_layers, arch.num_attention_heads, arch.num_experts, arch.moe_top_k) == (61, 128, 256, 8)
+        assert arch.mla is not None and arch.mla.qk_head_dim == 192 and arch.yarn is not None
+        assert arch.moe_layer_pattern == (False,) * 3 + (True,) * 58 and arch.moe_shared_ffn_hidden_size == 2048
+        assert (arch.moe_num_groups, arch.moe_group_topk, arch.moe_routed_scaling_factor) == (8, 4, 2.5)
+        p = config.parallel
+        assert (p.pp, p.pp_last_stage_layers, (arch.num_layers - p.pp_last_stage_layers) // (p.pp - 1)) == (4, 13, 16)
+        assert config.model.precision == "bf16" and config.model.fp8_recipe == "blockwise"
+
+
+# ---- rollout: the transport, the servers' layout, and the launch scripts in launch/ ---------------
+
+REPO = CONFIGS.parent
+LAUNCH = REPO / "launch"
+GPUS_PER_NODE = 8  # the large recipes' nodes: 8 H100/H200
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_large_recipe_rollout_servers_and_weight_transport(tmp_path, name):
+    """Servers on rollout nodes of their own, weights by the collective transport (NCCL on GPU),
+    and a server size that splits an 8-GPU node and the model's attention heads."""
+    from megatron_rl.launch.slurm import SlurmOptions, rollout_layout
+
+    config = recipe_for(name, MODELS[name][0], tmp_path)
+    rollout = config.rollout
+    assert (rollout.engine, rollout.mode, rollout.weight_transport, rollout.server_urls) == (
+        "vllm", "server", "collective", [])
+    tp, per_node = rollout_layout(config, SlurmOptions(nodes=1, rollout_nodes=1, gpus_per_node=GPUS_PER_NODE))
+    assert tp * per_node == GPUS_PER_NODE
+    assert rollout.max_model_len >= config.rl.max_response_tokens + 1024  # room for the prompt
+
+
+def launch_script_lines(path: Path) -> str:
+    """The script with its continuation lines joined."""
+    return path.read_text().replace("\\\n", " ")
+
+
+def test_every_recipe_has_a_launch_script():
+    assert sorted(path.stem for path in LAUNCH.glob("*.sh")) == sorted(path.stem for path in CONFIGS.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("script", sorted(path.name for path in LAUNCH.glob("*.sh")))
+def test_launch_script_renders_with_dry_run(tmp_path, script):
+    """Executable, names its recipe, calls `megatron-rl launch`, and that command renders
+    (--dry-run: the large recipes against their published model configs, nothing written)."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    path = LAUNCH / script
+    assert os.access(path, os.X_OK), f"{path} is not executable"
+    text = launch_script_lines(path)
+    (config_name,) = re.findall(r"--config (configs/\S+\.yaml)", text)
+    assert config_name == f"configs/{path.stem}.yaml" and (REPO / config_name).is_file()
+    assert re.search(r'exec "\$MEGATRON_RL" launch (local|slurm) ', text), text
+    overrides = []
+    if path.stem + ".yaml" in MODELS:
+        (tmp_path / "config.json").write_text(json.dumps(MODELS[path.stem + ".yaml"][0]))
+        overrides = [f"model.hf_config={tmp_path}", "checkpoint.init_from=null", f"output_dir={tmp_path / 'run'}"]
+    env = dict(os.environ, MEGATRON_RL_VENV=sys.prefix, PYTHONPATH=str(REPO))
+    result = subprocess.run(["bash", str(path), "--dry-run", *overrides], capture_output=True, text=True,
+                            timeout=120, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    if "launch local" in text:
+        assert f"-m megatron_rl.cli train --config configs/{path.stem}.yaml" in result.stdout
+        return
+    nodes, rollout_nodes = (int(value) for value in re.search(r"--nodes (\d+) --rollout-nodes (\d+)", text).groups())
+    # The training nodes are those the recipe's comments state (its world sizes in MODELS).
+    assert nodes * GPUS_PER_NODE in MODELS[path.stem + ".yaml"][1]
+    script_text = result.stdout
+    assert f"#SBATCH --nodes={nodes + rollout_nodes}" in script_text
+    assert f"#SBATCH --gpus-per-node={GPUS_PER_NODE}" in script_text and "WEIGHT_TRANSPORT=collective" in script_text
+    assert "megatron_rl.launch.rollout_node" in script_text and "{{" not in script_text
+    check = subprocess.run(["bash", "-n"], input=script_text, capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    assert not (tmp_path / "run").exists(), "a dry run must not write anything"

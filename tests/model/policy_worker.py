@@ -1,0 +1,80 @@
+"""Single-process checks that need a live Megatron runtime; run in a subprocess by the tests so
+the CPU compatibility layer and Megatron's global state never enter the pytest process.
+
+    python policy_worker.py packing  HF_CONFIG OUT.json
+    python policy_worker.py params   HF_CONFIG OUT.json
+"""
+
+import json
+import sys
+
+import torch
+
+
+def start(hf_config: str, *overrides: str):
+    from megatron_rl.config import load_config
+    from megatron_rl.model.policy import Policy
+    from megatron_rl.runtime import start_runtime
+    from megatron_rl.runtime.cpu import megatron_patches as cpu_compat
+
+    assert not cpu_compat.is_active(), "the CPU layer must not be active before the runtime starts"
+    config = load_config(None, ["device=cpu", f"model.hf_config={hf_config}", *overrides])
+    runtime = start_runtime(config)
+    return Policy(config, runtime), runtime
+
+
+def packing(hf_config: str) -> dict:
+    """Logprobs of samples packed together must equal each sample computed alone."""
+    from megatron_rl.model.packing import pack
+
+    policy, runtime = start(hf_config)
+    generator = torch.Generator().manual_seed(0)
+    lengths, prompts = [17, 5, 33, 9], [4, 2, 10, 1]
+    samples = [torch.randint(0, policy.arch.vocab_size, (n,), generator=generator).tolist() for n in lengths]
+    together = policy.logprobs([pack(samples, prompts, pad_to_multiple=8)])[0]
+    packed = [v for v in pack(samples, prompts, pad_to_multiple=8).response_values(together["logprobs"])]
+    packed_entropy = pack(samples, prompts, pad_to_multiple=8).response_values(together["entropy"])
+    alone, alone_entropy = [], []
+    for tokens, prompt in zip(samples, prompts):
+        batch = pack([tokens], [prompt])
+        out = policy.logprobs([batch])[0]
+        alone.append(batch.response_values(out["logprobs"])[0])
+        alone_entropy.append(batch.response_values(out["entropy"])[0])
+    from megatron_rl.runtime.cpu import megatron_patches as cpu_compat
+
+    result = {
+        "logprob_diff": max((a - b).abs().max().item() for a, b in zip(packed, alone)),
+        "entropy_diff": max((a - b).abs().max().item() for a, b in zip(packed_entropy, alone_entropy)),
+        "response_lengths": [len(v) for v in packed],
+        "mean_logprob": torch.cat(alone).mean().item(),
+        "cpu_layer_active": cpu_compat.is_active(),
+        "current_device": str(torch.cuda.current_device()),
+    }
+    runtime.shutdown()
+    return result
+
+
+def params(hf_config: str) -> dict:
+    """Parameter count of the Megatron model vs the same config in transformers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_rl.model.builder import padded_vocab_size
+    from megatron_rl.model.hf_config import load_hf_config
+
+    policy, runtime = start(hf_config)
+    megatron = sum(p.numel() for p in policy.module.parameters())
+    raw, _ = load_hf_config(hf_config)
+    hf_config_obj = AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
+    hf = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_config_obj).parameters())
+    arch = policy.arch
+    padding = padded_vocab_size(arch.vocab_size, 128, 1) - arch.vocab_size
+    padded_rows = padding * arch.hidden_size * (1 if arch.tie_word_embeddings else 2)
+    runtime.shutdown()
+    return {"megatron": megatron, "megatron_without_padding": megatron - padded_rows, "hf": hf}
+
+
+if __name__ == "__main__":
+    mode, hf_config, out = sys.argv[1:4]
+    result = {"packing": packing, "params": params}[mode](hf_config)
+    with open(out, "w") as handle:
+        json.dump(result, handle)
