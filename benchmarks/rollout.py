@@ -13,7 +13,7 @@
    layer-wise reload (what every push did before). Reference: one memory copy of the same
    tensors (`torch.Tensor.copy_` into pre-touched memory), measured in the same run,
    interleaved with the push rounds; every figure is a median over rounds. The worker's own
-   profile of each push (vllm_worker._reload: time waiting on the stream, i.e. export or
+   profile of each push (rollout/worker/extension.py `_reload`: time waiting on the stream, i.e. export or
    file reads, in-place copies, GEMM re-packing, MoE re-packing; or vLLM's reload and the
    repairs after it) is printed as seconds and as multiples of the memory copy.
 
@@ -236,7 +236,7 @@ def main() -> None:
 
 
 def median_profile(profiles: list[dict]) -> dict:
-    """Per timing key of the worker's push profiles (vllm_worker._reload), the median over rounds."""
+    """Per timing key of the worker's push profiles (rollout/worker/extension.py `_reload`), the median over rounds."""
     return {key: statistics.median(p[key] for p in profiles) for key in profiles[0] if key.endswith("_s")}
 
 

@@ -10,7 +10,7 @@ is built and no extra device memory is held between steps. The live weights are 
 host during the swap and copied back bit-exactly. The routers' expert bias is part of the copy
 (model/state.py): aux-loss-free balancing moves it during training, and the reference must route
 as the starting model did. Checkpoints store the tensors sharded like the weights
-(checkpoint_manager), so a run resumed at another layout keeps the same reference.
+(checkpoint/manager.py), so a run resumed at another layout keeps the same reference.
 """
 
 from __future__ import annotations

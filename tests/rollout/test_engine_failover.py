@@ -232,7 +232,7 @@ def test_pause_modes_reach_the_engines_that_take_them():
 
 
 class GroupEngine:
-    """An engine whose ranks are threads joining the real gloo groups of weight_group.py."""
+    """An engine whose ranks are threads joining the real gloo groups of rollout/weights/group.py."""
 
     def __init__(self, name, ranks):
         self.name, self.ranks, self.dead = name, ranks, False

@@ -10,7 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from megatron_rl.rollout.http import JsonClient
+from megatron_rl.rollout.engines.http import JsonClient
 from megatron_rl.rollout.protocol import EngineError, EngineTimeout, EngineUnavailable, check_grouping
 
 

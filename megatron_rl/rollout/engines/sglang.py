@@ -48,7 +48,7 @@ from typing import Any, Literal
 import torch
 
 from megatron_rl.bridge.export import buckets
-from megatron_rl.rollout.http import JsonClient
+from megatron_rl.rollout.engines.http import JsonClient
 from megatron_rl.rollout.protocol import (
     EngineError,
     Sample,

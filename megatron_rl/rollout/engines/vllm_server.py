@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl.rollout.http import JsonClient
+from megatron_rl.rollout.engines.http import JsonClient
 from megatron_rl.rollout.engines.server_process import ServerEngineBase, ServerProcess
 from megatron_rl.rollout.protocol import (
     EngineError,

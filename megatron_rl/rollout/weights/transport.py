@@ -49,7 +49,7 @@ from megatron_rl.rollout.weights.group import GroupSpec, host_store, join_stage_
 
 class WeightTransport(Protocol):
     name: str
-    # Which trainer ranks' streams carry tensors (weight_sync.hf_weight_stream's destination).
+    # Which trainer ranks' streams carry tensors (weights/stream.py hf_weight_stream's destination).
     destination: str
 
     def connect(self, engines: list[RolloutEngine] | None) -> None: ...
