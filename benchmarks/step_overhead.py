@@ -859,13 +859,13 @@ for module in ("torch.distributed", "megatron.core.parallel_state", "megatron.co
         continue
     events.append(("import " + module, started, time.time()))
 wrap("megatron_rl.train.trainer", None, "preflight", "preflight (config, reward functions, datasets)")
-wrap("megatron_rl.runtime.session", None, "start_runtime", "start_runtime (process group, CPU layer, Megatron state)")
+wrap("megatron_rl.train.trainer", None, "start_runtime", "start_runtime (process group, CPU layer, Megatron state)")
 wrap("megatron_rl.train.trainer", "Trainer", "__init__", "Trainer.__init__")
 wrap("megatron_rl.model.policy", "Policy", "__init__", "Policy.__init__ (model, DDP, optimizer)")
 wrap("megatron_rl.train.trainer", "Trainer", "_prepare_engine_model", "engine model directory + tokenizer")
 wrap("megatron_rl.rollout.client", None, "build_engines", "build_engines (rollout engine start)")
 wrap("megatron_rl.train.trainer", "Trainer", "sync_weights", "sync_weights (push weights to the engine)")
-wrap("megatron_rl.train.warm_start", None, "warm_start", "warm_start (all steps)")
+wrap("megatron_rl.train.trainer", None, "warm_start", "warm_start (all steps)")
 wrap("megatron_rl.train.trainer", "Trainer", "evaluate", "evaluate (held-out)")
 wrap("megatron_rl.train.trainer", "Trainer", "rl_step", "rl_step")
 try:
