@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -26,7 +27,9 @@ from megatron_rl.model.packing import pack_by_token_budget
 from megatron_rl.model.policy import Policy
 from megatron_rl.runtime import start_runtime
 
-from parity_worker import NUM_SAMPLES, TOKEN_BUDGET, make_samples
+# The layout-parity suite's samples (tests/model/parity_worker.py), so both suites train on the same data.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+from parity_worker import NUM_SAMPLES, TOKEN_BUDGET, make_samples  # noqa: E402
 
 # Several warmup steps make the LR depend on the restored schedule position.
 OVERRIDES = ["device=cpu", "optimizer.lr=0.003", "optimizer.clip_grad=1.0", "optimizer.lr_warmup_steps=3",
