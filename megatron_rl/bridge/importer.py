@@ -47,6 +47,13 @@ HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # safetensors dtype names of 1-byte tensors: quantized weights, never usable without their scales.
 ONE_BYTE_DTYPES = ("F8_E4M3", "F8_E5M2", "F8_E8M0", "I8", "U8")
 FP8_DTYPE = "F8_E4M3"
+# Tied embeddings: one stage holds both ends of the model and shares one matrix (no output
+# parameter exists), but at PP > 1 Megatron keeps a second copy of the shared matrix as the last
+# stage's output layer (the embedding group's all-reduce keeps the two equal). That copy is
+# filled from the embedding, the tensor transformers itself ties the output to (a checkpoint
+# that also stores lm_head.weight has it ignored, as transformers ignores it).
+TIED_OUTPUT = "output_layer.weight"
+TIED_SOURCE = "embedding.word_embeddings.weight"
 
 
 class CheckpointMismatch(ConfigError):
@@ -126,11 +133,12 @@ def load_hf_weights(module, arch: ArchitectureSpec, hf_dir: str | Path) -> None:
         error = None
         try:
             for placement in placements(module):
-                if placement.global_name not in table:
-                    if arch.tie_word_embeddings and placement.global_name == "output_layer.weight":
-                        continue  # shares the embedding's weight
+                if placement.global_name in table:
+                    hf_names, layout = table[placement.global_name]
+                elif arch.tie_word_embeddings and placement.global_name == TIED_OUTPUT:
+                    hf_names, layout = table[TIED_SOURCE]
+                else:
                     raise CheckpointMismatch(f"Megatron parameter {placement.global_name} has no HF mapping")
-                hf_names, layout = table[placement.global_name]
                 missing = [n for n in hf_names if n not in located]
                 if missing:
                     raise CheckpointMismatch(

@@ -40,6 +40,10 @@ class Family:
     mla: bool = False  # multi-latent attention (DeepSeek-V3)
     # `attention_bias` also biases o_proj (Llama, Qwen3), which Megatron's bias-free linears lack.
     attention_bias_on_o_proj: bool = True
+    # Whether rollout engines honour `tie_word_embeddings` for this family. vLLM builds DeepSeek-V3
+    # and GLM-4.5 with a separate lm_head whatever the config says (transformers would tie), so a
+    # tied checkpoint of these would be two different models in the trainer and the engine.
+    engines_tie: bool = True
 
 
 FAMILIES: dict[str, Family] = {
@@ -49,10 +53,10 @@ FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family("llama", moe=False, qkv_bias=None, qk_norm=False, norm_topk_default=None),
     "MixtralForCausalLM": Family("mixtral", moe=True, qkv_bias=False, qk_norm=False, norm_topk_default=None),
     "DeepseekV3ForCausalLM": Family("deepseek_v3", moe=True, qkv_bias=False, qk_norm=False, norm_topk_default=True,
-                                    router="sigmoid", mla=True),
+                                    router="sigmoid", mla=True, engines_tie=False),
     # GLM-4.5 biases q/k/v (not o_proj) when attention_bias is set; qk-norm only with use_qk_norm.
     "Glm4MoeForCausalLM": Family("glm4_moe", moe=True, qkv_bias=None, qk_norm=False, norm_topk_default=True,
-                                 router="sigmoid", attention_bias_on_o_proj=False),
+                                 router="sigmoid", attention_bias_on_o_proj=False, engines_tie=False),
 }
 
 PRESETS = ("tiny-qwen3-moe", "tiny-qwen3", "tiny-llama", "tiny-deepseek-v3", "tiny-glm4-moe")
@@ -189,6 +193,10 @@ def parse_hf_config(raw: dict[str, Any], where: str = "config.json") -> Architec
     if family.qkv_bias is None and family.attention_bias_on_o_proj and raw.get("attention_bias"):
         # Llama and Qwen3 put this bias on o_proj as well, which Megatron's bias-free linears lack.
         refuse("attention_bias", True, "this family also biases o_proj, which is not built")
+    if raw.get("tie_word_embeddings") and not family.engines_tie:
+        refuse("tie_word_embeddings", True, f"rollout engines build {architecture} with a separate lm_head, so "
+               "the trainer and the engine would run different models; its released checkpoints are untied: "
+               "set it to false and store lm_head.weight")
     if raw.get("router_jitter_noise"):
         refuse("router_jitter_noise", raw["router_jitter_noise"], "router noise makes logprobs non-deterministic")
 

@@ -1,6 +1,6 @@
 """Weight sync into a real vLLM engine (the CPU build), checked against the trainer's own logprobs.
 
-For a tiny dense (Qwen3) and a tiny MoE (Qwen3-MoE) policy, in both engine modes, and for
+For a tiny dense (Qwen3, tied embeddings, also at PP2) and a tiny MoE (Qwen3-MoE) policy, in both engine modes, and for
 DeepSeek-V3 (multi-latent attention, trainer and engine at TP2) colocated (GLM-4.5 and DeepSeek-V3
 on one process: tests/train/test_model_families.py and tests/rollout/test_vllm_families.py):
 - before training, engine and trainer agree (<= 1e-4, fp32);
@@ -89,6 +89,10 @@ CASES = [
     ("qwen3_moe", "server", 2, ["parallel.pp=2", "rollout.weight_transport=collective", "rollout.num_servers=2",
                                 "rollout.server_tp=[1,2]"]),
     ("deepseek_v3", "colocated", 2, ["parallel.tp=2"]),
+    # Tied embeddings at PP2: the trainer's last stage predicts through its own copy of the shared
+    # matrix (filled on import, kept equal by the embedding group), the engine through the one
+    # embedding the first stage sends.
+    ("qwen3", "server", 2, ["parallel.pp=2", "rollout.weight_transport=files"]),
 ]
 
 

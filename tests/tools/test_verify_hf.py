@@ -1,7 +1,7 @@
 """`megatron-rl verify-hf`, run as a user runs it, on tiny random HF models made by transformers.
 
 - Megatron's logits match transformers' within 1e-4 at TP1, TP2 (under a torchrun the user
-  started), PP2 and EP2 (MoE), and the verdict is the last line;
+  started), PP2 and EP2 (MoE), tied embeddings at PP2 and PP2 x TP2, and the verdict is the last line;
 - the same at TP1, TP2, EP2 and PP2 for DeepSeek-V3 and GLM-4.5 configurations unlike the bridge
   tests' (other head dims, group-limited top-3 of 8 experts, a non-zero score-correction bias,
   MLA without and with a q LoRA, YaRN with mscale/mscale_all_dim, GLM's partial rotary with q/k/v
@@ -94,7 +94,8 @@ def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
     configs = family_configs()
     dirs = {}
-    for name in ("llama", "qwen3", "qwen3_moe"):
+    configs["qwen2_tied"] = dict(configs["qwen2"], tie_word_embeddings=True)
+    for name in ("llama", "qwen3", "qwen3_moe", "qwen2_tied"):
         make_hf_model(configs[name], root / name)
         dirs[name] = root / name
     return dirs
@@ -185,6 +186,10 @@ def test_sigmoid_routed_families_match_transformers(sigmoid_models, family, layo
 OK_CASES = {
     "qwen3-tp1": ("qwen3", [], 0),  # tied embeddings, qk-norm
     "llama-tp2": ("llama", ["--tp", "2"], 2),  # under the user's torchrun
+    # Tied embeddings at PP > 1: the last stage predicts through its own copy of the shared matrix,
+    # which the import must fill (it was left at random: logit diff 1.5 before the fix).
+    "qwen3-pp2": ("qwen3", ["--pp", "2"], 2),
+    "qwen2_tied-pp2-tp2": ("qwen2_tied", ["--pp", "2", "--tp", "2"], 0),
 }  # MoE, PP2 and EP2 with verify-hf starting torchrun itself: the DeepSeek-V3 / GLM-4.5 cases above
 
 
