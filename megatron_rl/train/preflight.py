@@ -46,6 +46,10 @@ def check_layout_and_paths(config, *, rl: bool = True) -> None:
                               "on CPU use collective (the same transport over gloo) or files")
     if rl:
         check_fp8_rollout(config)
+        if engines_on_cpu(config):
+            from megatron_rl.runtime.cpu.vllm_kernels import refuse_unrunnable
+
+            refuse_unrunnable(raw, source)
     if config.checkpoint.init_from and not Path(config.checkpoint.init_from).exists():
         raise ConfigError(f"checkpoint.init_from: {config.checkpoint.init_from} does not exist")
 
@@ -78,6 +82,16 @@ def check_fp8_rollout(config) -> None:
             f"updates into them are unverified. Leave model.export_fp8 off on CPU (the engines get the "
             f"rollout dtype), or use GPU engines"
         )
+
+
+def engines_on_cpu(config) -> bool:
+    """Whether the vLLM engines this run starts run vLLM's CPU build: a colocated engine with
+    device: cpu, or any engine we start from an installed CPU build (servers at
+    rollout.server_urls run wherever they were started)."""
+    rollout = config.rollout
+    if rollout.server_urls or rollout.engine != "vllm" or config.device == "cuda":
+        return False
+    return (config.device == "cpu" and rollout.mode == "colocated") or _vllm_cpu_build() is not None
 
 
 def _vllm_cpu_build() -> str | None:

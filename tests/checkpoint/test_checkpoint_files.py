@@ -175,7 +175,15 @@ queue = filesystem_async._results_queue
 server = queue._manager._process.pid
 for number in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
     os.kill(server, number)
-time.sleep(0.5)
+
+def pending(pid):  # signals sent to the process and not yet taken (a delivered SIGTERM kills at once)
+    status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":" in line)
+    return int(status["SigPnd"], 16) | int(status["ShdPnd"], 16)
+
+deadline = time.monotonic() + 30
+while pending(server) and time.monotonic() < deadline:
+    time.sleep(0.01)
+assert not pending(server), "the queue's process never took the signals"
 queue.put({"written": 1})
 print("alive", queue.get_nowait())
 """)

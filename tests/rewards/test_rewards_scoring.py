@@ -204,6 +204,12 @@ def _running(pid: int) -> bool:
         return False
 
 
+def _cpu_ticks(pid: int) -> int:
+    """User + system CPU time of the process, in clock ticks (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_hung_worker_exits_when_the_trainer_dies():
     script = textwrap.dedent(
@@ -220,7 +226,12 @@ def test_hung_worker_exits_when_the_trainer_dies():
     trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env, text=True)
     try:
         worker_pid = int(trainer.stdout.readline())
-        time.sleep(0.3)  # the worker is now spinning in the hung function
+        # Wait for the worker to be spinning in the hung function (its CPU time grows), not a
+        # fixed time: the kill below must find it there.
+        start, deadline = _cpu_ticks(worker_pid), time.monotonic() + 60
+        while _cpu_ticks(worker_pid) < start + 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _cpu_ticks(worker_pid) >= start + 5, "the reward worker never started spinning"
         assert _running(worker_pid)
     finally:
         trainer.kill()

@@ -14,6 +14,7 @@ Hugging Face transformers holding A and B:
 from __future__ import annotations
 
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -33,6 +34,29 @@ pytestmark = pytest.mark.engine
 
 PROMPT = [1, 17, 33, 49, 65]
 MAX_TOKENS = 900  # with ignore_eos: seconds of generation, so the update lands mid-sequence
+
+
+def running_requests(url: str) -> int:
+    """The server's own count of requests being generated (vLLM's Prometheus gauge)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("vllm:num_requests_running")]
+    assert values, f"{url}/metrics has no vllm:num_requests_running"
+    return int(sum(values))
+
+
+def wait_until_generating(url: str, requests: int, timeout_s: float = 120.0) -> None:
+    """Until the server reports `requests` requests running (the abort must find them mid-sequence,
+    whatever the machine's speed: a fixed sleep let a fast one finish all 900 tokens first)."""
+    deadline = time.monotonic() + timeout_s
+    running = 0
+    while time.monotonic() < deadline:
+        running = running_requests(url)
+        if running >= requests:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the server did not run {requests} requests within {timeout_s:.0f} s (last: {running})")
 
 
 def _hf_model(model_dir, seed: int):
@@ -65,7 +89,7 @@ def test_a_sequence_continued_across_a_weight_update_carries_two_versions(tiny_v
         timeout_s=300, last_step=1)
     try:
         producer.start(1, version=0)
-        time.sleep(1.0)  # the requests are generating
+        wait_until_generating(url, requests=4)
         producer.before_push(1)  # partial: the engines abort their requests, which return what they have
         engine.update_weights(weights_b.state_dict().items())  # version 1
         pool.resume()

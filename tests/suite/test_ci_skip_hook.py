@@ -1,7 +1,8 @@
 """The skip policy of the test suite, run on small generated suites (pytester):
 
 - tests/conftest.py: with CI set, a skipped test fails (skip at collection, in a fixture, by a
-  skipif marker or by pytest.skip), quoting the reason, unless the reason says it needs a GPU;
+  skipif marker or by pytest.skip), quoting the reason, unless the reason says it needs a GPU
+  or an AMX CPU (hardware the machine lacks);
   without CI (unset, empty, "0", "false") every skip stays a skip;
 - tests/launch/conftest.py: the SLURM fixture skips only where SLURM cannot run here (not
   installed and not installable, not root); an OSError or a failing start is an error.
@@ -44,6 +45,10 @@ def test_gpu_skip():
 def test_gpu_skipif_marker():
     pass
 
+@pytest.mark.skipif(True, reason="needs a CPU with Intel AMX tiles (amx_tile); this one has none")
+def test_amx_skipif_marker():
+    pass
+
 @pytest.mark.xfail(reason="a known bug")
 def test_expected_failure():
     assert False
@@ -62,13 +67,14 @@ def test_under_ci_a_skip_fails_unless_it_needs_a_gpu(suite, monkeypatch, value):
     monkeypatch.setenv("CI", value)
     result = suite.runpytest("-rA")
     # A skip at setup time (fixture, skipif marker) becomes a setup error, in the test a failure.
-    result.assert_outcomes(passed=1, failed=1, errors=2, skipped=2, xfailed=1)
+    result.assert_outcomes(passed=1, failed=1, errors=2, skipped=3, xfailed=1)
     result.stdout.fnmatch_lines_random([
         "FAILED test_skipping.py::test_skip_in_test*",
         "ERROR test_skipping.py::test_skipif_marker*",
         "ERROR test_skipping.py::test_skip_in_fixture*",
         "SKIPPED * needs a CUDA GPU",
         "SKIPPED * requires CUDA (no GPU here)",
+        "SKIPPED * needs a CPU with Intel AMX tiles*",
         "*skipped under CI*: pyarrow is not installed",
         "*skipped under CI*: math-verify is not installed",
         "*skipped under CI*: vLLM is not installed",
@@ -82,7 +88,7 @@ def test_without_ci_every_skip_stays_a_skip(suite, monkeypatch, value):
     else:
         monkeypatch.setenv("CI", value)
     result = suite.runpytest("-rA")
-    result.assert_outcomes(passed=1, skipped=5, xfailed=1)
+    result.assert_outcomes(passed=1, skipped=6, xfailed=1)
 
 
 def test_under_ci_a_module_level_importorskip_fails_collection(pytester, monkeypatch):

@@ -32,7 +32,12 @@ from megatron_rl.rollout.protocol import (
     check_grouping,
 )
 from megatron_rl.rollout.worker.route_capture import ROUTE_CAPTURE_KEY, attach_captured_routes, native_routes, new_tags
-from megatron_rl.rollout.engines.vllm_common import samples_from_request_output, to_vllm_sampling, vllm_environment
+from megatron_rl.rollout.engines.vllm_common import (
+    cpu_kernel_args,
+    samples_from_request_output,
+    to_vllm_sampling,
+    vllm_environment,
+)
 from megatron_rl.rollout.worker.extension import WORKER_EXTENSION
 from megatron_rl.runtime.cpu.vllm_repairs import fix_cpu_rotary_embedding
 
@@ -73,8 +78,10 @@ class VllmColocatedEngine:
 
         # The worker lives in this process and imported worker/extension.py before vLLM: apply its
         # pre-build fixes here (the server's workers get them when vLLM imports the extension).
+        engine_args = dict(engine_args or {})
         if on_cpu:
             fix_cpu_rotary_embedding()
+            engine_args.update(cpu_kernel_args(model_dir, dtype))
 
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         world = torch.distributed.get_world_size() if distributed else 1
@@ -103,7 +110,7 @@ class VllmColocatedEngine:
                 gpu_memory_utilization=gpu_memory_utilization,
                 load_format=load_format,
                 worker_extension_cls=WORKER_EXTENSION,
-                **(engine_args or {}),
+                **engine_args,
             )
         self.startup_s = time.perf_counter() - started
         self._paused = False

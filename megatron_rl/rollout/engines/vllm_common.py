@@ -84,3 +84,19 @@ def samples_from_request_output(engine: str, prompt_index: int, prompt: list[int
             finish_reason=finish_reason(engine, completion.finish_reason),
         ))
     return samples
+
+
+def cpu_kernel_args(model_dir: str | Path, dtype: str) -> dict[str, Any]:
+    """`vllm.LLM` arguments that keep a CPU engine on kernels that take this model on this CPU
+    (runtime/cpu/vllm_kernels.py); refuses a model no CPU engine can run, before it starts."""
+    from megatron_rl.runtime.cpu.vllm_kernels import engine_attention_backend, read_engine_config, refuse_unrunnable
+
+    raw = read_engine_config(model_dir)
+    refuse_unrunnable(raw, f"{model_dir}/config.json")
+    backend = engine_attention_backend(raw, dtype)
+    return {"attention_backend": backend} if backend else {}
+
+
+def cpu_kernel_flags(model_dir: str | Path, dtype: str) -> list[str]:
+    """The same as command-line flags of `vllm serve`."""
+    return [f"--{key.replace('_', '-')}={value}" for key, value in cpu_kernel_args(model_dir, dtype).items()]

@@ -33,7 +33,7 @@ from megatron_rl.rollout.protocol import (
     WeightStream,
 )
 from megatron_rl.rollout.worker.route_capture import ROUTE_CAPTURE_KEY, attach_captured_routes, native_routes, new_tags
-from megatron_rl.rollout.engines.vllm_common import finish_reason, vllm_environment
+from megatron_rl.rollout.engines.vllm_common import cpu_kernel_flags, finish_reason, vllm_environment
 from megatron_rl.rollout.worker.extension import WORKER_EXTENSION
 
 
@@ -61,6 +61,7 @@ class VllmServerProcess(ServerProcess):
         ]
         if on_cpu:
             command.append("--enforce-eager")
+            command += cpu_kernel_flags(model_dir, dtype)
         command += extra_args or []
         return cls.launch(command, env=env, url=f"http://{host}:{port}", log_path=log_path, name=name,
                           startup_timeout_s=startup_timeout_s)
