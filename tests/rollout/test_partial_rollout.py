@@ -47,8 +47,8 @@ def running_requests(url: str) -> int:
 
 
 def wait_until_generating(url: str, requests: int, timeout_s: float = 120.0) -> None:
-    """Until the server reports `requests` requests running (the abort must find them mid-sequence,
-    whatever the machine's speed: a fixed sleep let a fast one finish all 900 tokens first)."""
+    """Until the server reports `requests` requests running: the abort must find them mid-sequence.
+    A fixed sleep made the verdict depend on the machine (requests not yet running, or finished)."""
     deadline = time.monotonic() + timeout_s
     running = 0
     while time.monotonic() < deadline:
