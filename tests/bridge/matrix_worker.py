@@ -33,16 +33,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_rl.algorithms import compute_step_normalizer
 from megatron_rl.bridge import export_hf_weights, load_hf_weights, owned_hf_names
 from megatron_rl.config import load_config
-from megatron_rl.model.packing import pack_by_token_budget
 from megatron_rl.model.policy import Policy
 from megatron_rl.runtime import start_runtime
 from megatron_rl.tools.verify_hf import megatron_logits, token_batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
-from parity_worker import NUM_SAMPLES, TOKEN_BUDGET, make_samples  # noqa: E402
+from parity_worker import nll_batches  # noqa: E402
 
 LOGIT_TOKENS = 48
 STEPS = 3
@@ -79,20 +77,6 @@ def tied_copy_gap(module) -> float | None:
     return gap if ps.is_pipeline_last_stage() else None
 
 
-def training_batches(policy: Policy, runtime):
-    samples, prompts = make_samples(policy.arch.vocab_size)
-    mine = list(range(runtime.dp_rank, NUM_SAMPLES, runtime.dp_size))
-    batches = pack_by_token_budget([samples[i] for i in mine], [prompts[i] for i in mine], TOKEN_BUDGET,
-                                   policy.pad_to_multiple)
-    normalizer = compute_step_normalizer([b.loss_mask for b in batches], group=policy.dp_group,
-                                         device=runtime.device).num_tokens
-
-    def loss_fn(logprobs, entropy, batch):
-        return -(logprobs * batch.loss_mask[0]).sum() / normalizer, {}
-
-    return batches, loss_fn
-
-
 def gather_to_rank0(value):
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, value)
@@ -114,7 +98,7 @@ def run_model(name: str, config, runtime, out: Path, reference: bool, load_from:
         torch.save(logits, cell / "logits.pt")
 
     gaps = [tied_copy_gap(module)]
-    batches, loss_fn = training_batches(policy, runtime)
+    batches, loss_fn = nll_batches(policy, runtime)
     losses, norms, updated = [], [], []
     for _ in range(STEPS):
         result = policy.train_step(batches, loss_fn)

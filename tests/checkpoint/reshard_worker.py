@@ -21,39 +21,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_rl.algorithms import compute_step_normalizer
 from megatron_rl.config import load_config
-from megatron_rl.model.packing import pack_by_token_budget
 from megatron_rl.model.policy import Policy
 from megatron_rl.runtime import start_runtime
 
 # The layout-parity suite's samples (tests/model/parity_worker.py), so both suites train on the same data.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
-from parity_worker import NUM_SAMPLES, TOKEN_BUDGET, make_samples  # noqa: E402
+from parity_worker import nll_batches  # noqa: E402
 
 # Several warmup steps make the LR depend on the restored schedule position.
 OVERRIDES = ["device=cpu", "optimizer.lr=0.003", "optimizer.clip_grad=1.0", "optimizer.lr_warmup_steps=3",
              "optimizer.weight_decay=0.01"]
 
 
-def my_batches(policy: Policy, runtime, shift: int):
-    samples, prompts = make_samples(policy.arch.vocab_size)
-    samples = samples[shift:] + samples[:shift]  # other samples for the steps after resume
-    prompts = prompts[shift:] + prompts[:shift]
-    mine = list(range(runtime.dp_rank, NUM_SAMPLES, runtime.dp_size))
-    batches = pack_by_token_budget([samples[i] for i in mine], [prompts[i] for i in mine], TOKEN_BUDGET,
-                                   policy.pad_to_multiple)
-    normalizer = compute_step_normalizer([b.loss_mask for b in batches], group=policy.dp_group,
-                                         device=runtime.device).num_tokens
-
-    def loss_fn(logprobs, entropy, batch):
-        return -(logprobs * batch.loss_mask[0]).sum() / normalizer, {}
-
-    return batches, loss_fn
-
-
 def take_steps(policy: Policy, runtime, count: int, shift: int) -> dict:
-    batches, loss_fn = my_batches(policy, runtime, shift)
+    batches, loss_fn = nll_batches(policy, runtime, shift)
     losses, norms, lrs = [], [], []
     for _ in range(count):
         result = policy.train_step(batches, loss_fn)

@@ -42,6 +42,24 @@ def make_samples(vocab_size: int):
     return samples, prompts
 
 
+def nll_batches(policy: Policy, runtime, shift: int = 0):
+    """This DP rank's share of the samples, packed, and a summed-NLL loss normalized over the whole
+    step (all micro-batches, all DP ranks): what the resharding and layout-matrix workers train on.
+    `shift` rotates the samples (other data for later steps)."""
+    samples, prompts = make_samples(policy.arch.vocab_size)
+    samples, prompts = samples[shift:] + samples[:shift], prompts[shift:] + prompts[:shift]
+    mine = list(range(runtime.dp_rank, NUM_SAMPLES, runtime.dp_size))
+    batches = pack_by_token_budget([samples[i] for i in mine], [prompts[i] for i in mine], TOKEN_BUDGET,
+                                   policy.pad_to_multiple)
+    normalizer = compute_step_normalizer([b.loss_mask for b in batches], group=policy.dp_group,
+                                         device=runtime.device).num_tokens
+
+    def loss_fn(logprobs, entropy, batch):
+        return -(logprobs * batch.loss_mask[0]).sum() / normalizer, {}
+
+    return batches, loss_fn
+
+
 def gather_distributed_optimizer_grads(ddp) -> None:
     """With the distributed optimizer each DP rank holds only its shard of the reduced gradient.
 
