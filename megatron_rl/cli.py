@@ -25,7 +25,7 @@ import sys
 
 from megatron_rl.config import load_config
 
-from megatron_rl.errors import ConfigError
+from megatron_rl.errors import ConfigError, TrainingStopped
 
 # A smoke run appends to OUTPUT_DIR/metrics.jsonl: by default it must not write into the directory
 # of the main job the same recipe names (its rows would mix with the real run's curve).
@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"megatron-rl: configuration error: {exc}", file=sys.stderr)
         return 2
+    except TrainingStopped as exc:
+        print(f"megatron-rl: training stopped: {exc}", file=sys.stderr)
+        return 1
 
 
 def command_overrides(args) -> list[str]:

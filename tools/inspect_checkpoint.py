@@ -7,7 +7,8 @@ PATH: a training checkpoint (a step_* directory), a run's checkpoints directory 
 directory (meaning its latest checkpoint), or a converted model (`convert hf-to-megatron`,
 `megatron-rl sft`). Prints the step, the layout it was written at, a summary of its config, the
 files (with --files, each with its size) and the verdict of the manifest check (sizes and
-CRC-32 checksums). Exit status: 0 if it verifies, 1 if not, 2 if PATH is not a checkpoint.
+CRC-32 checksums; conversions write a manifest too). Exit status: 0 if it verifies, 1 if not, 2
+if PATH is not a checkpoint.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", action="store_true", help="list every file with its size")
     args = parser.parse_args(argv)
 
-    from megatron_rl.checkpoint.store import MANIFEST, STATE, verify
+    from megatron_rl.checkpoint.store import MANIFEST, STATE, verify, verify_files
     from megatron_rl.checkpoint.manager import flatten_config
     from megatron_rl.errors import ConfigError
     from megatron_rl.checkpoint.format import resolve_checkpoint
@@ -83,9 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         for file in files:
             print(f"  {human(file.stat().st_size):>10}  {file.relative_to(path)}")
     if not (path / MANIFEST).is_file() and not state:
-        print("verify: no manifest (a converted model: complete when its conversion finished)")
+        print("verify: no manifest (an sft output or an older conversion: complete when it was written)")
         return 0
-    problem = verify(path, checksums=not args.no_checksums)
+    # A training checkpoint is verified whole (its trainer state too), a converted one file by file.
+    problem = (verify if state else verify_files)(path, checksums=not args.no_checksums)
     what = "sizes" if args.no_checksums else "sizes and CRC-32 checksums"
     print(f"verify ({what}): " + ("ok" if problem is None else f"FAILED: {problem}"))
     return 0 if problem is None else 1

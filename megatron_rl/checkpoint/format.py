@@ -7,7 +7,12 @@ A Megatron checkpoint directory holds Megatron's torch_dist files plus:
 `save_megatron_checkpoint` writes this format (`megatron-rl convert`, `megatron-rl sft`); the
 conversion back to Hugging Face reads it, and `megatron-rl train checkpoint.init_from=DIR` starts
 from it. A training checkpoint (checkpoint/store.py) is the same format with its weights in a
-subdirectory ("weights_dir") and a MANIFEST.json.
+subdirectory ("weights_dir").
+
+MANIFEST.json (every file's size and CRC-32; checkpoint/store.py writes and verifies it) comes
+with every training checkpoint and every `megatron-rl convert` output, in both directions (a
+Hugging Face directory too). Readers verify it before loading (`check_intact`); a directory
+without one (sft output, older conversions, downloads) has nothing to verify.
 
 A checkpoint can be named in any of these forms (`resolve_checkpoint`):
     DIR                   a directory holding megatron_rl.json (convert, sft output)
@@ -30,9 +35,10 @@ from megatron_rl.errors import ConfigError
 
 FORMAT = "megatron_rl.torch_dist.v1"
 METADATA = "megatron_rl.json"
-MANIFEST = "MANIFEST.json"  # a training checkpoint's file list (megatron_rl.checkpoint.store)
+MANIFEST = "MANIFEST.json"  # every file's size and CRC-32 (megatron_rl.checkpoint.store.write_manifest)
 LATEST = "latest"  # in a checkpoints directory: the name of the newest step directory
 USE_ANOTHER = "re-convert it, or use another checkpoint (e.g. an earlier step_* directory of the run)"
+REDOWNLOAD_OR_CONVERT = "download or convert the model again"  # a damaged Hugging Face directory
 
 
 def save_megatron_checkpoint(module, raw_hf_config: dict, directory: Path, config: RunConfig, *,
@@ -125,29 +131,45 @@ def weights_path(ckpt: str | Path) -> Path:
     return Path(ckpt) / read_metadata(ckpt).get("weights_dir", ".")
 
 
-def check_intact(ckpt: Path) -> None:
-    """Refuse a training checkpoint its MANIFEST.json disagrees with (a file missing, truncated
-    or, where the manifest has checksums, corrupt). Others have no manifest: nothing to check."""
+def check_intact(ckpt: Path, hint: str = USE_ANOTHER) -> None:
+    """Refuse a checkpoint its MANIFEST.json disagrees with (a file missing, truncated or, where
+    the manifest has checksums, corrupt). A training checkpoint is verified whole (trainer state
+    included); a converted one (`convert` writes the manifest in both directions: a Megatron
+    checkpoint or a Hugging Face directory) file by file, naming the file by its path, with
+    `hint` saying what to do. Without a manifest (written by an older megatron-rl, or
+    downloaded): nothing to check."""
     if not (ckpt / MANIFEST).is_file():
         return
     from megatron_rl.checkpoint import store as checkpoint
 
-    problem = checkpoint.verify(ckpt)
+    if _is_training_checkpoint(ckpt):
+        problem = checkpoint.verify(ckpt)
+        hint = "use another checkpoint (e.g. an earlier step_* directory of the run)"
+    else:
+        problem = checkpoint.verify_files(ckpt, full_paths=True)
     if problem is not None:
-        raise ConfigError(f"checkpoint {ckpt} is damaged: {problem}; use another checkpoint (e.g. an earlier "
-                          "step_* directory of the run)")
+        raise ConfigError(f"checkpoint {ckpt} is damaged: {problem}; {hint}")
 
 
-def _check_intact_once(ckpt: Path) -> None:
+def _is_training_checkpoint(ckpt: Path) -> bool:
+    """The trainer's checkpoints keep their weights in a subdirectory that megatron_rl.json names
+    (see the module docstring); converted ones beside it."""
+    try:
+        return "weights_dir" in json.loads((ckpt / METADATA).read_text())
+    except (OSError, ValueError, TypeError):
+        return False  # not a Megatron checkpoint (a Hugging Face directory) or unreadable: read_metadata says
+
+
+def _check_intact_once(ckpt: Path, hint: str = USE_ANOTHER) -> None:
     """check_intact on global rank 0 only (it may read every file), the verdict shared."""
     import torch.distributed as dist
 
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return check_intact(ckpt)
+        return check_intact(ckpt, hint)
     verdict = [None]
     if dist.get_rank() == 0:
         try:
-            check_intact(ckpt)
+            check_intact(ckpt, hint)
         except ConfigError as exc:
             verdict = [str(exc)]
     dist.broadcast_object_list(verdict, src=0)
@@ -190,6 +212,7 @@ def load_initial_weights(policy, source: str | Path) -> None:
     else:
         from megatron_rl.bridge import load_hf_weights
 
+        _check_intact_once(Path(source), REDOWNLOAD_OR_CONVERT)  # a `convert megatron-to-hf` output has a manifest
         load_hf_weights(policy.module, policy.arch, source)
         policy.optimizer.reload_model_params()
 
@@ -200,7 +223,7 @@ def read_metadata(ckpt: str | Path) -> dict:
         raise ConfigError(f"{ckpt} is not a checkpoint written by megatron-rl ({METADATA} is missing)")
     try:
         metadata = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
         raise ConfigError(f"{path} is unreadable ({exc}); {USE_ANOTHER}") from None
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
         found = metadata.get("format") if isinstance(metadata, dict) else metadata

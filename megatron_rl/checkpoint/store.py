@@ -126,9 +126,8 @@ class PendingCheckpoint:
                 write_s, checksum_s = max(write_s, part["write_s"]), max(checksum_s, part["checksum_s"])
             self._write_description()
             tick = time.perf_counter()
-            files = _inventory(self.staging, known=checksums)
+            files = write_manifest(self.staging, known=checksums, step=self.stats.step)
             checksum_s += time.perf_counter() - tick
-            _write_json(self.staging / MANIFEST, {"step": self.stats.step, "checksum": "crc32", "files": files})
             _publish(self.staging, self.final)
             _replace_file(self.root / LATEST, self.final.name + "\n")
             _prune(self.root, self.keep_last)
@@ -284,6 +283,24 @@ def verify(path: Path, checksums: bool = True, share: tuple[int, int] = (0, 1)) 
     """None if the checkpoint is complete and intact, else what is wrong with it (naming the
     file). `checksums=False`: sizes only (fast). `share=(i, n)`: check only every n-th file from
     the i-th (ranks split the reading); the small files are always checked."""
+    problem = verify_files(path, checksums=checksums, share=share)
+    if problem is not None:
+        return problem
+    try:
+        state = json.loads((path / STATE).read_text())
+    except (OSError, ValueError) as exc:
+        return f"{STATE} is unreadable ({exc})"
+    if state.get("version") != STATE_VERSION:
+        return (f"written by an older megatron-rl (checkpoint format {state.get('version', 1)}, this one reads "
+                f"{STATE_VERSION}); convert it with that version or start over")
+    return None
+
+
+def verify_files(path: Path, checksums: bool = True, share: tuple[int, int] = (0, 1),
+                 full_paths: bool = False) -> str | None:
+    """The manifest part of verify(): every file MANIFEST.json lists is there, with its size and
+    CRC-32. Also what a converted checkpoint (no trainer state) is checked with. `full_paths`:
+    name files by their whole path, not relative to `path`."""
     manifest_path = path / MANIFEST
     if not path.is_dir():
         return "not a directory"
@@ -292,27 +309,21 @@ def verify(path: Path, checksums: bool = True, share: tuple[int, int] = (0, 1)) 
     try:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # ValueError: bad JSON, not UTF-8
         return f"{MANIFEST} is unreadable ({exc})"
     for index, (relative, entry) in enumerate(sorted(files.items())):
         file = path / relative
+        name = file if full_paths else relative
         size = entry["bytes"] if isinstance(entry, dict) else entry
         if not file.is_file():
-            return f"missing file {relative}"
+            return f"missing file {name}"
         if file.stat().st_size != size:
-            return f"file {relative} has {file.stat().st_size} bytes, the manifest says {size}"
+            return f"file {name} has {file.stat().st_size} bytes, the manifest says {size}"
         mine = index % share[1] == share[0] or file.stat().st_size < (1 << 20)
         if checksums and mine and isinstance(entry, dict) and "crc32" in entry:
             found = file_crc32(file)
             if found != entry["crc32"]:
-                return f"file {relative} is corrupt (CRC-32 {found}, the manifest says {entry['crc32']})"
-    try:
-        state = json.loads((path / STATE).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        return f"{STATE} is unreadable ({exc})"
-    if state.get("version") != STATE_VERSION:
-        return (f"written by an older megatron-rl (checkpoint format {state.get('version', 1)}, this one reads "
-                f"{STATE_VERSION}); convert it with that version or start over")
+                return f"file {name} is corrupt (CRC-32 {found}, the manifest says {entry['crc32']})"
     return None
 
 
@@ -408,6 +419,17 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+def write_manifest(directory: Path, known: dict[str, dict] | None = None, **fields: Any) -> dict[str, dict]:
+    """MANIFEST.json in `directory`: every file in it with its size and CRC-32, plus `fields` (a
+    training checkpoint's step). Written last, once every other file is complete: the manifest
+    is what says the directory is whole. Training checkpoints and the outputs of
+    `megatron-rl convert` (both directions) carry it; verify()/verify_files() read it. Returns
+    the files listed."""
+    files = _inventory(directory, known=known)
+    _write_json(directory / MANIFEST, {**fields, "checksum": "crc32", "files": files})
+    return files
 
 
 def _inventory(directory: Path, known: dict[str, dict] | None = None) -> dict[str, dict]:

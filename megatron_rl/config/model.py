@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -185,6 +186,22 @@ class ParallelConfig:
             )
 
 
+# Above this a learning rate is a typo (1e30 for 1e-3 in the audit that added the check): Adam's
+# step moves every weight by about lr, so lr = 1 already rewrites a model's weights in one update.
+MAX_LEARNING_RATE = 1.0
+
+
+def check_finite(where: str, name: str, value) -> None:
+    if value is not None and not math.isfinite(value):
+        raise ConfigError(f"{where}.{name} must be a finite number, got {value}")
+
+
+def check_learning_rate(key: str, lr: float) -> None:
+    if not (math.isfinite(lr) and 0 < lr <= MAX_LEARNING_RATE):
+        raise ConfigError(f"{key} must be a finite number in (0, {MAX_LEARNING_RATE:g}], got {lr}; a value "
+                          f"like 1e-6 .. 1e-3 is usual (Adam moves each weight by about lr per update)")
+
+
 @dataclass
 class OptimizerConfig:
     # Defaults are the built-in tiny run's; the recipes in configs/ set their own.
@@ -203,8 +220,10 @@ class OptimizerConfig:
     lr_decay_steps: int | None = None
 
     def validate(self, where: str) -> None:
-        if self.lr <= 0:
-            raise ConfigError(f"{where}.lr must be > 0, got {self.lr}")
+        # NaN compares False with everything, so each bound below would let it through: finiteness first.
+        for name in ("lr", "min_lr", "weight_decay", "adam_eps", "clip_grad"):
+            check_finite(where, name, getattr(self, name))
+        check_learning_rate(f"{where}.lr", self.lr)
         if self.lr_warmup_steps < 0:
             raise ConfigError(f"{where}.lr_warmup_steps must be >= 0")
         if self.lr_decay_steps is not None and self.lr_decay_steps <= self.lr_warmup_steps:

@@ -103,6 +103,9 @@ class RLConfig:
     # Optimizer updates per rollout batch (mini-batches). With more than one, the old-policy
     # logprobs are recomputed before the first update and the ratio departs from 1.
     updates_per_rollout: int = 2
+    # Optimizer updates in a row skipped for a non-finite gradient before the run stops (without
+    # a checkpoint of that step; train/update_guard.py). One is a fluke; three is a cause.
+    max_bad_steps: int = 3
     max_response_tokens: int = 6
     temperature: float = 1.0
     top_p: float = 1.0
@@ -132,7 +135,7 @@ class RLConfig:
         if self.routing_replay not in typing.get_args(RoutingReplay):
             raise ConfigError(f"{where}.routing_replay: {self.routing_replay!r} is not one of "
                               f"{', '.join(map(repr, typing.get_args(RoutingReplay)))}")
-        for name in ("steps", "prompts_per_step", "updates_per_rollout", "max_response_tokens"):
+        for name in ("steps", "prompts_per_step", "updates_per_rollout", "max_response_tokens", "max_bad_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
         if self.group_size < 2:

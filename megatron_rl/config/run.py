@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megatron_rl.config.model import ModelConfig, OptimizerConfig, ParallelConfig
+from megatron_rl.config.model import ModelConfig, OptimizerConfig, ParallelConfig, check_learning_rate
 from megatron_rl.config.rl import RLConfig
 from megatron_rl.config.rollout import RolloutConfig
 from megatron_rl.data.config import DataConfig
@@ -30,8 +30,9 @@ class WarmStartConfig:
     lr: float = 3e-3
 
     def validate(self, where: str) -> None:
-        if self.steps < 0 or self.batch_size < 1 or self.lr <= 0:
-            raise ConfigError(f"{where}: steps must be >= 0, batch_size >= 1 and lr > 0")
+        if self.steps < 0 or self.batch_size < 1:
+            raise ConfigError(f"{where}: steps must be >= 0 and batch_size >= 1")
+        check_learning_rate(f"{where}.lr", self.lr)
 
 
 @dataclass

@@ -14,6 +14,7 @@ Literal, None, dict[str, str], nested dataclasses), so the section can sit in ``
       other_columns: drop          # only the columns above become metadata
       sampler: curriculum          # uniform (default) | curriculum (the Olmo 3 prompt curriculum)
       curriculum: {window: 16, pause_steps: 50}
+      overlong_prompts: drop       # leave out prompts the engine could not take (default: error)
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ from typing import Literal
 from megatron_rl.errors import ConfigError
 from megatron_rl.rewards.synthetic import TaskConfig
 
-__all__ = ["CURRICULUM_BANDS", "CurriculumConfig", "DataConfig", "PROMPT_FORMATS", "LOADERS", "SAMPLERS"]
+__all__ = ["CURRICULUM_BANDS", "CurriculumConfig", "DataConfig", "PROMPT_FORMATS", "LOADERS", "OVERLONG_PROMPTS",
+           "SAMPLERS"]
 
 PROMPT_FORMATS = ("raw", "chat")
 LOADERS = ("auto", "builtin", "datasets")
 SAMPLERS = ("uniform", "curriculum")
+OVERLONG_PROMPTS = ("error", "drop")
 # The curriculum's success-rate bands (Olmo 3; fixed): "unseen" holds the prompts with fewer than
 # min_samples outcomes in their window, the others are [lower, upper) in percent (90-100 includes
 # 100). These are also the metric keys data/band_share/<band>.
@@ -146,6 +149,12 @@ class DataConfig:
     prompt_format: Literal["raw", "chat"] = "raw"
     # Chat format only: a system message put before every prompt.
     system_prompt: str | None = None
+    # Prompts longer than rollout.max_model_len - rl.max_response_tokens tokens (as the engine gets
+    # them: this prompt_format, the run's tokenizer), which the engine would refuse mid-run or
+    # leave no room to answer. Counted in preflight, before any model is built. "error": refuse the
+    # run naming the first few (file and line, tokens, limit); "drop": leave them out of the
+    # dataset and print how many went from which file. Held-out prompts included.
+    overlong_prompts: Literal["error", "drop"] = "error"
     # Prompt order: reshuffled every epoch from this seed (None: the run's seed).
     shuffle: bool = True
     seed: int | None = None
@@ -185,6 +194,9 @@ class DataConfig:
             )
         if self.system_prompt is not None and self.prompt_format != "chat":
             raise ConfigError(f"{where}.system_prompt needs prompt_format='chat' (raw prompts have no system role)")
+        if self.overlong_prompts not in OVERLONG_PROMPTS:
+            raise ConfigError(f"{where}.overlong_prompts must be one of {', '.join(OVERLONG_PROMPTS)}, "
+                              f"got {self.overlong_prompts!r}")
         if self.num_train < 1:
             raise ConfigError(f"{where}.num_train must be >= 1, got {self.num_train}")
         if self.num_heldout < 0:

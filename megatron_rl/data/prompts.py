@@ -14,8 +14,11 @@ directories go through the ``datasets`` library (``hf_datasets.py``, imported on
 path that does not exist is refused naming the key: nothing is downloaded at run time.
 
 Every problem with a file is a ConfigError naming the file, the line (JSONL, 1-based) or row
-(Parquet, 0-based index) and the key: a missing field, a value of the wrong type, invalid JSON.
-Files are read whole at start-up, so a bad row fails the run before any model is built.
+(Parquet, 0-based index) and the key: a missing field, a value of the wrong type, invalid JSON,
+a line that is not UTF-8 (with the byte offset in the file), a prompt that is empty or only
+whitespace. Files are read whole at start-up, so a bad row fails the run before any model is
+built; preflight then counts every prompt's tokens against the engine's limit
+(``data.overlong_prompts``).
 Parquet needs ``pyarrow`` (``pip install pyarrow``); JSONL needs nothing.
 """
 
@@ -46,9 +49,26 @@ __all__ = [
 # --------------------------------------------------------------------------- files
 
 
+def _decode_line(raw: bytes, path: Path, number: int, offset: int) -> str:
+    """One line as text. Lines are decoded one by one (not by a text-mode file) so that a bad byte
+    is reported with its line and its offset in the file, not as a bare UnicodeDecodeError."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        bad = raw[exc.start:exc.start + 1]
+        raise ConfigError(
+            f"{path} line {number}: not valid UTF-8 (byte {bad!r} at byte offset {offset + exc.start} of the "
+            f"file: {exc.reason}); prompt files must be UTF-8: re-encode the file as UTF-8 (e.g. "
+            f"`iconv -f latin1 -t utf-8`, with the encoding it was written in) or fix that line"
+        ) from None
+
+
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    offset = 0
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            line = _decode_line(raw, path, number, offset)
+            offset += len(raw)
             if not line.strip():
                 continue
             try:
@@ -97,11 +117,13 @@ def synthetic_datasets(
     generator = make_task(task)
 
     def dataset(n: int, split: str) -> PromptDataset:
+        source = f"synthetic task {task.task!r} ({split} split, seed {seed})"
         records = [
-            PromptRecord(row["prompt"], row["answer"], {k: v for k, v in row.items() if k not in RESERVED_NAMES})
-            for row in generator.generate(n, seed=seed, split=split)
+            PromptRecord(row["prompt"], row["answer"], {k: v for k, v in row.items() if k not in RESERVED_NAMES},
+                         f"{source} record {index}")
+            for index, row in enumerate(generator.generate(n, seed=seed, split=split))
         ]
-        return PromptDataset(records, f"synthetic task {task.task!r} ({split} split, seed {seed})")
+        return PromptDataset(records, source)
 
     return dataset(num_train, "train"), dataset(num_heldout, "heldout") if num_heldout else None
 

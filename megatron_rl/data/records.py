@@ -3,7 +3,10 @@
 A record is a prompt (text, or a list of chat messages ``{"role", "content"}``), an optional
 reference answer, and metadata: every other top-level field of the row, handed to reward
 functions as keyword arguments (see prompts.py for the rules). Both readers (the built-in one in
-prompts.py and the ``datasets`` one in hf_datasets.py) turn rows into records here.
+prompts.py and the ``datasets`` one in hf_datasets.py) turn rows into records here, so a prompt is
+checked in one place: a string or chat messages, and some text that is not whitespace (an empty
+prompt would be sampled like any other and teach nothing). Each record keeps its location ("FILE
+line N", "FILE row index N") for the checks that run after loading (preflight's prompt lengths).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ class PromptRecord:
     prompt: str | tuple[Message, ...]
     answer: str | None = None
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    # Where the record came from, for messages about it; not part of its value.
+    location: str = field(default="", compare=False, repr=False)
 
 
 class PromptDataset(Sequence[PromptRecord]):
@@ -86,10 +91,15 @@ def get_field(row: Mapping[str, Any], key: str) -> Any:
     return node
 
 
+def _blank_prompt(where: str, what: str) -> ConfigError:
+    return ConfigError(f"{where}: the prompt is empty or only whitespace ({what}); give the row a prompt "
+                       "or remove the row")
+
+
 def _as_prompt(value: Any, where: str) -> str | tuple[Message, ...]:
     if isinstance(value, str):
-        if not value:
-            raise ConfigError(f"{where}: the prompt is empty")
+        if not value.strip():
+            raise _blank_prompt(where, f"{len(value)} whitespace characters" if value else "an empty string")
         return value
     if isinstance(value, (list, tuple)) and value:
         messages = []
@@ -98,6 +108,10 @@ def _as_prompt(value: Any, where: str) -> str | tuple[Message, ...]:
                     and isinstance(message.get("content"), str)):
                 raise ConfigError(f"{where}: chat message {i} must be a mapping with string 'role' and 'content'")
             messages.append({"role": message["role"], "content": message["content"]})
+        # A blank message among others is kept (some sets carry an empty system message); all blank
+        # is no prompt at all.
+        if not any(message["content"].strip() for message in messages):
+            raise _blank_prompt(where, f"all {len(messages)} chat messages have blank content")
         return tuple(messages)
     raise ConfigError(f"{where}: the prompt must be a string or a list of chat messages, got {type(value).__name__}")
 
@@ -145,4 +159,4 @@ def record_from_row(row: Any, where: str, prompt_key: str, answer_key: str | Non
             raise ConfigError(f"{where}: {role} key '{key}': {exc.args[0]}") from None
     metadata = _metadata(row, where, prompt_key, answer_key, columns or {}, keep_other)
     answer = _as_answer(values["answer"], f"{where}: answer key '{answer_key}'") if answer_key else None
-    return PromptRecord(_as_prompt(values["prompt"], f"{where}: prompt key '{prompt_key}'"), answer, metadata)
+    return PromptRecord(_as_prompt(values["prompt"], f"{where}: prompt key '{prompt_key}'"), answer, metadata, where)

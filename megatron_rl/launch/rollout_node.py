@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +33,7 @@ from pathlib import Path
 from megatron_rl.config import load_config
 
 from megatron_rl.errors import ConfigError
+from megatron_rl.rollout.auth import TOKEN_ENV, rollout_token
 
 
 def start_server(config, *, index: int, port: int, host: str, tensor_parallel_size: int):
@@ -144,12 +146,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--index", type=int, default=0, help="number of the (first) server: vllm-INDEX, seed + INDEX")
     parser.add_argument("--port", type=int, required=True, help="port of the (first) server")
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--host", default=None,
+                        help="address to listen on (default: this node's own address, the one its host name "
+                             "resolves to; 0.0.0.0 listens on every interface, only if you mean it)")
     parser.add_argument("--servers", type=int, default=1, help="servers on this node (GPU), each on its own GPUs")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args(argv)
     if args.servers < 1:
         parser.error("--servers must be >= 1")
+    if rollout_token() is None:
+        # Refused here rather than by the server: its log would be the only trace.
+        parser.error(f"{TOKEN_ENV} is not set: every request to a rollout server must carry the job's token "
+                     f"(the SLURM job script exports one per job; elsewhere export the same value to the servers "
+                     f"and the trainer, e.g. from `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+    if args.host is None:
+        args.host = socket.gethostbyname(socket.gethostname())
     return serve_one(args) if args.servers == 1 else serve_many(args)
 
 

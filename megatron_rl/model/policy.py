@@ -39,8 +39,10 @@ LossFn = Callable[[torch.Tensor, torch.Tensor | None, PackedBatch], tuple[torch.
 @dataclass
 class StepResult:
     loss: float  # the step loss summed over micro-batches and DP ranks
-    grad_norm: float
+    grad_norm: float  # NaN when the update was skipped for a non-finite gradient
     updated: bool
+    # False: the update left a weight non-finite (or a weight norm beyond float32); the same on every rank.
+    weights_finite: bool = True
     # The loss function's metric dicts, one per real micro-batch (last pipeline stage; empty elsewhere).
     metrics: list[dict] = field(default_factory=list)
 
@@ -66,7 +68,9 @@ class Policy:
                 grad_reduce_in_fp32=True,
                 overlap_grad_reduce=False,
                 use_distributed_optimizer=config.parallel.distributed_optimizer,
-                check_for_nan_in_grad=True,
+                # Megatron would raise on a NaN gradient (on the ranks that hold it only); the
+                # optimizer step checks every rank's gradients instead and skips the update.
+                check_for_nan_in_grad=False,
                 # FP8 weights (model.fp8_param) are gathered in FP8 after each optimizer step.
                 fp8_param_gather=config.model.fp8_param,
             ),
@@ -150,10 +154,32 @@ class Policy:
         else:
             # Re-apply the schedule's current rate (a fixed-rate step may have overridden it).
             self.scheduler.step(0)
+        if not self._all_finite([buffer.grad_data for buffer in self._grad_buffers()]):
+            # Megatron's clipping does not catch it (a NaN norm compares False with the limit):
+            # Adam would write NaN into every weight. Skip it on every rank; the caller counts it.
+            return StepResult(loss=loss, grad_norm=float("nan"), updated=False)
         updated, grad_norm, _ = self.optimizer.step()
         if updated and lr is None:
             self.scheduler.step(1)
-        return StepResult(loss=loss, grad_norm=float(grad_norm or 0.0), updated=bool(updated))
+        finite = not updated or self._all_finite([param.detach() for param in self.model.parameters()], squared=True)
+        return StepResult(loss=loss, grad_norm=float(grad_norm or 0.0), updated=bool(updated), weights_finite=finite)
+
+    def _grad_buffers(self) -> list:
+        return self.model.buffers + self.model.expert_parallel_buffers
+
+    def _all_finite(self, tensors: list[torch.Tensor], *, squared: bool = False) -> bool:
+        """Whether every value of `tensors`, on every rank, is finite: one pass over them (as the
+        gradient norm makes) and one scalar all-reduce. `squared`: the L2 norm in float32 (no
+        rescaling), so a weight beyond ~1e19 counts as non-finite too; such a model's next
+        forward overflows anyway."""
+        if tensors:
+            reduce = partial(torch.linalg.vector_norm, dtype=torch.float32) if squared else partial(torch.sum, dtype=torch.float32)
+            total = torch.stack([reduce(t) for t in tensors]).sum()
+        else:
+            total = torch.zeros((), device=self.runtime.device)
+        bad = (~torch.isfinite(total)).to(torch.float32)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank takes the same branch
+        return not bool(bad)
 
     @property
     def learning_rate(self) -> float:

@@ -10,6 +10,13 @@ logged after its last checkpoint are not duplicated; a fresh run starts an empty
 offline by default (files under OUTPUT_DIR/wandb, `wandb sync` uploads them later) and online
 when configured.
 
+wandb never fails the run once it has started (a bad wandb setup is still an error at start-up).
+It logs through a helper process (wandb-core) that a stop signal sent to the whole job (SLURM at
+preemption, the time limit or a requeue; `scancel`; systemd) kills as well, while the trainer is
+still finishing its step and writing the stop checkpoint. So a failing wandb call prints one line,
+wandb is off for the rest of the run and metrics.jsonl stays the record; finishing the wandb run at
+the end is bounded by `wandb_finish_timeout_s` (60 s by default).
+
 Every row also carries two wall-clock keys (never compared by the exact-resume check):
 
     "time"        Unix time (seconds, float) when the row was written
@@ -29,6 +36,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -54,7 +62,8 @@ WALL_CLOCK = ("time", "elapsed_s")  # keys every row carries; they differ betwee
 class MetricsLog:
     def __init__(self, output_dir: str | Path, total_steps: int, *, wandb_mode: str = "offline",
                  wandb_project: str = "megatron-rl", run_name: str | None = None, config: dict | None = None,
-                 resume_step: int | None = None, enabled: bool = True, stream=None):
+                 resume_step: int | None = None, enabled: bool = True, stream=None,
+                 wandb_finish_timeout_s: float = 60.0):
         self.enabled, self.total_steps = enabled, total_steps
         self.path = Path(output_dir) / "metrics.jsonl"
         self.stream = stream or sys.stdout
@@ -70,7 +79,8 @@ class MetricsLog:
         if resume_step:
             self._elapsed_before = max((r.get("elapsed_s", 0.0) for r in read_metrics(self.path)), default=0.0)
         if wandb_mode != "disabled":
-            self._wandb = _start_wandb(Path(output_dir), wandb_mode, wandb_project, run_name, config, resume_step)
+            run = _start_wandb(Path(output_dir), wandb_mode, wandb_project, run_name, config, resume_step)
+            self._wandb = GuardedWandb(run, self.path, self.stream, finish_timeout_s=wandb_finish_timeout_s)
 
     def step(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
@@ -81,7 +91,7 @@ class MetricsLog:
         with open(self.path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
         if self._wandb is not None:
-            self._wandb.log(record, step=step)
+            self._wandb.log(record, step)
         print(self.console_line(step, record), file=self.stream, flush=True)
 
     def console_line(self, step: int, record: dict[str, Any]) -> str:
@@ -103,6 +113,42 @@ class MetricsLog:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+class GuardedWandb:
+    """A started wandb run whose failures never reach the training run.
+
+    Every call is guarded: the first one that raises prints one line naming the error, and wandb
+    is off from then on (its helper process, if still there, is ended and the connection to it
+    dropped, so wandb's own exit hook does not wait on it either). finish() gets
+    `finish_timeout_s`: a helper that hangs rather than dies would otherwise hold up the exit.
+    """
+
+    def __init__(self, run, metrics_path: Path, stream, *, finish_timeout_s: float):
+        self.run, self.metrics_path, self.stream = run, metrics_path, stream
+        self.finish_timeout_s = finish_timeout_s
+
+    def log(self, record: dict[str, Any], step: int) -> None:
+        if self.run is not None:
+            self._guarded("log", lambda: self.run.log(record, step=step))
+
+    def finish(self) -> None:
+        if self.run is not None:
+            self._guarded("finish", lambda: _within(self.finish_timeout_s, self.run.finish))
+            self.run = None
+
+    def _guarded(self, what: str, call) -> None:
+        try:
+            call()
+        except (Exception, SystemExit) as exc:  # not KeyboardInterrupt: Ctrl-C still interrupts
+            self._give_up(what, exc)
+
+    def _give_up(self, what: str, exc: BaseException) -> None:
+        first_line = (str(exc).splitlines() or [""])[0]
+        print(f"wandb {what} failed ({type(exc).__name__}: {first_line}); wandb is off for the rest of this "
+              f"run, metrics continue in {self.metrics_path}", file=self.stream, flush=True)
+        self.run = None
+        _drop_wandb_service()
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -147,6 +193,50 @@ def _start_wandb(output_dir: Path, mode: str, project: str, name: str | None, co
     id_file.write_text(run_id)
     return wandb.init(project=project, name=name, id=run_id, resume="allow", dir=str(directory), mode=mode,
                       config=config or {}, settings=wandb.Settings(silent=True, console="off"))
+
+
+def _within(timeout_s: float, call) -> None:
+    """Runs `call` on a daemon thread; its exception, or TimeoutError when it has not returned
+    in `timeout_s` (the thread is left behind: a daemon does not hold up the exit)."""
+    outcome: list[BaseException] = []
+
+    def target():
+        try:
+            call()
+        except BaseException as exc:  # noqa: BLE001  (handed to the caller, who decides)
+            outcome.append(exc)
+
+    thread = threading.Thread(target=target, name="wandb-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"no answer from wandb in {timeout_s:g} s")
+    if outcome:
+        raise outcome[0]
+
+
+# How long dropping the connection to a dead or killed wandb service may take.
+_DROP_TIMEOUT_S = 10.0
+
+
+def _drop_wandb_service() -> None:
+    """After a failure: ends this process's wandb helper if it still runs (a hung one would make
+    wandb's exit hook wait for it forever) and tears down wandb's connection to it, which also
+    removes that exit hook (it would print the same error again at exit) and lets a later
+    wandb.init in this process start a fresh helper. Best effort, bounded, never raises."""
+    import psutil
+    import wandb
+
+    try:
+        for child in psutil.Process().children():
+            if child.name().startswith("wandb-core"):
+                child.kill()
+    except psutil.Error:
+        pass
+    try:
+        _within(_DROP_TIMEOUT_S, wandb.teardown)
+    except (Exception, SystemExit):  # wandb.teardown exits with the helper's exit code
+        pass
 
 
 def _plain(value):

@@ -99,6 +99,8 @@ class ScoreResult:
             "reward/mean": _mean(self.rewards),
             "reward/errors": float(self.errors),
             "reward/timeouts": float(self.timeouts),
+            # samples x terms: what errors + timeouts are out of (all of them failing stops a run)
+            "reward/calls": float(sum(len(values) for values in self.per_term.values())),
         }
         for key, values in self.per_term.items():
             out[f"reward/{key}/mean"] = _mean(values)

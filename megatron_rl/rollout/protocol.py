@@ -32,12 +32,23 @@ from typing import Any, Iterable, Literal, Protocol, runtime_checkable
 
 import torch
 
+from megatron_rl.errors import TrainingStopped
+
 FinishReason = Literal["stop", "length", "abort"]  # abort: only with SamplingParams.partial
 WeightStream = Iterable[tuple[str, torch.Tensor]]
 
 
 class EngineError(RuntimeError):
     """A rollout engine failed; the message starts with the engine's name."""
+
+
+class WeightsNotServed(TrainingStopped):
+    """An engine does not serve the weights the trainer pushed (rollout/weights/digest.py): the
+    run stops rather than train on its samples. Not an EngineError: no failover hides it."""
+
+
+class EngineUnauthorized(EngineError):
+    """The server refused our rollout token (rollout/auth.py): a configuration error, never retried."""
 
 
 class EngineTimeout(EngineError):
@@ -160,6 +171,10 @@ class RolloutEngine(Protocol):
 
     def receive_weights(self) -> int:
         """Receive one collective push and load it; returns the number of tensors loaded."""
+
+    def fingerprint(self) -> dict | None:
+        """What the last push delivered and whether the served weights moved since
+        (rollout/weights/digest.py); None where the engine cannot tell (unchecked)."""
 
     def reset_prefix_cache(self) -> None:
         """Drop cached prefixes (their KV was computed with the previous weights)."""

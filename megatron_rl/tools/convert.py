@@ -2,22 +2,37 @@
 
 The checkpoint format and the forms a checkpoint can be named in: checkpoint/format.py.
 
-Everything that can be checked without processes is checked first: the input exists and describes
-a supported architecture, the output does not exist (unless --force), the layout fits the model.
-A conversion that needs more than one rank re-launches itself under torchrun. Output appears
-atomically: a failure leaves no partial directory, and so does SIGINT/SIGTERM (forwarded to
-every rank; each stops, removes the staging directory and exits nonzero).
+Everything that can be checked without processes is checked first, the output location before
+any input file is read: the output does not exist (unless --force), its parent is a writable
+directory, and its filesystem has room for the output (estimated from the input's sizes). Then
+the input: it exists, describes a supported architecture, agrees with its MANIFEST.json (when it
+has one: the input's checksums); the layout fits the model. A conversion that needs more than one
+rank re-launches itself under torchrun. Output appears atomically: a failure leaves no partial
+directory (nor the parent directories the run created), and so does SIGINT/SIGTERM (forwarded to
+every rank; each stops, removes the staging directory and exits nonzero). A disk that fills up
+during the write anyway is named as such, with the free space, not as the writer's own error.
+
+Every output carries a MANIFEST.json, the one training checkpoints carry (each file's size and
+CRC-32; checkpoint/store.py), so a damaged file is named when the output is read: by the other
+conversion, `checkpoint.init_from`, `verify-hf`.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import shutil
 import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_rl.checkpoint.atomic_dir import AtomicDirectory, refuse_existing
 from megatron_rl.checkpoint.format import (
+    REDOWNLOAD_OR_CONVERT,
+    USE_ANOTHER,
+    _chain,
     check_intact,
     check_weight_files,
     load_megatron_weights,
@@ -43,6 +58,16 @@ from megatron_rl.tools.ranks import (
 
 # Set by the launching process for the ranks it starts: the checkpoint it already verified.
 VERIFIED_ENV = "MEGATRON_RL_CONVERT_VERIFIED"
+# Bytes per parameter of a checkpoint's dtype (config.json) and of a Megatron precision.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+PRECISION_BYTES = {"fp32": 4, "bf16": 2}
+# What a write that ran out of room raises: the errno, where one survives; else the text that
+# carries it (a writer process's error turned into a message, the Rust safetensors writer), or
+# torch.save's zip writer after a short write ("unexpected pos 704 vs 598"), which keeps no errno
+# at all: a short write to a regular file only happens when the disk or a limit is reached.
+DISK_FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exceeded",
+             errno.EFBIG: "a file size limit is reached (ulimit -f, or the filesystem's largest file)"}
+SHORT_WRITE = ("unexpected pos", "basic_ios::clear")
 
 
 def hf_to_megatron_parser() -> argparse.ArgumentParser:
@@ -82,35 +107,228 @@ def _preflight(config: RunConfig, args, command: str, argv: list[str], *, check_
     """Everything checkable without processes (`check_input`: the input's files); then re-launch
     under torchrun if ranks are needed, with `env` added to their environment."""
     validate_layout(config)
-    refuse_existing(args.out, args.force)
     check_input()
     _relaunch_if_needed(world_size_for(config), command, argv, env)
 
 
+# ---- the output location, checked before any weight is read -----------------------------------
+
+
+@dataclass
+class Output:
+    """Where a conversion writes. `existing`: the nearest directory at or above the output's
+    parent that existed before this run (its filesystem is the one that must have room; a failed
+    run removes the directories it created below it, and nothing at or above it)."""
+
+    path: Path
+    force: bool
+    existing: Path
+    needed: int = 0  # bytes the output will take, about (estimated from the input)
+
+
+def check_output_location(out: str, force: bool) -> Output:
+    """Refuse, before any input file is read: an existing output (unless --force), and a parent
+    that is not a directory this process can write into."""
+    out = Path(out)
+    refuse_existing(out, force)
+    existing = _nearest_existing(out.parent)
+    if not existing.is_dir():
+        raise ConfigError(f"cannot write {out}: {existing} is a file, not a directory; pass an --out inside a "
+                          "directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        why = "is on a read-only filesystem" if _read_only(existing) else "is not writable by this user"
+        raise ConfigError(f"cannot write {out}: {existing} {why}; pass an --out in a directory you can write to")
+    return Output(out, force, existing)
+
+
+def _nearest_existing(path: Path) -> Path:
+    return next(p for p in (path, *path.parents) if p.exists() or p.is_symlink())
+
+
+def _read_only(path: Path) -> bool:
+    return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+
+
+def check_free_space(output: Output, needed: int) -> None:
+    """Refuse when the output's filesystem has less free space than the output will take. With
+    --force the old output stays until the new one is complete, so both must fit: the free space
+    measured now already counts the old one."""
+    output.needed = needed
+    free = shutil.disk_usage(output.existing).free
+    if free < needed:
+        raise ConfigError(f"not enough free space for {output.path}: the output needs about {_bytes(needed)}, "
+                          f"the filesystem of {output.existing} has {_bytes(free)} free; free up space there, or "
+                          "pass an --out on a disk with room")
+
+
+def _bytes(count: int) -> str:
+    size, unit = float(count), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            break
+        size /= 1024
+    return f"{count} bytes" if unit == "B" else f"{count} bytes ({size:.1f} {unit})"
+
+
+def hf_to_megatron_bytes(hf_dir: str | Path, raw: dict, precision: str) -> int:
+    """The torch_dist output's size, about: the safetensors files scaled from the checkpoint's
+    dtype to `precision` (a bf16 model converted to fp32 doubles), plus the tokenizer files."""
+    hf_dir = Path(hf_dir)
+    weights = sum(file.stat().st_size for file in hf_dir.glob("*.safetensors"))
+    source = DTYPE_BYTES.get(raw.get("dtype") or raw.get("torch_dtype") or "float32", 2)
+    return weights * PRECISION_BYTES[precision] // source + _tokenizer_bytes(hf_dir)
+
+
+def megatron_to_hf_bytes(ckpt: Path, template_dir: str | Path) -> int:
+    """The safetensors output's size, about: the model's tensors in the torch_dist index (the
+    index is read, not the weights), plus the tokenizer files. A training checkpoint also stores
+    Adam's moments, fp32 main weights and the KL reference, each under the weight's own key with
+    a prefix (optimizer.exp_avg.KEY, reference.KEY: model/optimizer_state.keyed_like); those are
+    not exported, so a key that ends in another key is left out."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(weights_path(ckpt))).read_metadata().storage_data
+    except Exception:
+        return 0  # an unreadable index: check_weight_files names it next
+    names = {index.fqn.split("/")[0] for index in storage}
+    weights = {name for name in names if not _keyed_like_another(name, names)}
+    model = sum(item.length for index, item in storage.items() if index.fqn.split("/")[0] in weights)
+    return model + _tokenizer_bytes(template_dir)
+
+
+def _keyed_like_another(name: str, names: set[str]) -> bool:
+    parts = name.split(".")
+    return any(".".join(parts[i:]) in names for i in range(1, len(parts)))
+
+
+def _tokenizer_bytes(directory: str | Path) -> int:
+    from megatron_rl.bridge.hf_checkpoint import TOKENIZER_FILES
+
+    files = [Path(directory) / name for name in (*TOKENIZER_FILES, "config.json")]
+    return sum(file.stat().st_size for file in files if file.is_file())
+
+
+# ---- writing ------------------------------------------------------------------------------------
+
+
+@contextmanager
+def written_atomically(output: Output):
+    """Collective. AtomicDirectory for a conversion's output, sealed with a MANIFEST.json (on
+    global rank 0, once every rank's files are written: the writers gather before returning).
+    A failed write removes what this run created: the staging directory (AtomicDirectory) and
+    the parent directories it made; nothing that existed before. A disk filling up is named."""
+    try:
+        with AtomicDirectory(output.path, force=output.force) as staging, _disk_full_named(output):
+            yield staging
+            if _global_rank() == 0:
+                from megatron_rl.checkpoint.store import write_manifest
+
+                write_manifest(staging)
+    except BaseException:
+        if _global_rank() == 0:
+            _remove_created_parents(output)
+        raise
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _remove_created_parents(output: Output) -> None:
+    """The empty directories between the output and `output.existing`: AtomicDirectory made them."""
+    for parent in output.path.parents:
+        if parent == output.existing or output.existing not in parent.parents:
+            return
+        try:
+            parent.rmdir()
+        except OSError:
+            return  # not empty (someone else writes there) or already gone
+
+
+@contextmanager
+def _disk_full_named(output: Output):
+    """Inside the AtomicDirectory, so the free space is measured before the partial output goes:
+    an error of the writer that says the disk is full becomes one line naming the output, the
+    free space and what to do. Anything else passes unchanged."""
+    try:
+        yield
+    except BaseException as exc:  # Megatron-Core's CheckpointException is a BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            raise
+        free = shutil.disk_usage(output.existing).free
+        reason = disk_full_reason(exc, space_left=free >= output.needed)
+        if reason is None:
+            raise
+        raise ConfigError(
+            f"disk full while writing {output.path}: {reason}; {_bytes(free)} were free on the filesystem of "
+            f"{output.existing} when the write failed, and the output needs about {_bytes(output.needed)}. The "
+            "partial output is removed (nothing that existed before is touched); free up space there, or pass "
+            "an --out on a disk with room, and run the conversion again") from exc
+
+
+def disk_full_reason(exc: BaseException, space_left: bool = False) -> str | None:
+    """Why `exc` means the disk (or a quota, or a file size limit) is full, or None if it does not.
+    `space_left`: the filesystem still has room for the whole output (a short write then means a
+    quota or a limit, not the disk)."""
+    chain = list(_chain(exc))
+    for error in chain:
+        if isinstance(error, OSError) and error.errno in DISK_FULL:
+            return DISK_FULL[error.errno]
+    text = "\n".join(str(error) for error in chain)
+    for number, reason in DISK_FULL.items():
+        if os.strerror(number) in text:
+            return reason
+    short = next((marker for marker in SHORT_WRITE if marker in text), None)
+    if short is None:
+        return None
+    line = next(line for line in text.splitlines() if short in line).strip()
+    cause = "a disk quota or a file size limit is reached" if space_left else "no space left on the device"
+    return f"{cause} (a short write: {line[-120:]})"
+
+
+# ---- the two conversions ------------------------------------------------------------------------
+
+
 def hf_to_megatron(argv: list[str]) -> None:
     args = hf_to_megatron_parser().parse_args(argv)
+    output = check_output_location(args.out, args.force)
     raw, _ = load_hf_config(args.hf_dir)  # a clear error for a missing or unsupported config
-    config = hf_model_config(args.hf_dir, args, args.precision or _precision_of(raw))
+    precision = args.precision or _precision_of(raw)
+    config = hf_model_config(args.hf_dir, args, precision)
+    check_free_space(output, hf_to_megatron_bytes(args.hf_dir, raw, precision))
     from megatron_rl.bridge.importer import check_files
 
-    _preflight(config, args, "hf-to-megatron", argv, check_input=lambda: check_files(args.hf_dir))
+    def check_input():
+        _verify_once(Path(args.hf_dir), REDOWNLOAD_OR_CONVERT)  # a `convert megatron-to-hf` output
+        check_files(args.hf_dir)
+
+    _preflight(config, args, "hf-to-megatron", argv, check_input=check_input,
+               env={VERIFIED_ENV: str(Path(args.hf_dir).resolve())})
 
     from megatron_rl.bridge import load_hf_weights
 
     with model_on_this_rank(config) as (runtime, built):
         load_hf_weights(built.module, built.arch, args.hf_dir)
-        with AtomicDirectory(args.out, force=args.force) as staging:
+        with written_atomically(output) as staging:
             save_megatron_checkpoint(built.module, built.raw_hf_config, staging, config,
                                      tokenizer_dir=args.hf_dir, source=str(Path(args.hf_dir).resolve()))
         if runtime.is_driver:
             print(f"wrote {args.out} ({built.arch.architecture}, tp={args.tp} pp={args.pp} ep={args.ep})")
 
 
+def _verify_once(path: Path, hint: str = USE_ANOTHER) -> None:
+    """check_intact (it reads every file), in the launching process only: the ranks it starts
+    are told it was done (VERIFIED_ENV)."""
+    if os.environ.get(VERIFIED_ENV) != str(path.resolve()):
+        check_intact(path, hint)
+
+
 def _resolved_for_conversion(given: str) -> Path:
-    """resolve_checkpoint, then (once: the launching process, not every rank) check_intact."""
+    """resolve_checkpoint; says which checkpoint a run directory stands for."""
     ckpt = resolve_checkpoint(given)
-    if os.environ.get(VERIFIED_ENV) != str(ckpt.resolve()):
-        check_intact(ckpt)
     if ckpt != Path(given) and "RANK" not in os.environ:
         print(f"reading checkpoint {ckpt}")
     return ckpt
@@ -119,8 +337,12 @@ def _resolved_for_conversion(given: str) -> Path:
 def megatron_to_hf(argv: list[str]) -> None:
     args = megatron_to_hf_parser().parse_args(argv)
     ckpt = _resolved_for_conversion(args.ckpt)
+    output = check_output_location(args.out, args.force)
     metadata = read_metadata(ckpt)
     hf_config = str(ckpt / "hf_config")
+    template = args.hf_template or hf_config
+    check_free_space(output, megatron_to_hf_bytes(ckpt, template))
+    _verify_once(ckpt)  # the input's checksums: after the output checks, it reads every file
     config = hf_model_config(hf_config, args, metadata["precision"], [f"model.padded_vocab_size={metadata['padded_vocab_size']}"])
     _preflight(config, args, "megatron-to-hf", argv, check_input=lambda: check_weight_files(weights_path(ckpt)),
                env={VERIFIED_ENV: str(ckpt.resolve())})
@@ -129,9 +351,8 @@ def megatron_to_hf(argv: list[str]) -> None:
 
     with model_on_this_rank(config) as (runtime, built):
         load_megatron_weights(built.module, weights_path(ckpt))
-        with AtomicDirectory(args.out, force=args.force) as staging:
-            write_hf_checkpoint(built.module, built.arch, built.raw_hf_config, staging,
-                                template_dir=args.hf_template or hf_config)
+        with written_atomically(output) as staging:
+            write_hf_checkpoint(built.module, built.arch, built.raw_hf_config, staging, template_dir=template)
         if runtime.is_driver:
             print(f"wrote {args.out} ({built.arch.architecture})")
 

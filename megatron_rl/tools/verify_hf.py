@@ -12,8 +12,9 @@ of random token ids through it (fp32, eval), runs the same sequences through tra
     verify-hf: max |logit diff| = 1.523e+00 over 96 tokens (tolerance 0.0001): FAILED    exit 1
 
 Bad input (no such directory, no config.json, an unsupported architecture, a layout that does not
-divide the model, a torchrun world of the wrong size, unreadable safetensors) is one line on
-stderr and exit 2, before any process starts or any weight is read. A layout needing several
+divide the model, a torchrun world of the wrong size, unreadable safetensors, a file that disagrees
+with the MANIFEST.json a conversion wrote) is one line on stderr and exit 2, before any process
+starts or any weight is loaded. A layout needing several
 ranks starts torchrun itself (as the conversion tools do); it also runs under a torchrun the
 user started, with exactly the number of processes the layout needs.
 
@@ -91,8 +92,9 @@ def verdict_line(diff: float, tokens: int, tolerance: float) -> tuple[bool, str]
 def check_input(args) -> tuple[RunConfig, object, int]:
     """(config, architecture, world size) after every check that needs no process and no weight:
     the arguments, DIR and its config.json, the architecture, the layout against the model, the
-    safetensors headers and, under torchrun, the world size. Raises ConfigError with one line
-    naming the value and what to do."""
+    safetensors headers, the files against DIR's MANIFEST.json if it has one (sizes and CRC-32)
+    and, under torchrun, the world size. Raises ConfigError with one line naming the value and
+    what to do."""
     from megatron_rl.tools.ranks import hf_model_config, validate_layout, world_size_for
     from megatron_rl.model.hf_config import load_hf_config, parse_hf_config
 
@@ -113,8 +115,11 @@ def check_input(args) -> tuple[RunConfig, object, int]:
     validate_layout(config)  # the layout against the model, as the conversion tools check it
 
     from megatron_rl.bridge.importer import check_files
+    from megatron_rl.checkpoint.format import REDOWNLOAD_OR_CONVERT, check_intact
 
     check_files(hf_dir)  # no *.safetensors, or a truncated one
+    if REPORT_ENV not in os.environ:  # the ranks _launch starts: the launching process checked
+        check_intact(hf_dir, REDOWNLOAD_OR_CONVERT)  # a `convert megatron-to-hf` output carries checksums
     world = world_size_for(config)
     if "RANK" in os.environ:
         started = int(os.environ.get("WORLD_SIZE", "1"))

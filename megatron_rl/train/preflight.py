@@ -4,7 +4,16 @@
 against the model and the world size, and the paths the run reads or must not overwrite. It
 imports no torch (that alone takes seconds), so `megatron-rl train` runs it before anything else.
 `preflight` then runs the slower checks (the recipe, the run directory, the engine and wandb
-installed, every reward function resolved, the datasets read) and returns the datasets it read.
+installed, every reward function resolved, the datasets read, every prompt's length in tokens)
+and returns the datasets it read.
+
+Prompt lengths: the engine refuses a prompt longer than its context, and only when that prompt is
+first sampled (minutes or hours into a run, and again after every resume); a prompt that fits but
+leaves less than rl.max_response_tokens cuts every answer short. So every prompt, train and
+held-out, is rendered and tokenized as the trainer will give it to the engine (data.prompt_format,
+the run's tokenizer: data/chat.py's encode_prompt) and counted against rollout.max_model_len -
+rl.max_response_tokens, in batches through the tokenizer's batch call. data.overlong_prompts says
+what happens to those over: "error" refuses the run naming them, "drop" leaves them out.
 
 The functions import what they check inside them, so that importing this module stays instant.
 """
@@ -130,7 +139,157 @@ def preflight(config):
     check_engine_installed(config)
     check_wandb_available(config.logging.wandb_mode)
     build_scorer(config.rewards).close()  # resolves every reward function now
-    datasets = load_datasets(config.data)
+    datasets = check_prompt_lengths(config, load_datasets(config.data))
     if config.warm_start.steps:
         check_targets(datasets[0])
     return datasets
+
+
+# --------------------------------------------------------------------------- prompt lengths
+
+# Prompts rendered and counted per batch call: enough for the tokenizer's Rust side (on every
+# core) to dominate the call, few enough that a million prompts never hold their encodings at once.
+LENGTH_BATCH = 4096
+# Overlong prompts named in the error besides the first; the rest are counted.
+NAMED_OVERLONG = 5
+DATASET_KEYS = ("data.train", "data.heldout")
+
+
+def prompt_token_limit(config) -> int:
+    """The most tokens a prompt may have and still leave room for a full response in the engine's
+    context. Raises ConfigError when the response alone fills it."""
+    limit = config.rollout.max_model_len - config.rl.max_response_tokens
+    if limit < 1:
+        raise ConfigError(f"rollout.max_model_len={config.rollout.max_model_len} leaves no room for a prompt next to "
+                          f"rl.max_response_tokens={config.rl.max_response_tokens}; raise rollout.max_model_len")
+    return limit
+
+
+def _limit_terms(config) -> str:
+    return f"rollout.max_model_len={config.rollout.max_model_len} - rl.max_response_tokens={config.rl.max_response_tokens}"
+
+
+def _tokenizer_source(config) -> str:
+    # Where checkpoint.format.write_run_tokenizer takes the run's tokenizer from, for messages.
+    if config.data.train == "synthetic":
+        return "the built-in character tokenizer"
+    return f"the tokenizer files of {config.checkpoint.init_from or config.model.hf_config}"
+
+
+def run_tokenizer(config):
+    """The tokenizer the engines and the trainer will load, from the same files: written into a
+    scratch directory as the engine's model directory gets them (rollout/engine_model.py)."""
+    import tempfile
+
+    from megatron_rl.checkpoint.format import write_run_tokenizer
+    from megatron_rl.rollout.engine_model import load_engine_tokenizer
+
+    with tempfile.TemporaryDirectory(prefix="megatron-rl-tokenizer-") as directory:
+        write_run_tokenizer(config, directory)
+        return load_engine_tokenizer(directory)
+
+
+def token_counts(tokenizer, texts: list[str], add_special_tokens: bool) -> list[int]:
+    """len(tokenizer(text, add_special_tokens=...)["input_ids"]) of every text, in one batch call.
+
+    A fast tokenizer's Rust backend is called directly when that is the same computation (no
+    truncation or padding set on it, special tokens in the text handled as the tokenizer handles
+    them): the tokenizer's own call would turn every token id into a Python int only for us to
+    count them, which takes longer than the tokenization itself with a byte-level BPE.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if (backend is not None and backend.truncation is None and backend.padding is None
+            and getattr(backend, "encode_special_tokens", False) == getattr(tokenizer, "split_special_tokens", False)):
+        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # _fast: no offsets (tokenizers >= 0.21)
+        return [len(encoding) for encoding in encode(texts, add_special_tokens=add_special_tokens)]
+    return [len(ids) for ids in tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]]
+
+
+def _prompt_texts(records, tokenizer, data) -> list[str]:
+    """The prompts of `records` as text, rendered as encode_prompt renders them."""
+    from megatron_rl.data import render_prompt
+
+    if data.prompt_format == "raw":
+        texts = [record.prompt for record in records]
+        if all(isinstance(text, str) for text in texts):  # raw text is used as it is: no call per prompt
+            return texts
+    rendered = []
+    for record in records:
+        try:
+            rendered.append(render_prompt(tokenizer, record.prompt, prompt_format=data.prompt_format,
+                                          system_prompt=data.system_prompt))
+        except ConfigError as exc:  # e.g. chat messages with prompt_format=raw: say which record
+            raise ConfigError(f"{record.location}: {exc}") from None
+    return rendered
+
+
+def overlong_prompts(dataset, tokenizer, data, limit: int) -> list[tuple[int, int]]:
+    """(index, tokens) of every prompt of `dataset` longer than `limit` tokens, as encode_prompt
+    encodes it (`data`: the DataConfig), counted LENGTH_BATCH prompts at a time."""
+    add_special_tokens = data.prompt_format == "raw"  # chat templates write their own (data/chat.py)
+    over = []
+    for start in range(0, len(dataset), LENGTH_BATCH):
+        texts = _prompt_texts(dataset[start:start + LENGTH_BATCH], tokenizer, data)
+        counts = token_counts(tokenizer, texts, add_special_tokens)
+        over.extend((start + offset, count) for offset, count in enumerate(counts) if count > limit)
+    return over
+
+
+def _overlong_error(over: dict, datasets: dict, limit: int, config) -> ConfigError:
+    """The first overlong prompt with its numbers, how many others there are and a few of them."""
+    found = [(datasets[key][index].location, tokens) for key in over for index, tokens in over[key][:NAMED_OVERLONG + 1]]
+    (first, tokens), others = found[0], found[1:NAMED_OVERLONG + 1]
+    total = sum(len(indices) for indices in over.values())
+    text = (f"{first}: the prompt is {tokens} tokens, over the limit of {limit} ({_limit_terms(config)}; counted "
+            f"with the run's tokenizer, data.prompt_format={config.data.prompt_format})")
+    if total > 1:
+        counts = ", ".join(f"{key}: {len(over[key])} of {len(datasets[key])}" for key in over if over[key])
+        named = ", ".join(f"{where} ({count} tokens)" for where, count in others)
+        more = f" and {total - 1 - len(others)} more" if total - 1 > len(others) else ""
+        text += f". {total} prompts are over it in all ({counts}); besides this one: {named}{more}"
+    return ConfigError(
+        f"{text}. Over the limit the engine refuses a prompt when it is first sampled (and again on every "
+        f"resume) or cuts its responses short: shorten or remove it, raise rollout.max_model_len, or set "
+        f"data.overlong_prompts=drop to leave such prompts out"
+    )
+
+
+def _drop_overlong(key: str, dataset, over: list[tuple[int, int]], limit: int, config):
+    """`dataset` without the prompts in `over`, announced in one line (on the first rank only)."""
+    from megatron_rl.data import PromptDataset
+    from megatron_rl.runtime.launch_env import read_launch_env
+
+    if not over:
+        return dataset
+    if len(over) == len(dataset):
+        raise ConfigError(
+            f"{key}: every one of the {len(dataset)} prompts of {dataset.source} is over the limit of {limit} tokens "
+            f"({_limit_terms(config)}); data.overlong_prompts=drop would leave nothing: raise "
+            f"rollout.max_model_len or shorten the prompts"
+        )
+    dropped = {index for index, _ in over}
+    kept = [record for index, record in enumerate(dataset) if index not in dropped]
+    if read_launch_env().rank == 0:  # every rank runs preflight; one line is enough
+        print(f"megatron-rl: data.overlong_prompts=drop: dropped {len(over)} of {len(dataset)} prompts of "
+              f"{dataset.source} ({key}), longer than {limit} tokens ({_limit_terms(config)}); "
+              f"{len(kept)} left", flush=True)
+    return PromptDataset(kept, dataset.source)
+
+
+def check_prompt_lengths(config, datasets):
+    """(train, held-out) with every prompt within prompt_token_limit: the same datasets when all
+    are, else data.overlong_prompts decides (error: ConfigError; drop: the datasets without them)."""
+    limit = prompt_token_limit(config)
+    tokenizer = run_tokenizer(config)
+    if config.data.prompt_format == "chat" and getattr(tokenizer, "chat_template", None) is None:
+        raise ConfigError(f"data.prompt_format=chat needs a chat template, and the run's tokenizer "
+                          f"({_tokenizer_source(config)}) has none; use data.prompt_format=raw or a tokenizer "
+                          "that ships one")
+    named = {key: dataset for key, dataset in zip(DATASET_KEYS, datasets) if dataset is not None}
+    over = {key: overlong_prompts(dataset, tokenizer, config.data, limit) for key, dataset in named.items()}
+    if not any(over.values()):
+        return datasets
+    if config.data.overlong_prompts == "error":
+        raise _overlong_error(over, named, limit, config)
+    return tuple(_drop_overlong(key, dataset, over[key], limit, config) if dataset is not None else None
+                 for key, dataset in zip(DATASET_KEYS, datasets))

@@ -30,6 +30,7 @@ class GroupScorer:
     def __init__(self, reward_config, tokenizer, runtime):
         self.tokenizer, self.runtime = tokenizer, runtime
         self._scorer = build_scorer(reward_config) if runtime.is_driver else None
+        self.first_error: str | None = None  # the driver's: the latest scoring's first failure, if any
         # The asynchronous producer and the held-out evaluation (the trainer's thread) share it.
         self._lock = threading.Lock()
 
@@ -48,6 +49,7 @@ class GroupScorer:
                   for record, group in zip(records, groups) for sample in group]
         with self._lock:
             result = self._scorer.score(inputs)
+            self.first_error = result.first_error or self.first_error
         return list(result.rewards), result.metrics()
 
     def score_group_on_driver(self, record, samples: Sequence[Sample]) -> tuple[list[Trajectory], dict]:

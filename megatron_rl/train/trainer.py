@@ -28,6 +28,7 @@ from megatron_rl.algorithms.from_config import recipe_for
 from megatron_rl.checkpoint.manager import CheckpointManager
 from megatron_rl.config import RunConfig, to_dict
 from megatron_rl.data import build_sampler, encode_prompt
+from megatron_rl.errors import TrainingStopped
 from megatron_rl.model.policy import Policy
 from megatron_rl.observability.metrics_log import MetricsLog
 from megatron_rl.observability.plotting import learning_summary
@@ -48,9 +49,11 @@ from megatron_rl.train.experience import (
     store_logprobs,
 )
 from megatron_rl.train.preflight import preflight
+from megatron_rl.train.reward_failures import check_reward_failures
 from megatron_rl.train.routing_replay import RoutingReplay
 from megatron_rl.train.scoring import GroupScorer
 from megatron_rl.train.stop_signals import StopSignals
+from megatron_rl.train.update_guard import UpdateGuard
 from megatron_rl.train.warm_start import warm_start
 
 
@@ -113,6 +116,7 @@ class Trainer:
                                    sampler=self.sampler, train_set=self.train_set, rollout=self.rollout,
                                    scorer=self.scorer, encode=self.encode, runtime=runtime, notify=self.log.message)
         self.stop_signals = StopSignals()
+        self.update_guard = UpdateGuard(config.rl.max_bad_steps, notify=self.log.message)
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -157,6 +161,11 @@ class Trainer:
             self.checkpoints.record_run_state(step, finished=True)
             clean = True
             return self._result(step, finished=True, checkpoint=last_saved)
+        except TrainingStopped:
+            # Raised on every rank at the same update (its flags are all-reduced), before this
+            # step's save: the save still in flight holds good weights and is published.
+            clean = True
+            raise
         finally:
             self.checkpoints.close(clean=clean)
             self._shutdown()
@@ -165,6 +174,7 @@ class Trainer:
         rl, timings = self.config.rl, {}
         rollout = self.collector.take(step, timings)
         metrics = dict(rollout.metrics)
+        check_reward_failures(step, metrics, self.scorer.first_error, notify=self.log.message)
 
         tick = time.perf_counter()
         group_advantages(rollout.groups, self.recipe)
@@ -186,7 +196,7 @@ class Trainer:
         timings["time/logprobs_s"] = time.perf_counter() - tick
 
         tick = time.perf_counter()
-        metrics.update(self._train(packed, per_update, old_from_forward=not recompute_old, policy_version=step - 1))
+        metrics.update(self._train(packed, per_update, old_from_forward=not recompute_old, step=step))
         timings["time/train_s"] = time.perf_counter() - tick
 
         tick = time.perf_counter()
@@ -213,11 +223,13 @@ class Trainer:
                 store_logprobs(outputs[position: position + len(batches)], batches, trajectories, attribute)
                 position += len(batches)
 
-    def _train(self, packed, per_update, *, old_from_forward: bool, policy_version: int) -> dict:
-        """The step's optimizer updates; `policy_version`: the version they start from (the
-        staleness of an asynchronous sample's tokens is measured against it)."""
+    def _train(self, packed, per_update, *, old_from_forward: bool, step: int) -> dict:
+        """The step's optimizer updates. They start from policy version step - 1 (the staleness of
+        an asynchronous sample's tokens is measured against it). A non-finite update stops the run
+        here, before the step's checkpoint and weight push (update_guard.py)."""
+        policy_version = step - 1
         results, micro_metrics, offset = [], [], 0
-        for batches, trajectories in zip(packed, per_update):
+        for update, (batches, trajectories) in enumerate(zip(packed, per_update)):
             normalizer = step_normalizer(response_masks(batches, trajectories, self.recipe), self.recipe,
                                          self.policy.dp_group, self.runtime.device)
             loss_fn = make_loss_fn(trajectories, self.recipe, normalizer, old_from_forward=old_from_forward,
@@ -225,13 +237,15 @@ class Trainer:
                                    max_staleness=self.config.rl.max_staleness)
             with self.routing.update(offset) as trace:
                 result = self.policy.train_step(batches, loss_fn, routing=trace)
+            self.update_guard.check(step, update, result)
             offset += len(batches)
             results.append(result)
             micro_metrics.extend(result.metrics)
         metrics = reduce_metrics(micro_metrics, group=self.policy.dp_group) if self.runtime.is_last_stage else {}
         metrics = self.runtime.from_last_stage(metrics)
         metrics.update({"train/loss": sum(r.loss for r in results), "train/grad_norm": results[-1].grad_norm,
-                        "train/lr": self.policy.learning_rate, "train/updates": len(results)})
+                        "train/lr": self.policy.learning_rate, "train/updates": len(results),
+                        "train/skipped_updates": sum(not r.updated for r in results)})
         metrics.update(self.routing.drift_metrics())
         return metrics
 

@@ -122,6 +122,14 @@ def test_config_that_is_a_directory(tmp_path):
         ("optimizer.adam_beta1=2.0", "optimizer.adam_beta1 must be in [0, 1)"),
         ("optimizer.adam_beta2=-0.1", "optimizer.adam_beta2 must be in [0, 1)"),
         ("optimizer.clip_grad=-1", "optimizer.clip_grad must be >= 0"),
+        # NaN passes every comparison; an infinite or absurd rate diverged a run in one update.
+        ("optimizer.lr=.nan", "optimizer.lr must be a finite number, got nan"),
+        ("optimizer.lr=.inf", "optimizer.lr must be a finite number, got inf"),
+        ("optimizer.lr=1e30", "optimizer.lr must be a finite number in (0, 1], got 1e+30"),
+        ("optimizer.min_lr=.nan", "optimizer.min_lr must be a finite number, got nan"),
+        ("optimizer.clip_grad=.inf", "optimizer.clip_grad must be a finite number"),
+        ("warm_start.lr=.nan", "warm_start.lr must be a finite number in (0, 1], got nan"),
+        ("rl.max_bad_steps=0", "rl.max_bad_steps must be >= 1"),
     ],
 )
 def test_optimizer_ranges(override, message):

@@ -70,6 +70,9 @@ def test_server_is_ready_for_every_transport_at_its_tensor_parallel_size(tmp_pat
         assert arg(command, "--load-format") == "dummy"  # the trainer pushes the weights
         assert arg(command, "--port") == "18123" and arg(command, "--seed") == str(config.seed + 1)
         assert not any(item.startswith("--weight-transfer") for item in command)
+        # Every route but /health needs the job's token, which travels in the environment only.
+        assert arg(command, "--middleware") == "megatron_rl.rollout.auth.RolloutTokenMiddleware"
+        assert server.env["MEGATRON_RL_ROLLOUT_TOKEN"] and server.env["MEGATRON_RL_ROLLOUT_TOKEN"] not in " ".join(command)
         model_dir = Path(arg(command, "--model"))
         assert model_dir == tmp_path / "rollout" / "vllm-1" / "model"
     assert "--distributed-executor-backend" not in command  # tp 2: vLLM's own multi-process workers
@@ -129,8 +132,20 @@ def test_refused_engine_exits_with_a_configuration_error(tmp_path):
         "engine": "sglang", "mode": "server", "weight_transport": "files"}}))
     result = subprocess.run([sys.executable, "-m", "megatron_rl.launch.rollout_node", "--config", str(config),
                              "--port", "1"], capture_output=True, text=True, timeout=120,
-                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+                            env=dict(os.environ, PYTHONPATH=str(REPO), MEGATRON_RL_ROLLOUT_TOKEN="job-secret"))
     assert result.returncode == 2 and "rollout nodes run vLLM servers only" in result.stderr, result.stderr
+
+
+def test_rollout_node_without_the_jobs_token_is_refused_before_starting(tmp_path):
+    """An open server let anyone replace its weights: a node without the job's token never starts one."""
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"output_dir": str(tmp_path), "rollout": {"mode": "server"}}))
+    env = {key: value for key, value in os.environ.items() if key != "MEGATRON_RL_ROLLOUT_TOKEN"}
+    result = subprocess.run([sys.executable, "-m", "megatron_rl.launch.rollout_node", "--config", str(config),
+                             "--port", "1"], capture_output=True, text=True, timeout=120,
+                            env=dict(env, PYTHONPATH=str(REPO)))
+    assert result.returncode == 2 and "MEGATRON_RL_ROLLOUT_TOKEN is not set" in result.stderr, result.stderr
+    assert not (tmp_path / "rollout").exists()
 
 
 def disaggregated(tmp_path, overrides: list[str], **options) -> tuple[str, dict]:

@@ -7,8 +7,9 @@ cluster configured to reject).
 
 Against a real SLURM (slurmctld + three slurmd on this host, see conftest.py; skipped with the
 reason where it cannot start): the tiny default, shortened, runs to completion through
-`megatron-rl launch slurm` on two nodes; a job requeued mid-run (`scontrol requeue`) resumes
-from its last checkpoint instead of step 0; the preemption warning (USR1 to the batch script)
+`megatron-rl launch slurm` on two nodes; a job requeued mid-run (`scontrol requeue`: SIGTERM to
+every process of the job, wandb's helper included, as at preemption) writes its stop checkpoint and
+resumes from it; the preemption warning (USR1 to the batch script)
 makes the trainer checkpoint and the job requeue itself and finish; the disaggregated template
 (one training node, two rollout nodes running a vLLM server each) trains with every weight push
 reaching both servers.
@@ -175,24 +176,34 @@ def test_job_completes_on_two_nodes(slurm_cluster, tmp_path):
     assert (out / "config.yaml").is_file() and "training finished (exit 0)" in text
 
 
-def test_requeued_job_resumes_from_checkpoint(slurm_cluster, tmp_path):
+def test_requeued_job_stops_with_a_checkpoint_and_resumes_from_it(slurm_cluster, tmp_path):
+    """`scontrol requeue` is what SLURM does to a job it preempts (PreemptMode=REQUEUE): SIGTERM to
+    every process of the job, not only the trainer (SLURM's process tracking reaches wandb's helper
+    process, which has its own session), SIGKILL KillWait later, then the job runs again. With wandb
+    offline, as by default, the trainer still finishes its step and writes the stop checkpoint, and
+    the requeued job resumes from that one, not from the older periodic checkpoint."""
     out = tmp_path / "requeue"
-    job_id, log = submit(slurm_cluster, out, 1, f"rl.steps={LONG}")
-    wait_until(lambda: checkpointed(out) and max(steps_logged(out), default=0) >= 2, 240,
-               "the first periodic checkpoint", slurm_cluster, log, job_id)
+    job_id, log = submit(slurm_cluster, out, 1, f"rl.steps={LONG}", "logging.wandb_mode=offline")
+    wait_until(lambda: max(steps_logged(out), default=0) >= 1, 240, "the first RL step", slurm_cluster, log, job_id)
     slurm_cluster.run("scontrol", "requeue", job_id)
     wait_until(lambda: slurm_cluster.job_field(job_id, "Restarts") not in (None, "0")
                and finished(slurm_cluster, job_id, out), 300, "the requeued job to end", slurm_cluster, log, job_id)
     text = log.read_text(errors="replace")
     assert slurm_cluster.job_state(job_id) == "COMPLETED", text[-4000:]
     assert "restart 1:" in text
+    stopped = re.search(r"stopped by SIGTERM after step (\d+); checkpoint \S+step_0*(\d+)\.", text)
+    assert stopped and stopped.group(1) == stopped.group(2), f"no stop checkpoint:\n{text[-6000:]}"
+    stop_step = int(stopped.group(1))
+    # wandb's helper died of the same SIGTERM: one line says so instead of the run failing.
+    first_run = text[:text.index("restart 1:")]
+    assert re.search(r"^wandb (log|finish) failed \(.*metrics continue in \S+metrics\.jsonl$", first_run,
+                     re.MULTILINE), first_run[-6000:]
     resumed = re.search(r"resumed from \S+ at step (\d+)", text)
     assert resumed, f"the requeued run did not resume:\n{text[-4000:]}"
-    checkpoint_step = int(resumed.group(1))
-    assert checkpoint_step >= 2
+    assert int(resumed.group(1)) == stop_step, text[-4000:]
     after = text[resumed.end():]
     first = re.search(rf"^step (\d+)/{LONG}", after, re.MULTILINE)
-    assert first and int(first.group(1)) == checkpoint_step + 1, after[:2000]
+    assert first and int(first.group(1)) == stop_step + 1, after[:2000]
     assert "warm start" not in after.lower() or "step 0/" not in after
     assert sorted(steps_logged(out)) == list(range(LONG + 1)), "every step once in the final metrics"
     assert json.loads((out / "run_state.json").read_text()) == {"step": LONG, "finished": True}

@@ -3,6 +3,7 @@ the CPU compatibility layer and Megatron's global state never enter the pytest p
 
     python policy_worker.py packing  HF_CONFIG OUT.json
     python policy_worker.py params   HF_CONFIG OUT.json
+    python policy_worker.py nonfinite HF_CONFIG OUT.json
 """
 
 import json
@@ -73,8 +74,49 @@ def params(hf_config: str) -> dict:
     return {"megatron": megatron, "megatron_without_padding": megatron - padded_rows, "hf": hf}
 
 
+def nonfinite(hf_config: str) -> dict:
+    """Policy.train_step on a NaN gradient (skipped, weights untouched), then a good one, then an
+    update that overflows the weights (lr 1e30, set past the config's own check)."""
+    from megatron_rl.model.packing import pack
+
+    policy, runtime = start(hf_config)
+    generator = torch.Generator().manual_seed(0)
+    samples = [torch.randint(0, policy.arch.vocab_size, (n,), generator=generator).tolist() for n in (12, 9)]
+    batches = [pack(samples, [4, 3], pad_to_multiple=8)]
+
+    def loss_with(scale: float):
+        def loss_fn(logprobs, entropy, batch):
+            mask = batch.loss_mask.to(logprobs.device)
+            return -(logprobs * mask).sum() / mask.sum() * scale, {}
+        return loss_fn
+
+    def weights():
+        return torch.cat([p.detach().float().flatten().clone() for p in policy.module.parameters()])
+
+    before = weights()
+    nan_step = policy.train_step(batches, loss_with(float("nan")))
+    after_nan = weights()
+    good_step = policy.train_step(batches, loss_with(1.0))
+    after_good = weights()
+    for group in policy.optimizer.param_groups:
+        group["max_lr"] = group["min_lr"] = 1e30  # the scheduler re-applies its rate each step
+    blown = policy.train_step(batches, loss_with(1.0), lr=1e30)
+    result = {
+        "nan_step": {"updated": nan_step.updated, "grad_norm": repr(nan_step.grad_norm),
+                     "weights_finite": nan_step.weights_finite},
+        "nan_step_changed_weights": int((after_nan != before).sum()),
+        "good_step": {"updated": good_step.updated, "grad_norm": good_step.grad_norm,
+                      "weights_finite": good_step.weights_finite},
+        "good_step_changed_weights": int((after_good != after_nan).sum()),
+        "blown_step": {"updated": blown.updated, "weights_finite": blown.weights_finite},
+        "blown_max_weight": float(weights().abs().max()),
+    }
+    runtime.shutdown()
+    return result
+
+
 if __name__ == "__main__":
     mode, hf_config, out = sys.argv[1:4]
-    result = {"packing": packing, "params": params}[mode](hf_config)
+    result = {"packing": packing, "params": params, "nonfinite": nonfinite}[mode](hf_config)
     with open(out, "w") as handle:
         json.dump(result, handle)

@@ -79,3 +79,17 @@ def test_cli_reports_config_errors_before_work(tmp_path):
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "configuration error" in result.stderr
+
+
+def test_non_finite_gradient_skips_the_update_and_overflowing_weights_are_reported(tmp_path):
+    """A NaN gradient (on an MoE model: expert buffers too) must leave every weight as it was
+    and report a skipped update, where Megatron's own check raised ("found NaN in local grad
+    norm") and its clipping would have let Adam write NaN; an update that overflows the weights
+    must be reported so that the trainer neither saves nor pushes them."""
+    result = run_worker("nonfinite", "tiny-qwen3-moe", tmp_path)
+    assert result["nan_step"] == {"updated": False, "grad_norm": "nan", "weights_finite": True}, result
+    assert result["nan_step_changed_weights"] == 0, result
+    assert result["good_step"]["updated"] and result["good_step"]["weights_finite"], result
+    assert result["good_step_changed_weights"] > 1000, result  # the guard does not freeze good updates
+    assert result["blown_step"] == {"updated": True, "weights_finite": False}, result
+    assert result["blown_max_weight"] > 1e19, result

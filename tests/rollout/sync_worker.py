@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -78,6 +79,18 @@ def flat(groups):
     return [sample for group in groups for sample in group]
 
 
+def shm_names() -> dict:
+    """The shared-memory name vLLM's CPU build gives the engine's TP group on every rank (the
+    name is set whether or not this CPU's kernels use shared memory)."""
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+    from vllm.distributed.parallel_state import get_tp_group
+
+    name = _CPUSHMDistributed.make_group_name(get_tp_group().device_communicator)
+    names = [None] * dist.get_world_size()
+    dist.all_gather_object(names, {"ident": os.environ.get("VLLM_DIST_IDENT"), "group": name})
+    return {"per_rank": names}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hf", required=True)
@@ -104,6 +117,7 @@ def main() -> None:
         from megatron_rl.rollout.engines.vllm_colocated import VllmColocatedEngine
 
         engine = VllmColocatedEngine(args.hf, dtype="float32", max_model_len=256, seed=0)
+        report["shm_names"] = shm_names()
     else:
         # The trainer's own rollout client: servers started with dummy weights, so the first
         # push (through the configured transport) is what makes them agree with the trainer.

@@ -13,15 +13,19 @@ rebuilding its gloo groups among the survivors.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -30,6 +34,7 @@ from megatron_rl.runtime.launch_env import free_port
 from megatron_rl.rollout import EngineError, EnginePool, SamplingParams
 from megatron_rl.rollout.protocol import EngineDied, EngineUnavailable
 from megatron_rl.rollout.engines.vllm_server import VllmServerEngine
+from megatron_rl.rollout.weights.digest import WeightDigest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bridge"))
 from test_pool_mock_http import fakes  # noqa: E402,F401  (the fixture of fake servers)
@@ -166,6 +171,80 @@ def test_server_killed_in_flight_its_prompts_go_to_the_survivor(servers, world, 
     pool.reset_prefix_cache()
 
 
+def http_status(url: str, method: str, body: dict | None = None, token: str | None = None) -> int:
+    """A raw request, as anyone who can reach the port could send it."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    data = json.dumps(body).encode() if body is not None else None
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=data, method=method, headers=headers),
+                                    timeout=60) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_requests_without_the_jobs_token_are_refused_and_a_tampered_engine_stops_the_push(servers, world, tmp_path):
+    """The audit's attack: POST /collective_rpc update_weights_from_files with a file of zeros
+    returned 200 and the engine served zeros. Without the job's token every route but /health is
+    refused (401); a client that has the token (a second job sharing it, a stray tool) and loads
+    other weights is named at the trainer's next push, which stops instead of training on them."""
+    from safetensors.torch import load_file, save_file
+
+    from megatron_rl.rollout.protocol import WeightsNotServed
+    from megatron_rl.rollout.weights.transport import FilesTransport
+
+    root, processes = servers
+    process = processes[0]
+    tensors = load_file(str(root / "hf" / "model.safetensors"))
+    zeros = tmp_path / "zeros"
+    zeros.mkdir()
+    save_file({name: torch.zeros_like(tensor) for name, tensor in tensors.items()}, str(zeros / "model.safetensors"))
+    (zeros / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {name: "model.safetensors" for name in tensors}}))
+    attack = {"method": "update_weights_from_files", "args": [json.dumps([str(zeros / "model.safetensors")])]}
+
+    assert http_status(f"{process.url}/health", "GET") == 200  # liveness stays open
+    for token in (None, "not-the-job-token"):
+        assert http_status(f"{process.url}/collective_rpc", "POST", attack, token) == 401
+        assert http_status(f"{process.url}/pause", "POST", {}, token) == 401
+        assert http_status(f"{process.url}/v1/models", "GET", None, token) == 401
+        assert http_status(f"{process.url}/metrics", "GET", None, token) == 401
+        assert http_status(f"{process.url}/collective_rpc", "POST",
+                           {"method": "join_weight_group", "args": ["{}", 0]}, token) == 401
+
+    engine = VllmServerEngine(process.url, name=process.name, process=process, max_retries=1)
+    transport = FilesTransport(tmp_path / "staging", bucket_bytes=64 << 20)
+    transport.connect([engine])
+    assert transport.push(iter(tensors.items())) == len(tensors)
+    assert transport.push(iter(tensors.items())) == len(tensors)  # the refused requests changed nothing
+
+    engine.load_weight_files(str(zeros))  # with the token, behind the trainer's back
+    with pytest.raises(WeightsNotServed, match=r"vllm-0 last received .*sum of squares 0, but this trainer pushed"):
+        transport.push(iter(tensors.items()))
+
+
+def test_a_server_whose_main_process_died_is_reaped_with_its_whole_tree(servers):
+    """Its engine-core process outlived it (on a GPU, holding the GPU's memory): stop() returned
+    early when the main process was gone. Runs last on the live servers (it ends vllm-0)."""
+    _, processes = servers
+    process = processes[0]
+    group = process.process.pid
+    members = [p for p in psutil.process_iter() if _in_group(p, group)]
+    assert len(members) >= 2, "the server should run its engine core in a child process"
+    os.kill(process.process.pid, signal.SIGKILL)  # the API server alone, as an OOM kill would
+    process.process.wait()
+    assert [p for p in psutil.process_iter() if _in_group(p, group)], "its children outlived it"
+    process.stop(grace_s=30)
+    assert not [p for p in psutil.process_iter() if _in_group(p, group)]
+
+
+def _in_group(process, group: int) -> bool:
+    try:
+        return os.getpgid(process.pid) == group and process.status() != psutil.STATUS_ZOMBIE
+    except (ProcessLookupError, psutil.Error):
+        return False
+
+
 def recorded(engine, calls):
     generate = engine.generate
 
@@ -263,7 +342,13 @@ class GroupEngine:
         with ThreadPoolExecutor(max_workers=self.ranks) as threads:
             received = list(threads.map(receive, self.groups))
         assert all(len(r) == len(received[0]) for r in received)
+        self.received = WeightDigest()  # what a real engine's worker digests (rollout/weights/digest.py)
+        for _, tensor in received[0]:
+            self.received.add(tensor)
         return len(received[0])
+
+    def fingerprint(self):
+        return {"received": self.received.to_dict(), "served_at_push": 0.0, "served_now": 0.0}
 
 
 def test_collective_transport_rebuilds_its_groups_without_the_dead_engine(world, monkeypatch):

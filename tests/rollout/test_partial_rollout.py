@@ -27,6 +27,7 @@ from megatron_rl.train.async_rollout import AsyncRollout  # noqa: E402
 from megatron_rl.data import PromptSampler  # noqa: E402
 from megatron_rl.rollout.pool import EnginePool  # noqa: E402
 from megatron_rl.rollout.protocol import SamplingParams  # noqa: E402
+from megatron_rl.rollout.auth import authorization_header, rollout_token  # noqa: E402
 from megatron_rl.rollout.engines.vllm_server import VllmServerEngine  # noqa: E402
 from megatron_rl.train.scoring import to_trajectories  # noqa: E402
 
@@ -38,7 +39,8 @@ MAX_TOKENS = 900  # with ignore_eos: seconds of generation, so the update lands 
 
 def running_requests(url: str) -> int:
     """The server's own count of requests being generated (vLLM's Prometheus gauge)."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+    request = urllib.request.Request(f"{url}/metrics", headers=authorization_header(rollout_token()))
+    with urllib.request.urlopen(request, timeout=10) as response:
         text = response.read().decode()
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line.startswith("vllm:num_requests_running")]

@@ -103,13 +103,19 @@ def test_failing_reward_function_is_counted_and_run_completes(tmp_path):
         f"    - name: {REPO / 'tests' / 'train' / 'flaky_rewards.py'}:raises_on_sevens\n"
     )
     out = tmp_path / "run"
-    run(out, "rl.steps=3", "checkpoint.every_steps=0", config=config)
+    console = run(out, "rl.steps=2", "checkpoint.every_steps=0", config=config)
+    console = console.stdout + console.stderr
     records = metrics(out)
     errors = sum(r.get("reward/errors", 0) for r in records.values() if r["step"] > 0)
     timeouts = sum(r.get("reward/timeouts", 0) for r in records.values() if r["step"] > 0)
     assert errors > 0, "no sample made the reward function raise; the test would not show anything"
     assert timeouts > 0, "no sample made the reward function hang"
     assert json.loads((out / "run_state.json").read_text())["finished"] is True
+    # Said on the console, a line per step with failures, with the first error (not only in metrics.jsonl).
+    warned = [line for line in console.splitlines() if "reward calls failed" in line]
+    failing_steps = [r["step"] for r in records.values() if r["step"] > 0 and r["reward/errors"] + r["reward/timeouts"]]
+    assert len(warned) == len(failing_steps), console[-3000:]
+    assert any("this reward function does not like sevens" in line or "timed out" in line for line in warned), warned
 
 
 # One RL step of two updates, made so that both updates have a real signal: a task the

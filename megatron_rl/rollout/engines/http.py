@@ -11,16 +11,20 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from megatron_rl.rollout.protocol import EngineError, EngineTimeout, EngineUnavailable
+from megatron_rl.rollout.auth import TOKEN_ENV, authorization_header, rollout_token
+from megatron_rl.rollout.protocol import EngineError, EngineTimeout, EngineUnauthorized, EngineUnavailable
 
 # Statuses worth a retry: the server is up but momentarily cannot answer.
 _TRANSIENT = {429, 502, 503, 504}
 
 
 class JsonClient:
-    def __init__(self, name: str, base_url: str, *, timeout_s: float, max_retries: int, backoff_s: float = 1.0):
+    def __init__(self, name: str, base_url: str, *, timeout_s: float, max_retries: int, backoff_s: float = 1.0,
+                 token: str | None = None):
+        """`token`: the job's rollout token (rollout/auth.py); None: MEGATRON_RL_ROLLOUT_TOKEN's value."""
         self.name, self.base_url = name, base_url.rstrip("/")
         self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
+        self._headers = {"Content-Type": "application/json", **authorization_header(token or rollout_token())}
 
     def post(self, path: str, body: dict | None = None, *, timeout_s: float | None = None, params: str = "",
              retries: int | None = None) -> Any:
@@ -39,13 +43,17 @@ class JsonClient:
         for attempt in range(attempts):
             if attempt:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+            request = urllib.request.Request(url, data=data, method=method, headers=self._headers)
             try:
                 with urllib.request.urlopen(request, timeout=timeout) as response:
                     payload = response.read()
                 return json.loads(payload) if payload else None
             except urllib.error.HTTPError as exc:
                 detail = exc.read().decode(errors="replace")[:500]
+                if exc.code in (401, 403):
+                    raise EngineUnauthorized(f"{self.name}: {method} {path} -> HTTP {exc.code}: the server refused this "
+                                             f"client's rollout token; trainer and servers must share the job's "
+                                             f"{TOKEN_ENV}") from exc
                 if exc.code not in _TRANSIENT:
                     raise EngineError(f"{self.name}: {method} {path} -> HTTP {exc.code}: {detail}") from exc
                 last = EngineError(f"{self.name}: {method} {path} -> HTTP {exc.code}: {detail}")

@@ -10,6 +10,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
+
 from megatron_rl.rollout.engines.http import JsonClient
 from megatron_rl.rollout.protocol import EngineError, EngineTimeout, EngineUnavailable, check_grouping
 
@@ -63,16 +65,46 @@ class ServerProcess:
             return "(no log)"
 
     def stop(self, grace_s: float = 20.0) -> None:
-        if self.process.poll() is not None:
+        """SIGTERM to the server's whole process group, SIGKILL to what is left after `grace_s`.
+        Also when the main process is already gone: its engine-core and worker processes outlive
+        it (a GPU's memory with them) unless the group is signalled."""
+        group = self.process.pid  # launched with start_new_session: the group's id is the server's pid
+        if not _group_alive(group):
+            self.process.poll()
             return
+        _signal_group(group, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while _group_alive(group) and time.monotonic() < deadline:
+            self.process.poll()  # reaps the main process, our child; the others are its children
+            time.sleep(0.1)
+        if _group_alive(group):
+            _signal_group(group, signal.SIGKILL)
+            while _group_alive(group) and time.monotonic() < deadline + 10:
+                self.process.poll()
+                time.sleep(0.1)
+        self.process.poll()
+
+
+def _signal_group(group: int, number: int) -> None:
+    try:
+        os.killpg(group, number)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(group: int) -> bool:
+    """Whether a process of `group` still runs (a zombie left for its parent to reap does not count)."""
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    for process in psutil.process_iter(["pid"]):
         try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-        except ProcessLookupError:
-            pass
+            if os.getpgid(process.pid) == group and process.status() != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, psutil.NoSuchProcess, psutil.ZombieProcess, PermissionError):
+            continue
+    return False
 
 
 class ServerEngineBase:

@@ -394,6 +394,11 @@ class SglangServerEngine(ServerEngineBase):
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
+    def fingerprint(self) -> None:
+        """SGLang runs none of our code in its workers, so nothing digests what a push delivered:
+        its pushes are not verified (rollout/weights/digest.py)."""
+        return None
+
     def pause(self) -> None:
         # SGLang has no "let in-flight requests finish" mode. "abort" returns them as aborted, so a
         # generate() racing the pause fails loudly instead of finishing with mixed weights

@@ -18,6 +18,7 @@ import gc
 import json
 import os
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -90,6 +91,15 @@ class VllmColocatedEngine:
             # single process started by us does not have them.
             os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
             os.environ.setdefault("LOCAL_RANK", str(local_rank))
+        # Shared memory between the engine's ranks (CPU build): named for this run, after the
+        # segments dead runs left are gone (runtime/cpu/vllm_shm.py).
+        shm_names = nullcontext()
+        if on_cpu and distributed:
+            from megatron_rl.runtime.cpu.vllm_shm import remove_stale_segments, run_identifier, segments_named_for
+
+            if int(os.environ["LOCAL_RANK"]) == 0:
+                remove_stale_segments(notify=lambda line: print(f"[megatron-rl] {line}", flush=True))
+            shm_names = segments_named_for(run_identifier())  # collective
         started = time.perf_counter()
         # vLLM runs gc.collect() about five times while it starts; over a heap that already holds
         # torch, Megatron-Core, transformers and the policy, each took ~0.3 s on 2 cores (1.4 s
@@ -98,7 +108,7 @@ class VllmColocatedEngine:
         gc.freeze()
         # vLLM's CPU build names no CUDA device: it runs without Megatron's CPU redirection (a
         # Python call per torch op otherwise), here and in generate / update_weights.
-        with suspended():
+        with suspended(), shm_names:
             self._llm = LLM(
                 model=str(model_dir),
                 dtype=dtype,

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_rl.rollout.auth import MIDDLEWARE, TOKEN_ENV, ensure_rollout_token
 from megatron_rl.rollout.engines.http import JsonClient
 from megatron_rl.rollout.engines.server_process import ServerEngineBase, ServerProcess
 from megatron_rl.rollout.protocol import (
@@ -52,12 +53,15 @@ class VllmServerProcess(ServerProcess):
         env = dict(os.environ)
         env.update(vllm_environment(cache_dir, on_cpu=on_cpu, kv_cache_gib=cpu_kv_cache_gib))
         env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache
+        ensure_rollout_token()  # exported: the server reads it, our clients send it (rollout/auth.py)
+        env[TOKEN_ENV] = os.environ[TOKEN_ENV]
         command = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model_dir), "--host", host, "--port", str(port),
             "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", str(seed),
             "--load-format", load_format, "--worker-extension-cls", WORKER_EXTENSION,
             "--gpu-memory-utilization", str(gpu_memory_utilization),
+            "--middleware", MIDDLEWARE,  # every route but /health needs the job's token
         ]
         if on_cpu:
             command.append("--enforce-eager")

@@ -42,7 +42,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.bridge.export import buckets
-from megatron_rl.rollout.protocol import EngineDied, EngineError, EngineUnavailable, RolloutEngine, WeightStream
+from megatron_rl.rollout.protocol import (
+    EngineDied,
+    EngineError,
+    EngineUnavailable,
+    RolloutEngine,
+    WeightStream,
+    WeightsNotServed,
+)
+from megatron_rl.rollout.weights.digest import WeightDigest, digesting
 from megatron_rl.rollout.weights.stream import drain
 from megatron_rl.rollout.weights.group import GroupSpec, host_store, join_stage_group, send_bucket, send_end
 
@@ -70,12 +78,15 @@ def newly_dead(dropped: set[str], names: Iterable[str] | str) -> list[str]:
     return new
 
 
-def agree(outcome: tuple[int | None, str | None], source: int = 0) -> int:
-    """The driver's (count, error) on every rank: a push fails everywhere or nowhere."""
+def agree(outcome: tuple[int | None, str | None], source: int = 0, *, unserved: bool = False) -> int:
+    """The driver's (count, error) on every rank: a push fails everywhere or nowhere. `unserved`:
+    an error with a count of None that came from unserved_weights stops the run (WeightsNotServed)."""
     holder = [outcome if dist.get_rank() == source else None]
     dist.broadcast_object_list(holder, src=source)
     count, error = holder[0]
     if error is not None:
+        if unserved and error.startswith(UNSERVED):
+            raise WeightsNotServed(error)
         raise EngineError(error)
     return count
 
@@ -100,6 +111,39 @@ def on_every_engine(engines: list[RolloutEngine], method: str, *args) -> list:
     return results
 
 
+UNSERVED = "rollout engines do not serve the weights this trainer pushed"
+
+
+def unserved_weights(engines: list[RolloutEngine], expected: WeightDigest | None) -> str | None:
+    """Why some engine does not serve the weights last pushed to it, or None (digest.py): what it
+    received must be `expected` (None: no push yet, nothing to compare), and the sum of what it
+    serves must not have moved since. Asked before a push (a change since the last one) and
+    after it (the push itself)."""
+    if expected is None:
+        return None
+    problems = []
+    for engine, report in zip(engines, on_every_engine(engines, "fingerprint")):
+        if report is None:  # an engine that cannot tell (SGLang)
+            continue
+        received = WeightDigest.from_dict(report["received"])
+        if received is None or not received.matches(expected):
+            problems.append(f"{engine.name} last received {received or 'nothing'}, but this trainer pushed {expected}")
+        elif report["served_now"] != report["served_at_push"]:
+            problems.append(f"{engine.name}'s weights changed after the push (served sum {report['served_at_push']!r}"
+                            f" then, {report['served_now']!r} now)")
+    if not problems:
+        return None
+    return (UNSERVED + "; something else loaded or changed them "
+            "(another client of an engine's endpoint, a second job with this job's rollout token, or a failed "
+            "load): " + "; ".join(problems) + ". Stopped before training on their rollouts.")
+
+
+def raise_if_unserved(problem: str | None) -> None:
+    """Every rank, with the driver's (or its own) finding: the run stops everywhere or nowhere."""
+    if problem is not None:
+        raise WeightsNotServed(problem)
+
+
 def same_count(engines: list[RolloutEngine], counts: list[int]) -> int:
     if len(set(counts)) != 1:
         raise EngineError("engines loaded different tensor counts: "
@@ -118,15 +162,26 @@ class InProcessTransport:
     def __init__(self):
         self.engine = None
         self.dropped: set[str] = set()
+        self.pushed: WeightDigest | None = None  # what this rank last pushed
 
     def connect(self, engines: list[RolloutEngine] | None) -> None:
         (self.engine,) = engines
 
     def push(self, stream: WeightStream) -> int:
+        """Every rank pushes its own full stream to its own share of the engine, and checks it."""
         if self.engine is None:
             raise EngineDied(f"weight push (stream): the colocated engine {', '.join(sorted(self.dropped))} died; "
                              "restart the run (it resumes from its last checkpoint)")
-        return self.engine.update_weights(stream)
+        problem, count = unserved_weights([self.engine], self.pushed), 0
+        if problem is None:
+            digest = WeightDigest()
+            count = self.engine.update_weights(digesting(stream, digest))
+            self.pushed = digest
+            problem = unserved_weights([self.engine], digest)
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        raise_if_unserved(next((problem for problem in problems if problem), None))
+        return count
 
     def drop(self, names: Iterable[str]) -> None:
         newly_dead(self.dropped, names)
@@ -148,6 +203,7 @@ class FilesTransport:
         self.engines: list[RolloutEngine] | None = None
         self.dropped: set[str] = set()
         self._pushes = 0
+        self.pushed: WeightDigest | None = None  # the driver's: what the engines last got
 
     def connect(self, engines: list[RolloutEngine] | None) -> None:
         self.engines = engines
@@ -169,17 +225,24 @@ class FilesTransport:
             if not self.engines:
                 drain(stream)  # the other ranks' streams take part in its collectives
                 raise EngineUnavailable(f"no live engine left (dead: {', '.join(sorted(self.dropped))})")
-            written = write_safetensors_dir(stream, directory, self.bucket_bytes)
-            counts = on_every_engine(self.engines, "load_weight_files", str(directory))
-            count = same_count(self.engines, counts)
-            if count != written:
-                raise EngineError(f"engines loaded {count} tensors of the {written} written to {directory}")
-            outcome = (count, None)
+            problem = unserved_weights(self.engines, self.pushed)
+            if problem is None:
+                digest = WeightDigest()
+                written = write_safetensors_dir(digesting(stream, digest), directory, self.bucket_bytes)
+                counts = on_every_engine(self.engines, "load_weight_files", str(directory))
+                count = same_count(self.engines, counts)
+                if count != written:
+                    raise EngineError(f"engines loaded {count} tensors of the {written} written to {directory}")
+                self.pushed = digest
+                problem = unserved_weights(self.engines, digest)
+            else:
+                drain(stream)
+            outcome = (count if problem is None else None, problem)
         except EngineError as exc:
             outcome = (None, f"weight push (files, {directory}): {exc}")
         finally:
             shutil.rmtree(directory, ignore_errors=True)
-        return agree(outcome)
+        return agree(outcome, unserved=True)
 
     def close(self) -> None:
         pass
@@ -235,6 +298,7 @@ class CollectiveTransport:
         self._store = None
         self._stage, self._leader = _stage_and_leader()
         self.spec: GroupSpec | None = None
+        self.pushed: WeightDigest | None = None  # the driver's: what the stage leaders last sent, together
 
     @property
     def device(self) -> torch.device:
@@ -317,23 +381,29 @@ class CollectiveTransport:
             raise EngineError(f"weight transport (collective, {self.backend}): " + " | ".join(problems))
 
     def push(self, stream: WeightStream) -> int:
+        # Changed since the last push? Asked before the engines start receiving.
+        holder = [unserved_weights(self.engines, self.pushed) if self.engines else None]
+        dist.broadcast_object_list(holder, src=0)
+        if holder[0] is not None:
+            drain(stream)
+            raise_if_unserved(holder[0])
         receiving = None
         if self.engines is not None:
             pool = ThreadPoolExecutor(max_workers=len(self.engines))
             receiving = [(engine, pool.submit(engine.receive_weights)) for engine in self.engines]
-        sent, error = 0, None
+        sent, error, digest = 0, None, WeightDigest()
         try:
             if self._leader:
-                sent = self._send(stream)
+                sent = self._send(digesting(stream, digest))
             else:
                 drain(stream)
         except Exception as exc:
             error = f"stage {self._stage} leader failed while sending: {exc}"
-        # Every leader's count: the engines must have loaded the sum.
+        # Every leader's count and digest: the engines must have loaded their sum.
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (self._leader, sent, error))
-        total = sum(count for leader, count, _ in everyone if leader)
-        errors = [problem for _, _, problem in everyone if problem]
+        dist.all_gather_object(everyone, (self._leader, sent, error, digest.to_dict()))
+        total = sum(count for leader, count, _, _ in everyone if leader)
+        errors = [problem for _, _, problem, _ in everyone if problem]
         outcome: tuple[int | None, str | None] = (None, None)
         if receiving is not None:
             counts, failures = outcomes(receiving)
@@ -344,10 +414,15 @@ class CollectiveTransport:
                 count = same_count(self.engines, counts)
                 if count != total:
                     raise EngineError(f"engines loaded {count} tensors, the stage leaders sent {total}")
-                outcome = (count, None)
+                self.pushed = WeightDigest()
+                for leader, _, _, sent_digest in everyone:
+                    if leader:
+                        self.pushed = self.pushed.merged(WeightDigest(**sent_digest))
+                problem = unserved_weights(self.engines, self.pushed)
+                outcome = (count if problem is None else None, problem)
             except EngineError as exc:
                 outcome = (None, f"weight push (collective, {self.backend}): {exc}")
-        return agree(outcome)
+        return agree(outcome, unserved=True)
 
     def _send(self, stream: WeightStream) -> int:
         sent = 0

@@ -49,6 +49,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from megatron_rl.rollout.weights.digest import WeightDigest, digesting, served_sum
 from megatron_rl.rollout.worker.inplace_copy import InPlacePlan, in_place_supported
 from megatron_rl.rollout.worker.route_capture import RouteCaptureWorker
 from megatron_rl.runtime.cpu.vllm_repairs import cpu_moe_kernels, fix_cpu_rotary_embedding, repack_cpu_moe
@@ -76,12 +77,12 @@ class WeightSyncWorker(CollectiveReceiverWorker, RouteCaptureWorker):
         return self._reload(_read_safetensors(paths))
 
     def weights_fingerprint(self) -> dict:
-        """Sum and element count of every parameter: cheap evidence that a push changed the model."""
-        total, count = 0.0, 0
-        for _, param in self.model_runner.get_model().named_parameters():
-            total += float(param.detach().double().sum())
-            count += param.numel()
-        return {"sum": total, "numel": count}
+        """What the last push delivered and whether the served weights moved since
+        (rollout/weights/digest.py): `received` (a WeightDigest of the pushed tensors, None before
+        the first push), `served_at_push` and `served_now` (float64 sums of the parameters)."""
+        return {"received": getattr(self, "last_received", None),
+                "served_at_push": getattr(self, "served_at_push", None),
+                "served_now": served_sum(self.model_runner.get_model().parameters())}
 
     def weight_update_profile(self) -> dict:
         """The last push's path and where its time went (see `_reload`), and the plan's state."""
@@ -115,6 +116,9 @@ class WeightSyncWorker(CollectiveReceiverWorker, RouteCaptureWorker):
         producer: bridge export, file reads or receives)."""
         model = self.model_runner.get_model()
         cpu_moe_kernels(model)  # refuses a layout it cannot repack before anything is overwritten
+        received = WeightDigest()
+        weights = digesting(weights, received)
+        self.last_received = self.served_at_push = None  # a push that fails half-way matches nothing
         plan = getattr(self, "_weight_plan", None)
         if plan is not None and not (self.in_place_weight_updates and plan.current(model)):
             plan = self._weight_plan = None  # checked before anything is read: a clean fallback
@@ -131,6 +135,8 @@ class WeightSyncWorker(CollectiveReceiverWorker, RouteCaptureWorker):
                 if callable(getattr(self.model_runner, reset, None)):
                     getattr(self.model_runner, reset)()
         self.last_weight_update = profile
+        self.last_received = received.to_dict()
+        self.served_at_push = served_sum(model.parameters())
         logger.debug("vLLM weight update: %s", profile)
         return count
 

@@ -1,0 +1,54 @@
+"""`megatron-rl train` with a divergence injected at a chosen step (a test stand-in for the real
+causes: a reward scale gone wrong, a learning rate that blows up). Everything else is the real
+trainer, policy, optimizer and checkpoints.
+
+    python injected_divergence.py nan_from=2 | blow_at=3   -- megatron-rl train arguments
+
+nan_from=K: from RL step K on, NaN times the logprobs' sum is added to the loss, so every
+gradient is NaN (through the real backward). blow_at=K: step K's updates use learning rate 1e30, so Adam moves every weight
+by about 1e30 and their norm leaves float32.
+"""
+
+import sys
+
+import megatron_rl.train.trainer as trainer
+from megatron_rl.cli import main
+
+current = {"step": 0}
+
+
+def inject(fault: str) -> None:
+    kind, step = fault.split("=")
+    step = int(step)
+    make_loss_fn, optimizer_step = trainer.make_loss_fn, trainer.Policy.optimizer_step
+
+    def loss_fn_for_step(*args, policy_version, **kwargs):
+        current["step"] = policy_version + 1
+        loss_fn = make_loss_fn(*args, policy_version=policy_version, **kwargs)
+        if current["step"] < step or (kind == "blow_at" and current["step"] > step):
+            return loss_fn
+        # Through the logprobs, not the loss: without a warm start every reward is 0, and a batch
+        # whose advantages are all 0 has a zero gradient whatever multiplies its loss. blow_at
+        # adds a small likelihood term so that Adam has a direction to move 1e30 along.
+        extra = float("nan") if kind == "nan_from" else -1e-3
+
+        def injected_loss(logprobs, entropy, batch):
+            loss, metrics = loss_fn(logprobs, entropy, batch)
+            return loss + logprobs.sum() * extra, metrics
+
+        return injected_loss
+
+    def blowing_step(self, loss, lr=None):
+        if kind == "blow_at" and current["step"] == step and lr is None:
+            lr = 1e30
+        return optimizer_step(self, loss, lr=lr)
+
+    trainer.make_loss_fn = loss_fn_for_step
+    trainer.Policy.optimizer_step = blowing_step
+
+
+if __name__ == "__main__":
+    separator = sys.argv.index("--")
+    for fault in sys.argv[1:separator]:
+        inject(fault)
+    sys.exit(main(sys.argv[separator + 1:]))
