@@ -336,6 +336,17 @@ class BuiltModel:
     use_te: bool
 
 
+def _define_router_gemm_without_te() -> None:
+    """Megatron-Core 0.16.1's MoE router tests `te_general_gemm is not None`, but defines the name
+    only when Transformer Engine imports: without TE every MoE forward raised NameError, on any
+    device (seen on an H200 without TE; the CPU layer had the same repair for CPU only). None is
+    the value its own code expects for "no TE". Idempotent."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def build_model(config: RunConfig, device: torch.device) -> BuiltModel:
     """This rank's stage of the model described by config.model (parallel state must be up)."""
     from megatron_rl.model.hf_config import load_hf_config, parse_hf_config
@@ -343,6 +354,8 @@ def build_model(config: RunConfig, device: torch.device) -> BuiltModel:
     raw, where = load_hf_config(config.model.hf_config)
     arch = parse_hf_config(raw, where)
     use_te = use_transformer_engine(config.model, device)
+    if arch.is_moe:
+        _define_router_gemm_without_te()
     tconfig = transformer_config(arch, config, device, use_te)
     module = build_gpt_model(arch, tconfig, config.model, use_te)
     if device.type == "cuda":

@@ -70,3 +70,31 @@ def test_cpu_layer_refuses_a_cuda_machine_mocked(monkeypatch):
     with pytest.raises(RuntimeError, match="device: cpu was chosen on a machine with CUDA"):
         cpu_compat.activate()
     assert not cpu_compat.is_active()
+
+
+def test_moe_router_runs_without_transformer_engine_on_any_device():
+    """Megatron-Core 0.16.1's router names `te_general_gemm`, defined only when Transformer Engine
+    imports: every MoE forward raised NameError on an H200 without TE (the CPU layer repaired it
+    for CPU only). Reproduced without a GPU: Megatron imported with no CPU layer, the router's
+    gating GEMM called on CPU tensors, before and after the builder's repair."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from megatron.core.transformer.moe import moe_utils
+assert not hasattr(moe_utils, "te_general_gemm"), "Transformer Engine is installed: nothing to reproduce"
+x, w = torch.randn(4, 8), torch.randn(3, 8)
+try:
+    moe_utils.router_gating_linear(x, w, None, torch.float32)
+    print("before: ran")
+except NameError as exc:
+    print("before: NameError", exc)
+from megatron_rl.model.builder import _define_router_gemm_without_te
+_define_router_gemm_without_te()
+out = moe_utils.router_gating_linear(x, w, None, torch.float32)
+print("after:", torch.allclose(out, x @ w.T, atol=1e-6))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "before: NameError" in result.stdout and "after: True" in result.stdout, result.stdout

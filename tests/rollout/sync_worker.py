@@ -117,7 +117,8 @@ def main() -> None:
         from megatron_rl.rollout.engines.vllm_colocated import VllmColocatedEngine
 
         engine = VllmColocatedEngine(args.hf, dtype="float32", max_model_len=256, seed=0)
-        report["shm_names"] = shm_names()
+        if dist.get_world_size() > 1:  # one rank: vLLM makes no communicator, nothing is shared
+            report["shm_names"] = shm_names()
     else:
         # The trainer's own rollout client: servers started with dummy weights, so the first
         # push (through the configured transport) is what makes them agree with the trainer.

@@ -111,8 +111,8 @@ def test_vllm_sync_matches_trainer_logprobs(models, tmp_path, family, mode, npro
     else:
         assert len(report["synced_diffs"]) == 2, report  # after the first push and after an in-place one
         # vLLM took this run's name for its shared memory (runtime/cpu/vllm_shm.py), the same on every rank.
-        names = report["shm_names"]["per_rank"]
         if nproc > 1:
+            names = report["shm_names"]["per_rank"]
             assert names[0]["ident"].startswith("megatron-rl-") and len({str(n) for n in names}) == 1, names
             assert names[0]["group"].startswith(names[0]["ident"] + "-tp"), names
     assert report["fresh_tokens"] > 0

@@ -10,9 +10,8 @@ A process group alone does not reach them (torchrun's ranks and wandb-core start
 sessions); a job's cgroup or SLURM's process tracking does.
 
 Asserts: exit code 0, "stopped by SIGTERM after step N", a stop checkpoint of step N on disk and
-run_state.json unfinished at N, wandb's failure reported in one line instead of failing the run;
-the same command again resumes at step N, continues with step N + 1 and ends with every step
-logged once.
+run_state.json unfinished at N, wandb's failure reported in one line instead of failing the run,
+every step up to N in metrics.jsonl.
 
 Also (fast): a rank started with the stop signals blocked, as launch local starts them, keeps one
 sent during its start-up and notes it once its handler is installed.
@@ -35,8 +34,9 @@ import pytest
 from megatron_rl.train.stop_signals import block_stop_signals
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 4
-OVERRIDES = {"rl.steps": str(STEPS), "logging.wandb_mode": "offline"}
+STEPS = 3
+# No warm start: nothing here depends on what the policy knows.
+OVERRIDES = {"rl.steps": str(STEPS), "warm_start.steps": "0", "logging.wandb_mode": "offline"}
 
 
 def test_a_signal_during_start_up_waits_for_the_handler():
@@ -114,11 +114,10 @@ def run_signalled_after_step(out: Path, step: int, timeout: float = 600) -> tupl
 
 
 @pytest.mark.engine
-def test_sigterm_to_the_whole_run_checkpoints_exits_0_and_resumes(tmp_path):
+def test_sigterm_to_the_whole_run_checkpoints_and_exits_0(tmp_path):
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
     pytest.importorskip("wandb", reason="wandb is not installed (pip install -e .[wandb])")
     from run_records import metrics
-    from test_train_loop import environment
 
     out = tmp_path / "run"
     code, output, reached = run_signalled_after_step(out, 1)
@@ -135,12 +134,5 @@ def test_sigterm_to_the_whole_run_checkpoints_exits_0_and_resumes(tmp_path):
     warnings = re.findall(r"^wandb (?:log|finish) failed \(.*metrics continue in .*metrics\.jsonl$", output, re.M)
     assert len(warnings) == 1, output[-4000:]
     assert sorted(metrics(out)) == list(range(step + 1))
-
-    again = subprocess.run(command(out), env=environment(), capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    resumed = re.search(rf"resumed from \S+ at step {step}\n", again.stdout)
-    assert resumed, again.stdout[-4000:]
-    first = re.search(rf"^step (\d+)/{STEPS}", again.stdout[resumed.end():], re.M)
-    assert first and int(first.group(1)) == step + 1, again.stdout[-4000:]
-    assert sorted(metrics(out)) == list(range(STEPS + 1))
-    assert json.loads((out / "run_state.json").read_text()) == {"step": STEPS, "finished": True}
+    # Resuming from a stop checkpoint is shown by test_train_loop.py's exact-resume test and by
+    # the live SLURM requeue test (which also signals every process of the job): not run again.

@@ -10,7 +10,8 @@ between pushes are named instead of becoming the next step's rollouts.
 
 Sums of the same tensors in the same order with the same kernels are bit-identical; the
 tolerance covers a trainer and an engine on different devices (a GPU's reduction order). One pass
-over each tensor, on the device it is on, no copies: what a push costs anyway.
+over each tensor, on the device it is on, no copies, one host read at the end
+(benchmarks/results/gpu_faults_h200.md measures it on a GPU).
 """
 
 from __future__ import annotations
@@ -31,18 +32,38 @@ class WeightDigest:
     total: float = 0.0
     squares: float = 0.0
 
+    def __post_init__(self):
+        # Per-device running (sum, sum of squares), read once: a host read per tensor would stall
+        # a GPU stream at every tensor of the push (measured: 8x one copy of the weights with it).
+        self._pending: dict[torch.device, torch.Tensor] = {}
+
     def add(self, tensor: torch.Tensor) -> None:
-        values = tensor if tensor.is_floating_point() and tensor.element_size() > 1 else tensor.view(torch.uint8)
+        # FP8 weights and scales (model.export_fp8), integer buffers: their float32 values (exact)
+        values = tensor if tensor.is_floating_point() and tensor.element_size() > 1 else tensor.to(torch.float32)
         self.tensors += 1
         self.numel += tensor.numel()
-        self.total += float(torch.sum(values, dtype=torch.float64))
-        self.squares += float(torch.linalg.vector_norm(values, dtype=torch.float64)) ** 2
+        part = torch.stack([torch.sum(values, dtype=torch.float64),
+                            torch.linalg.vector_norm(values, dtype=torch.float64).square()])
+        running = self._pending.get(values.device)
+        self._pending[values.device] = part if running is None else running + part
+
+    def _settle(self) -> None:
+        for running in self._pending.values():
+            total, squares = running.tolist()
+            self.total += total
+            self.squares += squares
+        self._pending.clear()
 
     def merged(self, other: WeightDigest) -> WeightDigest:
+        self._settle()
+        other._settle()
         return WeightDigest(self.tensors + other.tensors, self.numel + other.numel, self.total + other.total,
                             self.squares + other.squares)
 
     def matches(self, other: WeightDigest) -> bool:
+        self._settle()
+        other._settle()
+
         def close(a: float, b: float) -> bool:
             return math.isclose(a, b, rel_tol=RELATIVE_TOLERANCE, abs_tol=1e-6)
 
@@ -50,6 +71,7 @@ class WeightDigest:
             and close(self.squares, other.squares)
 
     def to_dict(self) -> dict:
+        self._settle()
         return asdict(self)
 
     @classmethod
@@ -57,6 +79,7 @@ class WeightDigest:
         return None if values is None else cls(**values)
 
     def __str__(self) -> str:
+        self._settle()
         return f"{self.tensors} tensors, {self.numel} values, sum {self.total:.9g}, sum of squares {self.squares:.9g}"
 
 
@@ -69,5 +92,6 @@ def digesting(stream: Iterable[tuple[str, torch.Tensor]], digest: WeightDigest) 
 
 def served_sum(parameters: Iterable[torch.Tensor]) -> float:
     """The float64 sum of the parameters an engine serves (its own layout: fused, sharded, packed)."""
-    return sum(float(torch.sum(p.detach() if p.is_floating_point() and p.element_size() > 1
-                               else p.detach().view(torch.uint8), dtype=torch.float64)) for p in parameters)
+    sums = [torch.sum(p.detach() if p.is_floating_point() and p.element_size() > 1 else p.detach().to(torch.float32),
+                      dtype=torch.float64) for p in parameters]
+    return float(torch.stack(sums).sum()) if sums else 0.0
