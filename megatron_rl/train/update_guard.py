@@ -27,7 +27,6 @@ class UpdateGuard:
         self.max_bad_steps = max_bad_steps
         self.notify = notify
         self.in_a_row = 0
-        self.skipped_total = 0
 
     def check(self, step: int, update: int, result) -> None:
         """`result`: the StepResult of update `update` (0-based) of RL step `step`."""
@@ -41,7 +40,6 @@ class UpdateGuard:
             self.in_a_row = 0
             return
         self.in_a_row += 1
-        self.skipped_total += 1
         if self.in_a_row >= self.max_bad_steps:
             raise TrainingStopped(
                 f"step {step}: {self.in_a_row} updates in a row were skipped for a non-finite gradient "

@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_rl.runtime.cpu.vllm_shm import MIN_STALE_AGE_S, stale_segments
+from megatron_rl.runtime.cpu.vllm_shm import stale_segments
 
 REPO = Path(__file__).resolve().parents[2]
 SHM = Path("/dev/shm")
@@ -47,7 +47,6 @@ def test_stale_segments_are_the_unmapped_old_ones(tmp_path):
     (proc / "4242" / "maps").write_text(f"7f00-7f10 rw-s 00000000 00:1a 12 {SHM}/in-use-tp:0-[0-1]-cpushm_0\n")
     found = [path.name for path in stale_segments(shm, proc)]
     assert found == sorted(names[:2]), found  # not the mapped one, the young one, nor other files
-    assert MIN_STALE_AGE_S <= 60
 
 
 def launch(out: Path) -> subprocess.Popen:

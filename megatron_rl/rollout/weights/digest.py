@@ -38,8 +38,7 @@ class WeightDigest:
         self._pending: dict[torch.device, torch.Tensor] = {}
 
     def add(self, tensor: torch.Tensor) -> None:
-        # FP8 weights and scales (model.export_fp8), integer buffers: their float32 values (exact)
-        values = tensor if tensor.is_floating_point() and tensor.element_size() > 1 else tensor.to(torch.float32)
+        values = _summable(tensor)
         self.tensors += 1
         self.numel += tensor.numel()
         part = torch.stack([torch.sum(values, dtype=torch.float64),
@@ -92,6 +91,11 @@ def digesting(stream: Iterable[tuple[str, torch.Tensor]], digest: WeightDigest) 
 
 def served_sum(parameters: Iterable[torch.Tensor]) -> float:
     """The float64 sum of the parameters an engine serves (its own layout: fused, sharded, packed)."""
-    sums = [torch.sum(p.detach() if p.is_floating_point() and p.element_size() > 1 else p.detach().to(torch.float32),
-                      dtype=torch.float64) for p in parameters]
+    sums = [torch.sum(_summable(p.detach()), dtype=torch.float64) for p in parameters]
     return float(torch.stack(sums).sum()) if sums else 0.0
+
+
+def _summable(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as the reductions take it: FP8 weights and scales (model.export_fp8) and integer
+    buffers as their float32 values (exact); wider floats as they are."""
+    return tensor if tensor.is_floating_point() and tensor.element_size() > 1 else tensor.to(torch.float32)
