@@ -169,6 +169,11 @@ def _coerce(hint: Any, value: Any, source: str, key: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         return [_coerce(item, element, source, f"{key}[{index}]") for index, element in enumerate(value)]
+    if hint is dict:
+        # Free-form keyword arguments handed to user code (rollout.environment_args), as written.
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return value
     if origin is dict:
         # Name mappings (data.columns); keys are checked like values, errors name "key.<name>".
         key_hint, value_hint = typing.get_args(hint)

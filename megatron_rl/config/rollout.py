@@ -50,6 +50,28 @@ class RolloutConfig:
     # needed are in flight; the unused ones are dropped when the step's batch is complete (the
     # bound on over-generation). None = a quarter of rl.prompts_per_step.
     overgeneration_groups: int | None = None
+    # Multi-turn agents (megatron_rl/agents, docs/agents.md). An environment by import path
+    # ("pkg.module:Class", built with environment_args) takes each model turn and answers with
+    # the next observation; tools by import path ("pkg.module:function", or a built-in name:
+    # "calculator") are offered to the model in its chat template's format. Tools without an
+    # environment: the built-in tool environment runs the model's calls until it answers, and the
+    # reward functions score its last turn. Neither: single-turn (one completion per prompt).
+    environment: str | None = None
+    environment_args: dict = field(default_factory=dict)
+    tools: list[str] = field(default_factory=list)
+    max_turns: int = 4  # model turns per trajectory
+    # Tokens per trajectory after the prompt (model turns and observations); rl.max_response_tokens
+    # bounds each model turn. None: rollout.max_model_len minus the prompt.
+    max_total_tokens: int | None = None
+    # How per-turn environment rewards combine: the last one given, or their sum.
+    turn_reward: Literal["last", "sum"] = "last"
+    # An environment call (reset / step) or tool call slower than this fails its trajectory.
+    env_timeout_s: float = 60.0
+    env_workers: int = 32  # threads that run environment calls concurrently
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.environment is not None or bool(self.tools)
 
     def tp_of_server(self, index: int) -> int:
         """The tensor parallel size of the `index`-th server we start."""
@@ -85,5 +107,26 @@ class RolloutConfig:
         for url in self.server_urls:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"{where}.server_urls: {url!r} must start with http:// or https://")
+        self._validate_agents(where)
         if self.overgeneration_groups is not None and self.overgeneration_groups < 0:
             raise ConfigError(f"{where}.overgeneration_groups must be >= 0 (or null), got {self.overgeneration_groups}")
+
+    def _validate_agents(self, where: str) -> None:
+        if self.environment is not None and (not isinstance(self.environment, str) or ":" not in self.environment):
+            raise ConfigError(f"{where}.environment must be 'pkg.module:Class', got {self.environment!r}")
+        if self.environment_args and self.environment is None:
+            raise ConfigError(f"{where}.environment_args is set but rollout.environment is not")
+        if not isinstance(self.environment_args, dict):
+            raise ConfigError(f"{where}.environment_args must be a mapping (keyword arguments of the environment)")
+        if not isinstance(self.tools, list) or not all(isinstance(t, str) and t for t in self.tools):
+            raise ConfigError(f"{where}.tools must be a list of 'pkg.module:function' (or built-in names), "
+                              f"got {self.tools!r}")
+        if self.max_turns < 1 or self.env_workers < 1:
+            raise ConfigError(f"{where}: max_turns and env_workers must be >= 1")
+        if self.max_total_tokens is not None and not 1 <= self.max_total_tokens < self.max_model_len:
+            raise ConfigError(f"{where}.max_total_tokens={self.max_total_tokens} must be in [1, max_model_len="
+                              f"{self.max_model_len}) (the prompt needs room too)")
+        if self.turn_reward not in ("last", "sum"):
+            raise ConfigError(f"{where}.turn_reward must be 'last' or 'sum', got {self.turn_reward!r}")
+        if not self.env_timeout_s > 0:
+            raise ConfigError(f"{where}.env_timeout_s must be > 0, got {self.env_timeout_s}")

@@ -10,6 +10,13 @@ the characters of the tiny tokenizer (``megatron_rl.data.tokenizer.ALPHABET``):
     reverse   "rev 3142="           "2413"   length
     count     "count a in abcab="   "2"      length, symbols
     modular   "17*5%7="             "1"      digits, max_operand, modulus
+    mul       "123*456="            "56088"  digits (operands of exactly that many digits), max_operand;
+                                             the agentic task: a tiny model cannot multiply, but it
+                                             can call `calculator`
+
+A `mul` record also carries a `demonstration` for the multi-turn warm start
+(agents/demonstrations.py): the conversation of a model that calls the calculator and states its
+result, or (for 1 - ``tool_demonstrations`` of the records) one that answers at once.
 
 Response formats (``response_format``): "plain", the answer then the end of the sequence ("19"
 then EOS), the default because a tiny model learns it fastest; or "boxed" ("\\boxed{19}").
@@ -46,7 +53,7 @@ RESPONSE_FORMATS = ("plain", "boxed")
 class TaskConfig:
     """One synthetic task and its difficulty; each task reads only the knobs it uses."""
 
-    task: Literal["add", "sort", "reverse", "count", "modular"] = "add"
+    task: Literal["add", "sort", "reverse", "count", "modular", "mul"] = "add"
     # add / modular: operands are drawn uniformly from [0, 10**digits - 1] ...
     digits: int = 2
     # ... or from [0, max_operand] when set: a finer difficulty knob than whole digits.
@@ -57,6 +64,10 @@ class TaskConfig:
     symbols: str = "abc"
     # modular: the modulus of a*b % m.
     modulus: int = 7
+    # mul: the share of records whose demonstration calls the calculator; the others answer at
+    # once (with the product, which a small model cannot compute). Below 1, a warm-started model
+    # sometimes skips the tool, and RL can show it learning to call it.
+    tool_demonstrations: float = 1.0
     response_format: ResponseFormat = "plain"
     # Share of the problem space reserved for held-out evaluation (by hash of the prompt).
     heldout_fraction: float = 0.1
@@ -73,6 +84,8 @@ class TaskConfig:
         if not self.symbols or len(set(self.symbols)) != len(self.symbols) or not self.symbols.isalpha() \
                 or not self.symbols.islower():
             raise ConfigError(f"{where}.symbols must be distinct lowercase letters, got {self.symbols!r}")
+        if not 0.0 <= self.tool_demonstrations <= 1.0:
+            raise ConfigError(f"{where}.tool_demonstrations must be in [0, 1], got {self.tool_demonstrations}")
         if self.modulus < 2:
             raise ConfigError(f"{where}.modulus must be >= 2, got {self.modulus}")
         if self.response_format not in RESPONSE_FORMATS:
@@ -123,6 +136,13 @@ def _modular(rng: random.Random, config: TaskConfig) -> tuple[str, str]:
     return f"{a}*{b}%{config.modulus}=", str(a * b % config.modulus)
 
 
+def _mul(rng: random.Random, config: TaskConfig) -> tuple[str, str]:
+    # `digits`-digit operands (both exactly that long), or [0, max_operand] when that is set
+    low = 0 if config.max_operand is not None else 10 ** (config.digits - 1)
+    a, b = rng.randint(low, config.operand_max), rng.randint(low, config.operand_max)
+    return f"{a}*{b}=", str(a * b)
+
+
 _INTEGER = re.compile(r"[+-]?\d{1,64}")
 
 
@@ -143,6 +163,7 @@ TASKS: dict[str, tuple[Generator, Checker]] = {
     "reverse": (_reverse, _same_string),
     "count": (_count, _same_integer),
     "modular": (_modular, _same_integer),
+    "mul": (_mul, _same_integer),
 }
 
 
@@ -182,13 +203,24 @@ class SyntheticTask:
         return float(candidate is not None and self._check(candidate, answer))
 
     def record(self, prompt: str, answer: str) -> dict[str, Any]:
-        return {
+        record = {
             "prompt": prompt,
             "answer": answer,
             "task": self.name,
             "response_format": self.config.response_format,
             "target": self.target(answer),
         }
+        if self.name == "mul":
+            record["demonstration"] = [{"role": "assistant", "content": self.target(answer)}]
+            # which records call the tool: a stable function of the prompt (as the split is)
+            if _heldout_bucket("tool-demonstration", prompt) < self.config.tool_demonstrations:
+                record["demonstration"] = [
+                    {"role": "assistant", "content": "",
+                     "tool_calls": [{"name": "calculator", "arguments": {"expression": prompt.rstrip("=")}}]},
+                    {"role": "tool", "content": answer},
+                    {"role": "assistant", "content": self.target(answer)},
+                ]
+        return record
 
     def generate(self, n: int, *, seed: int, split: Split) -> list[dict[str, Any]]:
         """``n`` records of one split, a pure function of (config, seed, split).

@@ -94,6 +94,11 @@ class SamplingParams:
     # update) returns the tokens generated so far with finish_reason "abort", for the caller to
     # continue, instead of failing.
     partial: bool = False
+    # Per-prompt overrides, indexed like the seeds (prompt index + seed_offset), so a split
+    # request keeps them: multi-turn rollouts send each trajectory's next turn with its own seed
+    # (independent of which other trajectories are still running) and its own token budget.
+    prompt_seeds: tuple[int, ...] = ()
+    prompt_max_tokens: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.n < 1:
@@ -106,18 +111,31 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "prompt_seeds", tuple(int(s) for s in self.prompt_seeds))
+        object.__setattr__(self, "prompt_max_tokens", tuple(int(t) for t in self.prompt_max_tokens))
+        if any(t < 1 for t in self.prompt_max_tokens):
+            raise ValueError(f"SamplingParams.prompt_max_tokens must be >= 1, got {self.prompt_max_tokens}")
 
     def prompt_seed(self, prompt_index: int) -> int | None:
         """The seed of prompt `prompt_index` in the request (stable across processes and splits)."""
+        if self.prompt_seeds:
+            return self.prompt_seeds[prompt_index + self.seed_offset]
         if self.seed is None:
             return None
         digest = hashlib.blake2b(f"{self.seed}:{prompt_index + self.seed_offset}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little") & 0x7FFF_FFFF
 
+    def max_tokens_of(self, prompt_index: int) -> int:
+        """The token budget of prompt `prompt_index` in the request."""
+        if self.prompt_max_tokens:
+            return self.prompt_max_tokens[prompt_index + self.seed_offset]
+        return self.max_tokens
+
     def for_prompt(self, prompt_index: int) -> SamplingParams:
-        """The parameters of one prompt: its own seed (engines that sample each of the n responses
-        as a separate request derive their seeds from this one)."""
-        return replace(self, seed=self.prompt_seed(prompt_index), seed_offset=0)
+        """The parameters of one prompt: its own seed and budget (engines that sample each of the
+        n responses as a separate request derive their seeds from this one)."""
+        return replace(self, seed=self.prompt_seed(prompt_index), max_tokens=self.max_tokens_of(prompt_index),
+                       seed_offset=0, prompt_seeds=(), prompt_max_tokens=())
 
     def offset(self, start: int) -> SamplingParams:
         """The parameters for the slice of prompts starting at global index `start`."""

@@ -90,14 +90,18 @@ class AsyncRollout:
     def __init__(self, *, pool, sampler, encode: Callable[[int], list[int]],
                  score_group: Callable[[int, list[Sample]], tuple[list[Trajectory], dict]],
                  params: SamplingParams, wanted: int, max_staleness: int, partial: bool, dynamic_sampling: bool,
-                 max_groups: int, overgeneration: int, timeout_s: float, last_step: int):
+                 max_groups: int, overgeneration: int, timeout_s: float, last_step: int,
+                 generate_group: Callable[[int, SamplingParams, Callable], list[Sample]] | None = None):
         """`pool`: the servers (rollout.pool.EnginePool). `sampler`: the prompt sampler, used by
         this object only from now on. `encode(prompt_index)`: its token ids. `score_group(prompt_index,
         samples)`: the group's trajectories with rewards (and `versions` from the samples), and
-        the scorer's metrics. `params`: the group request (n = G, seed = the run's base seed)."""
+        the scorer's metrics. `params`: the group request (n = G, seed = the run's base seed).
+        `generate_group(prompt_index, params, request)`: multi-turn, the group's trajectories, each
+        engine request sent through `request` (None: one request of the encoded prompt)."""
         if max_staleness < 1:
             raise ValueError("AsyncRollout needs max_staleness >= 1 (0 is the synchronous loop)")
         self.pool, self.sampler, self.encode, self.score_group = pool, sampler, encode, score_group
+        self.generate_group = generate_group
         self.params, self.wanted, self.max_staleness, self.partial = params, wanted, max_staleness, partial
         self.dynamic_sampling, self.max_groups, self.timeout_s = dynamic_sampling, max_groups, timeout_s
         self.overgeneration = overgeneration if dynamic_sampling else 0
@@ -260,32 +264,45 @@ class AsyncRollout:
                 continue
 
     def _generate_group(self, slot: _Slot) -> list[Sample]:
-        """One prompt's G samples; with partial rollouts each aborted one is continued on the
-        weights that replaced the ones it started with."""
-        prompt = self.encode(slot.prompt)
+        """One prompt's G samples (multi-turn: G trajectories, each turn one request)."""
         params = self.params.offset(slot.position)
-        version, group = self._request([prompt], params)
-        group = group[0]
-        samples = []
-        for sample in group:
-            versions = [version] * len(sample.response_token_ids)
-            continued, last = 0, version
-            while sample.finish_reason == "abort" and not slot.dropped.is_set():
-                sample, versions, last = self._continue(prompt, sample, versions, last, params, continued)
-                continued += 1
-            sample.extras["versions"] = versions
-            samples.append(sample)
-        return samples
 
-    def _continue(self, prompt, sample: Sample, versions: list[int], last: int, params: SamplingParams,
+        def request(prompts: list[list[int]], request_params: SamplingParams) -> list[list[Sample]]:
+            return self._sampled(prompts, request_params, slot)
+
+        if self.generate_group is not None:
+            return self.generate_group(slot.prompt, params, request)
+        return request([self.encode(slot.prompt)], params)[0]
+
+    def _sampled(self, prompts: list[list[int]], params: SamplingParams, slot: _Slot) -> list[list[Sample]]:
+        """One request's samples, each token's version in extras["versions"]; with partial
+        rollouts each aborted sample is continued on the weights that replaced the ones it
+        started with."""
+        version, groups = self._request(prompts, params)
+        out = []
+        for index, (prompt, group) in enumerate(zip(prompts, groups)):
+            samples = []
+            for sample in group:
+                versions = [version] * len(sample.response_token_ids)
+                continued, last = 0, version
+                while sample.finish_reason == "abort" and not slot.dropped.is_set():
+                    sample, versions, last = self._continue(prompt, index, sample, versions, last, params, continued)
+                    continued += 1
+                sample.extras["versions"] = versions
+                samples.append(sample)
+            out.append(samples)
+        return out
+
+    def _continue(self, prompt, index: int, sample: Sample, versions: list[int], last: int, params: SamplingParams,
                   continued: int) -> tuple[Sample, list[int], int]:
         """A sample aborted while version `last` generated it, continued on the weights that
         replace it: prompt + its tokens so far, re-prefilled."""
-        remaining = params.max_tokens - len(sample.response_token_ids)
+        remaining = params.max_tokens_of(index) - len(sample.response_token_ids)
         if remaining <= 0:
             return replace(sample, finish_reason="length"), versions, last
-        seed = _continuation_seed(params.prompt_seed(0), sample.sample_index, continued)
-        more = replace(params, n=1, max_tokens=remaining, seed=seed, seed_offset=0)
+        seed = _continuation_seed(params.prompt_seed(index), sample.sample_index, continued)
+        more = replace(params, n=1, max_tokens=remaining, seed=seed, seed_offset=0, prompt_seeds=(),
+                       prompt_max_tokens=())
         version, tail = self._request([prompt + sample.response_token_ids], more, newer_than=last)
         tail = tail[0][0]
         joined = Sample(sample.prompt_index, sample.sample_index, list(prompt),
@@ -351,10 +368,11 @@ class AsyncCollector:
     """The trainer's side of asynchronous RL, with the calls of collect.SyncCollector: the driver
     runs the producer; every rank takes each step's batch from it, broadcast."""
 
-    def __init__(self, *, config, dynamic_sampling: bool, sampler, train_set, rollout, scorer, encode, runtime,
+    def __init__(self, *, config, dynamic_sampling: bool, sampler, train_set, rollout, generation, scorer, runtime,
                  notify: Callable[[str], None]):
         self.config, self.dynamic_sampling, self.runtime, self.notify = config, dynamic_sampling, runtime, notify
-        self.sampler, self.train_set, self.rollout, self.scorer, self.encode = sampler, train_set, rollout, scorer, encode
+        self.sampler, self.train_set, self.rollout, self.scorer = sampler, train_set, rollout, scorer
+        self.generation = generation
         self.producer: AsyncRollout | None = None  # the driver's, once started
 
     def start(self, next_step: int, resumed_state: dict | None) -> None:
@@ -372,12 +390,16 @@ class AsyncCollector:
             wanted=rl.prompts_per_step, max_staleness=rl.max_staleness, partial=rollout.partial,
             dynamic_sampling=self.dynamic_sampling,
             max_groups=rl.prompts_per_step * (1 + rl.max_refill_rounds if self.dynamic_sampling else 1),
-            overgeneration=overgeneration, timeout_s=rollout.request_timeout_s, last_step=rl.steps)
+            overgeneration=overgeneration, timeout_s=rollout.request_timeout_s, last_step=rl.steps,
+            generate_group=self._generate_group if self.generation.multi_turn else None)
         state = resumed_state.get("async_rollout") if resumed_state is not None else None
         self.producer.start(next_step, version=next_step - 1, state=state)
 
     def _encode(self, index: int) -> list[int]:
-        return self.encode(self.train_set[index].prompt)
+        return self.generation.encode(self.train_set[index].prompt)
+
+    def _generate_group(self, index: int, params: SamplingParams, request) -> list[Sample]:
+        return self.generation.group_on_driver(self.train_set[index], params, request)
 
     def _score_group(self, index: int, samples: list[Sample]) -> tuple[list[Trajectory], dict]:
         return self.scorer.score_group_on_driver(self.train_set[index], samples)
@@ -445,7 +467,7 @@ def _continuation_seed(seed: int | None, sample_index: int, continued: int) -> i
 def _trajectory_to_json(t: Trajectory) -> dict[str, Any]:
     return {"group": t.group, "prompt_ids": t.prompt_ids, "response_ids": t.response_ids,
             "rollout_logprobs": t.rollout_logprobs, "truncated": t.truncated, "reward": t.reward,
-            "versions": t.versions,
+            "versions": t.versions, "loss_mask": t.loss_mask, "agent": t.agent,
             "routed_experts": None if t.routed_experts is None else t.routed_experts.tolist()}
 
 
@@ -453,7 +475,7 @@ def _trajectory_from_json(d: dict[str, Any]) -> Trajectory:
     routes = d["routed_experts"]
     return Trajectory(d["group"], d["prompt_ids"], d["response_ids"], d["rollout_logprobs"], d["truncated"],
                       d["reward"], routed_experts=None if routes is None else torch.tensor(routes, dtype=torch.int32),
-                      versions=d["versions"])
+                      versions=d["versions"], loss_mask=d.get("loss_mask"), agent=d.get("agent"))
 
 
 def _batch_to_json(batch: Batch) -> dict[str, Any]:

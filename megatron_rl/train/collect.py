@@ -50,13 +50,15 @@ class SyncCollector:
     are all equal (no learning signal) are dropped and refilled from further prompts, at most
     max_refill_rounds extra rounds. Every rank runs it (the engines answer every rank alike)."""
 
-    def __init__(self, *, config, dynamic_sampling: bool, sampler, train_set, rollout, scorer: GroupScorer,
-                 encode: Callable, runtime, notify: Callable[[str], None]):
-        """`rollout`: the RolloutClient; `encode(prompt)`: its token ids; `notify(text)`: a line
-        for the console (the sampler's notices). Every rank holds one (`runtime` unused here)."""
+    def __init__(self, *, config, dynamic_sampling: bool, sampler, train_set, rollout, generation, scorer: GroupScorer,
+                 runtime, notify: Callable[[str], None]):
+        """`generation`: records -> samples (train/generation.py, single- or multi-turn);
+        `notify(text)`: a line for the console (the sampler's notices). Every rank holds one
+        (`rollout` unused here)."""
         self.rl, self.seed, self.dynamic_sampling = config.rl, config.seed, dynamic_sampling
-        self.sampler, self.train_set, self.rollout, self.scorer = sampler, train_set, rollout, scorer
-        self.encode, self.notify = encode, notify
+        self.runtime = runtime
+        self.sampler, self.train_set, self.generation, self.scorer = sampler, train_set, generation, scorer
+        self.notify = notify
 
     def start(self, next_step: int, resumed_state: dict | None) -> None:
         """Nothing runs ahead of the trainer."""
@@ -65,12 +67,13 @@ class SyncCollector:
         wanted = self.rl.prompts_per_step
         kept, kept_prompts, generated, reward_rounds, rounds = [], [], [], [], 0
         timings["time/generate_s"] = timings["time/score_s"] = 0.0
+        env_before = self.generation.env_seconds
         indices = self.sampler.next_batch()
         while True:
             records = self.train_set.select(indices)
             tick = time.perf_counter()
             params = rollout_params(self.rl, step_seed(self.seed, step, rounds))
-            samples = self.rollout.generate([self.encode(r.prompt) for r in records], params)
+            samples = self.generation.groups(records, params)
             timings["time/generate_s"] += time.perf_counter() - tick
             tick = time.perf_counter()
             scored, reward_metrics = self.scorer.score(records, samples)
@@ -86,6 +89,11 @@ class SyncCollector:
                 break
             rounds += 1
             indices = self.sampler.take(wanted - len(kept))
+        if self.generation.multi_turn:
+            # environments ran inside generation (the driver's wall clock): their own phase
+            env = self.runtime.from_driver(self.generation.env_seconds - env_before)
+            timings["time/env_s"] = env
+            timings["time/generate_s"] -= env
         kept, kept_prompts = kept[:wanted], kept_prompts[:wanted]
         # The sampler's metrics for the groups trained on (curriculum band shares), then its step
         # boundary (a curriculum's pause clock).

@@ -45,10 +45,40 @@ class Trajectory:
     # token (a sequence continued across a weight update holds two). None: every token came
     # from the policy this step starts from (the synchronous loop).
     versions: list[int] | None = None
+    # Multi-turn (agents/rollout.py): 1 on the model's tokens, 0 on observation tokens (out of
+    # the loss, the token counts, entropy, KL, clip and mismatch metrics). None: all the model's.
+    loss_mask: list[int] | None = None
+    # Multi-turn: turns, finish (stop | length | max_turns | failed), environment info and time.
+    agent: dict | None = None
 
     @property
     def length(self) -> int:
+        """Positions after the prompt (model and observation tokens)."""
         return len(self.response_ids)
+
+    @property
+    def model_length(self) -> int:
+        """The model's own tokens: the response length that overlong shaping and metrics see."""
+        return self.length if self.loss_mask is None else sum(self.loss_mask)
+
+    def token_mask(self, mask_truncated: bool) -> torch.Tensor:
+        """[length] bool: the response positions the loss scores."""
+        if mask_truncated and self.truncated:
+            return torch.zeros(self.length, dtype=torch.bool)
+        if self.loss_mask is None:
+            return torch.ones(self.length, dtype=torch.bool)
+        if len(self.loss_mask) != self.length:
+            raise ValueError(f"a trajectory has {len(self.loss_mask)} loss-mask entries for {self.length} "
+                             f"response tokens")
+        return torch.tensor(self.loss_mask, dtype=torch.bool)
+
+    def turn_index(self) -> torch.Tensor:
+        """[length] int64: k on the tokens of model turn k (1-based: each run of loss-mask ones is
+        one turn), 0 on observation tokens."""
+        mask = torch.tensor(self.loss_mask if self.loss_mask is not None else [1] * self.length, dtype=torch.long)
+        starts = mask.clone()
+        starts[1:] = (mask[1:] == 1) & (mask[:-1] == 0)
+        return torch.cumsum(starts, 0) * mask
 
 
 @dataclass
@@ -64,7 +94,7 @@ def group_advantages(groups: list[list[Trajectory]], recipe: Recipe) -> None:
     if not groups:
         return
     rewards = torch.tensor([[t.reward for t in group] for group in groups], dtype=torch.float64)
-    lengths = torch.tensor([[t.length for t in group] for group in groups], dtype=torch.float64)
+    lengths = torch.tensor([[t.model_length for t in group] for group in groups], dtype=torch.float64)
     if recipe.overlong_max_length is not None:
         rewards = apply_overlong_penalty(rewards, lengths, max_length=recipe.overlong_max_length,
                                          buffer_length=recipe.overlong_buffer_length,
@@ -85,7 +115,7 @@ def rollout_metrics(groups: list[list[Trajectory]], correct_threshold: float = 0
     if not samples:
         return {}
     rewards = torch.tensor([[t.reward for t in g] for g in groups], dtype=torch.float64)
-    lengths = torch.tensor([[t.length for t in g] for g in groups], dtype=torch.float64)
+    lengths = torch.tensor([[t.model_length for t in g] for g in groups], dtype=torch.float64)
     metrics = {
         "reward/mean": float(rewards.mean()),
         "train/accuracy": float((rewards >= correct_threshold).double().mean()),
@@ -167,8 +197,7 @@ def response_masks(batches: list[PackedBatch], trajectories: list[Trajectory], r
         width = max((t.length for t in rows), default=0)
         mask = torch.zeros(len(rows), width, dtype=torch.bool)
         for row, trajectory in enumerate(rows):
-            if not (recipe.mask_truncated and trajectory.truncated):
-                mask[row, : trajectory.length] = True
+            mask[row, : trajectory.length] = trajectory.token_mask(recipe.mask_truncated)
         masks.append(mask)
     return masks
 
@@ -186,7 +215,7 @@ def store_logprobs(outputs: list[dict], batches: list[PackedBatch], trajectories
 
 
 def make_loss_fn(trajectories: list[Trajectory], recipe: Recipe, normalizer, *, old_from_forward: bool, use_ref: bool,
-                 policy_version: int | None = None, max_staleness: int = 0):
+                 policy_version: int | None = None, max_staleness: int = 0, max_turns: int = 0):
     """The micro-batch loss for Policy.train_step: this micro-batch's share of the step loss.
 
     `old_from_forward`: with one update per rollout the old policy IS the current one, so the
@@ -199,7 +228,11 @@ def make_loss_fn(trajectories: list[Trajectory], recipe: Recipe, normalizer, *, 
     that staleness: `mismatch/staleness_{d}/logp_abs_diff_mean` (their mean, `/sub_tok_sum`) and
     `mismatch/staleness_{d}/tokens` (their count, `/sum`). The keys are the same on every rank
     and micro-batch, as reduce_metrics requires. `old` is the proximal policy (with
-    old_from_forward, the forward's own detached logprobs). At 0 the metrics are policy_loss's."""
+    old_from_forward, the forward's own detached logprobs). At 0 the metrics are policy_loss's.
+
+    `max_turns` >= 1 (multi-turn runs): the same mismatch per model turn k in 1..max_turns,
+    `mismatch/turn_{k}/logp_abs_diff_mean` and `mismatch/turn_{k}/tokens` (a drift that grows
+    with the turn would point at the observations' rendering or the engine's prefix cache)."""
     if max_staleness < 0:
         raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
     if max_staleness and policy_version is None and any(t.versions is not None for t in trajectories):
@@ -227,15 +260,22 @@ def make_loss_fn(trajectories: list[Trajectory], recipe: Recipe, normalizer, *, 
             out[row, : trajectory.length] = lag
         return out
 
-    def staleness_metrics(old, rollout, mask, lag) -> dict[str, torch.Tensor]:
+    def mismatch_by(old, rollout, mask, index, values, name: str) -> dict[str, torch.Tensor]:
+        """The train/rollout mismatch over the loss's tokens whose `index` equals each of `values`."""
         diff = (old.detach().double() - rollout.double()).abs()
         valid = mask & torch.isfinite(diff)
         diff = torch.where(valid, diff, torch.zeros((), dtype=diff.dtype, device=diff.device))
         out = {}
-        for d in range(max_staleness + 1):
-            chosen = valid & (lag == d)
-            out[f"mismatch/staleness_{d}/tokens/sum"] = chosen.sum().double()
-            out[f"mismatch/staleness_{d}/logp_abs_diff_mean/sub_tok_sum"] = (diff * chosen).sum()
+        for value in values:
+            chosen = valid & (index == value)
+            out[f"mismatch/{name}_{value}/tokens/sum"] = chosen.sum().double()
+            out[f"mismatch/{name}_{value}/logp_abs_diff_mean/sub_tok_sum"] = (diff * chosen).sum()
+        return out
+
+    def turns(rows: list[Trajectory], width: int) -> torch.Tensor:
+        out = torch.zeros(len(rows), width, dtype=torch.long)
+        for row, trajectory in enumerate(rows):
+            out[row, : trajectory.length] = trajectory.turn_index()
         return out
 
     def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: PackedBatch):
@@ -244,10 +284,10 @@ def make_loss_fn(trajectories: list[Trajectory], recipe: Recipe, normalizer, *, 
         rows = [trajectories[i] for i in batch.sample_ids]
         width = current.shape[1] if current.dim() == 2 else 0
         device = logprobs.device
-        mask = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
+        mask = torch.zeros(len(rows), width, dtype=torch.bool)
         for row, trajectory in enumerate(rows):
-            if not (recipe.mask_truncated and trajectory.truncated):
-                mask[row, : trajectory.length] = True
+            mask[row, : trajectory.length] = trajectory.token_mask(recipe.mask_truncated)
+        mask = mask.to(device)
         old = current.detach() if old_from_forward else padded([t.old_logprobs for t in rows], width, device)
         rollout = padded([torch.tensor(t.rollout_logprobs) for t in rows], width, device)
         ref = padded([t.ref_logprobs for t in rows], width, device) if use_ref else None
@@ -256,7 +296,11 @@ def make_loss_fn(trajectories: list[Trajectory], recipe: Recipe, normalizer, *, 
         loss, metrics = policy_loss(current, old, advantages, mask, recipe.loss, normalizer=normalizer,
                                     ref_logprobs=ref, rollout_logprobs=rollout, entropy=ent)
         if max_staleness:
-            metrics.update(staleness_metrics(old, rollout, mask, staleness(rows, width).to(device)))
+            metrics.update(mismatch_by(old, rollout, mask, staleness(rows, width).to(device), range(max_staleness + 1),
+                                       "staleness"))
+        if max_turns:
+            metrics.update(mismatch_by(old, rollout, mask, turns(rows, width).to(device), range(1, max_turns + 1),
+                                       "turn"))
         return loss, metrics
 
     return loss_fn

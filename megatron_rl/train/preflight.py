@@ -139,10 +139,30 @@ def preflight(config):
     check_engine_installed(config)
     check_wandb_available(config.logging.wandb_mode)
     build_scorer(config.rewards).close()  # resolves every reward function now
+    check_agents(config)
     datasets = check_prompt_lengths(config, load_datasets(config.data))
     if config.warm_start.steps:
         check_targets(datasets[0])
     return datasets
+
+
+def check_agents(config) -> None:
+    """Multi-turn runs: the environment and tools import and fit their arguments; prompts go
+    through the chat template (its adapter renders every observation)."""
+    rollout = config.rollout
+    if not rollout.multi_turn:
+        return
+    if config.data.prompt_format != "chat":
+        raise ConfigError("rollout.environment / rollout.tools: multi-turn rollouts render observations with the "
+                          f"chat template; set data.prompt_format=chat (it is {config.data.prompt_format!r})")
+    if rollout.environment is not None:
+        from megatron_rl.agents.environment import load_environment_factory
+
+        load_environment_factory(rollout.environment, rollout.environment_args)
+    if rollout.tools:
+        from megatron_rl.agents.tools import ToolRegistry
+
+        ToolRegistry.from_paths(rollout.tools)
 
 
 # --------------------------------------------------------------------------- prompt lengths

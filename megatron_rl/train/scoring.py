@@ -17,6 +17,7 @@ from typing import Sequence
 
 import torch
 
+from megatron_rl.agents.metrics import agent_metrics
 from megatron_rl.algorithms import dynamic_sampling_keep
 from megatron_rl.data import prompt_text
 from megatron_rl.rewards import RewardInput, build_scorer
@@ -42,15 +43,30 @@ class GroupScorer:
         return to_trajectories(groups, rewards), metrics
 
     def score_on_driver(self, records, groups: Sequence[Sequence[Sample]]) -> tuple[list[float], dict]:
-        """The driver only: one reward per sample (in sample order) and the scorer's metrics."""
-        inputs = [RewardInput(prompt=prompt_text(record.prompt),
-                              response=self.tokenizer.decode(sample.response_token_ids, skip_special_tokens=True),
-                              answer=record.answer, metadata=record.metadata)
-                  for record, group in zip(records, groups) for sample in group]
-        with self._lock:
-            result = self._scorer.score(inputs)
-            self.first_error = result.first_error or self.first_error
-        return list(result.rewards), result.metrics()
+        """The driver only: one reward per sample (in sample order) and the scorer's metrics.
+
+        A multi-turn sample whose environment gave a reward keeps it; the others are scored by
+        the reward functions on the model's last turn (`final_response_ids`), never on the
+        observations. A failed trajectory gets 0 here and its group is dropped (`keeps_group`)."""
+        samples = [(record, sample) for record, group in zip(records, groups) for sample in group]
+        rewards: list[float | None] = [_environment_reward(sample) for _, sample in samples]
+        to_score = [index for index, reward in enumerate(rewards) if reward is None]
+        metrics: dict = {}
+        if to_score:
+            inputs = []
+            for index in to_score:
+                record, sample = samples[index]
+                ids = sample.extras.get("final_response_ids", sample.response_token_ids)
+                inputs.append(RewardInput(prompt=prompt_text(record.prompt),
+                                          response=self.tokenizer.decode(ids, skip_special_tokens=True),
+                                          answer=record.answer, metadata=record.metadata))
+            with self._lock:
+                result = self._scorer.score(inputs)
+                self.first_error = result.first_error or self.first_error
+            for index, reward in zip(to_score, result.rewards):
+                rewards[index] = reward
+            metrics = result.metrics()
+        return [float(r) for r in rewards], metrics
 
     def score_group_on_driver(self, record, samples: Sequence[Sample]) -> tuple[list[Trajectory], dict]:
         """The driver only: one group's trajectories with rewards, and the scorer's metrics."""
@@ -73,15 +89,34 @@ def to_trajectories(groups: Sequence[Sequence[Sample]], rewards: Sequence[float]
             trajectories.append(Trajectory(index, sample.prompt_token_ids, sample.response_token_ids,
                                            sample.logprobs, sample.finish_reason == "length", float(rewards[cursor]),
                                            routed_experts=sample.extras.get("routed_experts"),
-                                           versions=sample.extras.get("versions")))
+                                           versions=sample.extras.get("versions"),
+                                           loss_mask=sample.extras.get("loss_mask"), agent=sample.extras.get("agent")))
             cursor += 1
         scored.append(trajectories)
     return scored
 
 
+def _environment_reward(sample: Sample) -> float | None:
+    agent = sample.extras.get("agent")
+    if agent is None:
+        return None
+    if agent["status"] == "failed":
+        return 0.0  # never trained on: its group is dropped
+    return agent["reward"]
+
+
+def failed(trajectory: Trajectory) -> bool:
+    """A multi-turn trajectory whose environment failed (not a wrong answer)."""
+    return trajectory.agent is not None and trajectory.agent["status"] == "failed"
+
+
 def keeps_group(group: Sequence[Trajectory], dynamic_sampling: bool) -> bool:
-    """Whether a step trains on this group: always, or under dynamic sampling (DAPO
-    arXiv:2503.14476 §3.2) only when its rewards differ (an all-equal group has zero advantage)."""
+    """Whether a step trains on this group: never when one of its trajectories failed (its
+    environment broke: comparing the others with it would corrupt the group's advantages); else
+    always, or under dynamic sampling (DAPO arXiv:2503.14476 §3.2) only when its rewards differ
+    (an all-equal group has zero advantage)."""
+    if any(failed(t) for t in group):
+        return False
     if not dynamic_sampling:
         return True
     rewards = torch.tensor([[t.reward for t in group]], dtype=torch.float64)
@@ -107,6 +142,7 @@ def assemble_step(kept: list[list[Trajectory]], generated: list[list[Trajectory]
     metrics = combine_rounds(reward_rounds)
     metrics.update(sampler_metrics)
     metrics.update(rollout_metrics(generated, CORRECT))
+    metrics.update(agent_metrics(generated))
     metrics.update({"rollout/groups_kept": len(kept), "rollout/groups_generated": len(generated), **counts})
     for index, group in enumerate(kept):
         for trajectory in group:

@@ -38,6 +38,7 @@ from megatron_rl.runtime import start_runtime
 from megatron_rl.train.async_rollout import AsyncCollector
 from megatron_rl.train.collect import SyncCollector
 from megatron_rl.train.evaluate import evaluate
+from megatron_rl.train.generation import Generation
 from megatron_rl.train.experience import (
     group_advantages,
     make_loss_fn,
@@ -110,11 +111,14 @@ class Trainer:
                                      local_rank=runtime.launch.local_rank, seed=config.seed)
         self.encode = functools.partial(encode_prompt, self.tokenizer, prompt_format=config.data.prompt_format,
                                         system_prompt=config.data.system_prompt)
+        # Records -> samples: one completion per prompt, or multi-turn trajectories (rollout.environment / tools).
+        self.generation = Generation.build(config, self.tokenizer, self.engine_dir, runtime, self.rollout, self.encode)
         # The one place the loop depends on rl.max_staleness: which collector feeds it.
         collector = AsyncCollector if config.rl.max_staleness else SyncCollector
         self.collector = collector(config=config, dynamic_sampling=self.recipe.dynamic_sampling,
                                    sampler=self.sampler, train_set=self.train_set, rollout=self.rollout,
-                                   scorer=self.scorer, encode=self.encode, runtime=runtime, notify=self.log.message)
+                                   generation=self.generation, scorer=self.scorer, runtime=runtime,
+                                   notify=self.log.message)
         self.stop_signals = StopSignals()
         self.update_guard = UpdateGuard(config.rl.max_bad_steps, notify=self.log.message)
 
@@ -207,7 +211,7 @@ class Trainer:
         return metrics
 
     def evaluate(self) -> dict:
-        return evaluate(self.heldout, self.config.rl, self.config.seed, self.rollout, self.scorer, self.encode)
+        return evaluate(self.heldout, self.config.rl, self.config.seed, self.generation, self.scorer)
 
     # ---- logprobs and training --------------------------------------------------------------
 
@@ -234,7 +238,8 @@ class Trainer:
                                          self.policy.dp_group, self.runtime.device)
             loss_fn = make_loss_fn(trajectories, self.recipe, normalizer, old_from_forward=old_from_forward,
                                    use_ref=self.use_kl, policy_version=policy_version,
-                                   max_staleness=self.config.rl.max_staleness)
+                                   max_staleness=self.config.rl.max_staleness,
+                                   max_turns=self.config.rollout.max_turns if self.config.rollout.multi_turn else 0)
             with self.routing.update(offset) as trace:
                 result = self.policy.train_step(batches, loss_fn, routing=trace)
             self.update_guard.check(step, update, result)
@@ -289,6 +294,7 @@ class Trainer:
 
     def _shutdown(self) -> None:
         self.collector.close()
+        self.generation.close()
         self.log.close()
         self.scorer.close()
         self.rollout.shutdown()

@@ -18,14 +18,16 @@ from megatron_rl.errors import ConfigError  # this module imports no torch at th
 
 
 def target_of(record):
-    """The reference response trained on: `metadata["target"]`, else the answer (None: none)."""
+    """The reference response trained on: `metadata["target"]`, else the answer (None: none).
+    Multi-turn runs train on `metadata["demonstration"]` where a record has one
+    (agents/demonstrations.py)."""
     return record.metadata.get("target", record.answer)
 
 
 def check_targets(dataset, where: str = "data") -> None:
     """Every training prompt needs a reference response; called before any model is built."""
     for index, record in enumerate(dataset):
-        if target_of(record) is None:
+        if target_of(record) is None and not record.metadata.get("demonstration"):
             raise ConfigError(
                 f"{where}.answer_key: training record {index} of {getattr(dataset, 'source', 'data.train')} has no "
                 "reference response (an answer, or a 'target' field) for the supervised warm start; set "
@@ -45,18 +47,28 @@ def warm_start(policy, tokenizer, dataset, config, runtime, log, on_step=None, l
     guard = UpdateGuard(config.rl.max_bad_steps, notify=log.message)
     sampler = PromptSampler(len(dataset), settings.batch_size, seed=config.seed + 7919)  # not the RL stream
     eos = tokenizer.eos_token_id
+    conversation = _conversation_encoder(config, tokenizer, policy)
     losses = []
     for step in range(1, settings.steps + 1):
         records = dataset.select(sampler.next_batch())
         mine = records[runtime.dp_rank::runtime.dp_size]
-        sequences, prompt_lengths = [], []
+        sequences, prompt_lengths, masks = [], [], []
         for record in mine:
+            if conversation is not None and record.metadata.get("demonstration"):
+                ids, mask = conversation(record)
+                prompt_length = mask.index(1)
+                sequences.append(ids)
+                prompt_lengths.append(prompt_length)
+                masks.append(mask[prompt_length:])  # observations inside the demonstration: 0
+                continue
             prompt = encode_prompt(tokenizer, record.prompt, prompt_format=config.data.prompt_format,
                                    system_prompt=config.data.system_prompt)
             response = tokenizer(str(target_of(record)), add_special_tokens=False)["input_ids"] + [eos]
             sequences.append(prompt + response)
             prompt_lengths.append(len(prompt))
+            masks.append(None)
         batches = _pack(sequences, prompt_lengths, config.micro_batch_tokens, policy.pad_to_multiple)
+        _mask_observations(batches, masks)
         normalizer = compute_step_normalizer([b.loss_mask for b in batches], group=policy.dp_group,
                                              device=runtime.device).num_tokens
 
@@ -71,6 +83,30 @@ def warm_start(policy, tokenizer, dataset, config, runtime, log, on_step=None, l
         if step == 1 or step % max(1, settings.steps // 10) == 0 or step == settings.steps:
             log.message(f"{label} {step}/{settings.steps}  loss {result.loss:.4f}")
     return losses
+
+
+def _conversation_encoder(config, tokenizer, policy):
+    """Multi-turn runs (rollout.environment / rollout.tools): a record's prompt and demonstration
+    as (ids, mask) through the chat-format adapter rollouts use; None for single-turn runs."""
+    if not config.rollout.multi_turn:
+        return None
+    from megatron_rl.agents.chat_format import ChatFormat
+    from megatron_rl.agents.demonstrations import demonstration_ids
+    from megatron_rl.agents.tools import ToolRegistry
+
+    chat = ChatFormat.for_tokenizer(tokenizer, policy.raw_hf_config.get("model_type"))
+    tools = ToolRegistry.from_paths(config.rollout.tools).schemas() if config.rollout.tools else None
+    return lambda record: demonstration_ids(chat, record, system_prompt=config.data.system_prompt, tools=tools)
+
+
+def _mask_observations(batches, masks) -> None:
+    """Per-token masks of multi-turn demonstrations onto the packed loss masks: position p of a
+    sample's response is predicted at the packed position before it."""
+    for batch in batches:
+        for (start, prompt, length), sample_id in zip(batch.spans, batch.sample_ids):
+            mask = masks[sample_id]
+            if mask is not None:
+                batch.loss_mask[0, start + prompt - 1: start + length - 1] = batch.loss_mask.new_tensor(mask)
 
 
 def _pack(sequences, prompt_lengths, token_budget, pad):

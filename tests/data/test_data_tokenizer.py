@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from megatron_rl.errors import ConfigError
-from megatron_rl.data.tokenizer import ALPHABET, SPECIAL_TOKENS, build_char_tokenizer, write_char_tokenizer
+from megatron_rl.data.tokenizer import ALPHABET, SPECIAL_TOKENS, TOOL_TOKENS, build_char_tokenizer, write_char_tokenizer
 from megatron_rl.rewards.synthetic import TASKS, make_task
 
 
@@ -20,7 +20,7 @@ def saved(tmp_path_factory):
 
 def test_autotokenizer_round_trip(saved):
     directory, tokenizer = saved
-    assert len(tokenizer) == len(SPECIAL_TOKENS) + len(ALPHABET) < 64
+    assert len(tokenizer) == len(SPECIAL_TOKENS) + len(ALPHABET) + len(TOOL_TOKENS) == 99
     assert (tokenizer.pad_token, tokenizer.bos_token, tokenizer.eos_token) == ("<|pad|>", "<|bos|>", "<|eos|>")
     assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
     ids = tokenizer("12+7=19")["input_ids"]
@@ -42,7 +42,31 @@ def test_decode_adds_and_removes_no_spaces(saved, text):
 def test_special_tokens_are_single_ids_and_unknown_characters_map_to_unk(saved):
     _, tokenizer = saved
     assert tokenizer("<|im_start|>user", add_special_tokens=False)["input_ids"][0] == 4
-    assert tokenizer("A€", add_special_tokens=False)["input_ids"] == [3, 3]
+    assert tokenizer("é€", add_special_tokens=False)["input_ids"] == [3, 3]
+
+
+def test_ids_of_existing_tokens_never_change(saved):
+    """Checkpoints depend on the ids: characters and tags are only ever appended."""
+    _, tokenizer = saved
+    vocab = tokenizer.get_vocab()
+    first = "0123456789" + "+-*/%=()<>,.:;?! \n" + "\\{}" + "abcdefghijklmnopqrstuvwxyz"  # the 63-token build
+    assert [vocab[c] for c in first] == list(range(6, 63))
+    assert [vocab[c] for c in '"_[]'] == [63, 64, 65, 66]
+    assert [vocab[c] for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ'#"] == list(range(67, 95))
+    assert [vocab[t] for t in TOOL_TOKENS] == [95, 96, 97, 98]
+
+
+def test_tool_tags_are_single_ids_that_decoding_keeps(saved):
+    _, tokenizer = saved
+    text = '<tool_call>\n{"name": "calc_x", "arguments": {"a": [1]}}\n</tool_call>'
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids[0] == 95 and ids[-1] == 96 and len(ids) == len(text) - len("<tool_call></tool_call>") + 2
+    assert 3 not in ids  # no <|unk|>: JSON tool calls fit the alphabet
+    response = tokenizer("<tool_response>\n7\n</tool_response>", add_special_tokens=False)["input_ids"]
+    assert (response[0], response[-1], len(response)) == (97, 98, 5)
+    # Not special (as in Qwen): skip_special_tokens drops <|im_end|> but writes the tags back.
+    assert tokenizer.decode([4, *ids, 5], skip_special_tokens=True) == text
+    assert tokenizer.decode(ids) == text
 
 
 def test_eos_terminated_response_decodes_to_the_answer(saved):

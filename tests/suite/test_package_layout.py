@@ -16,6 +16,7 @@ FLOORS = [
     {"launch"},
     {"tools"},
     {"train"},
+    {"agents"},
     {"rollout"},
     {"checkpoint"},
     {"bridge"},

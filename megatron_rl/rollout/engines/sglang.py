@@ -159,7 +159,7 @@ class SglangServerEngine(ServerEngineBase):
         body: dict[str, Any] = {
             "input_ids": [list(prompt) for _ in range(params.n)],
             "sampling_params": [
-                self._sampling(params, prompt_params.prompt_seed(position)) for position in range(params.n)
+                self._sampling(prompt_params, prompt_params.prompt_seed(position)) for position in range(params.n)
             ],
             "rid": rids,
             "return_logprob": True,

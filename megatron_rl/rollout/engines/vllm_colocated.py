@@ -40,7 +40,7 @@ from megatron_rl.rollout.engines.vllm_common import (
     vllm_environment,
 )
 from megatron_rl.rollout.worker.extension import WORKER_EXTENSION
-from megatron_rl.runtime.cpu.vllm_repairs import fix_cpu_rotary_embedding
+from megatron_rl.runtime.cpu.vllm_repairs import fix_cpu_rotary_embedding, fix_cpu_seeded_chunked_prefill
 
 
 class VllmColocatedEngine:
@@ -82,6 +82,7 @@ class VllmColocatedEngine:
         engine_args = dict(engine_args or {})
         if on_cpu:
             fix_cpu_rotary_embedding()
+            fix_cpu_seeded_chunked_prefill()
             engine_args.update(cpu_kernel_args(model_dir, dtype))
 
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()

@@ -53,7 +53,7 @@ def to_vllm_sampling(params: SamplingParams, prompt_index: int):
         n=params.n,
         temperature=params.temperature,
         top_p=params.top_p,
-        max_tokens=params.max_tokens,
+        max_tokens=params.max_tokens_of(prompt_index),
         stop=list(params.stop) or None,
         stop_token_ids=list(params.stop_token_ids) or None,
         ignore_eos=params.ignore_eos,

@@ -104,7 +104,7 @@ class VllmServerEngine(ServerEngineBase):
             "n": params.n,
             "temperature": params.temperature,
             "top_p": params.top_p,
-            "max_tokens": params.max_tokens,
+            "max_tokens": params.max_tokens_of(index),
             "seed": params.prompt_seed(index),
             "logprobs": 0,  # the sampled token's own logprob
             "return_token_ids": True,

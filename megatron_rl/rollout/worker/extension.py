@@ -52,7 +52,8 @@ import torch
 from megatron_rl.rollout.weights.digest import WeightDigest, digesting, served_sum
 from megatron_rl.rollout.worker.inplace_copy import InPlacePlan, in_place_supported
 from megatron_rl.rollout.worker.route_capture import RouteCaptureWorker
-from megatron_rl.runtime.cpu.vllm_repairs import cpu_moe_kernels, fix_cpu_rotary_embedding, repack_cpu_moe
+from megatron_rl.runtime.cpu.vllm_repairs import (cpu_moe_kernels, fix_cpu_rotary_embedding,
+                                                  fix_cpu_seeded_chunked_prefill, repack_cpu_moe)
 from megatron_rl.rollout.worker.receiver import CollectiveReceiverWorker
 
 WORKER_EXTENSION = "megatron_rl.rollout.worker.extension.WeightSyncWorker"
@@ -283,3 +284,4 @@ if "vllm" in sys.modules:
     # vLLM imports this module into each worker to inject the extension, before it builds the
     # model: the place to fix what must be fixed before then (see fix_cpu_rotary_embedding).
     fix_cpu_rotary_embedding()
+    fix_cpu_seeded_chunked_prefill()

@@ -1,7 +1,8 @@
 """Repairs of vLLM's CPU build (0.32) that our engines need, each measured and explained where it
-is defined: the CPU MoE kernel's weight packing redone after a reload, and the CPU rotary kernel
-made correct for the 3-D query/key of multi-latent attention. Applied only where vLLM's CPU
-classes exist; elsewhere each is a no-op.
+is defined: the CPU MoE kernel's weight packing redone after a reload, the CPU rotary kernel
+made correct for the 3-D query/key of multi-latent attention, and seeded sampling kept working
+when a prompt's prefill is split over steps. Applied only where vLLM's CPU classes exist;
+elsewhere each is a no-op.
 """
 
 from __future__ import annotations
@@ -99,4 +100,55 @@ def fix_cpu_rotary_embedding() -> bool:
     forward_cpu._flattens_3d_inputs = True
     forward_cpu.__doc__ = original.__doc__
     RotaryEmbedding.forward_cpu = forward_cpu
+    return True
+
+
+def fix_cpu_seeded_chunked_prefill() -> bool:
+    """Keep seeded requests working on CPU when a long prompt's prefill is split over steps.
+
+    Measured on vLLM's CPU build (0.32): a step that prefills only part of a prompt still samples
+    a token for it, then discards it and "rewinds" the request's seeded generator with
+    `gen.set_offset(gen.get_offset() - 4)` (GPUModelRunner._bookkeeping_sync). That is the CUDA
+    Philox generator's API; a CPU generator raises "CPU Generator does not use offset", and the
+    engine dies. Any seeded request whose prompt is cut by the step's token budget hits it: the
+    multi-turn rollouts' prompts (a tool schema in the system prompt, ~800 tokens, 128 at once)
+    did on their first turn.
+
+    The fix does what the rewind means, with the CPU generator's own API: the state of each such
+    request's generator is saved before the step samples (`_sample`) and restored after the
+    bookkeeping, which skips those generators (they are out of the batch's table meanwhile). So
+    a seeded request samples the same tokens whether or not its prefill was split. Idempotent;
+    returns False where there is nothing to fix."""
+    try:
+        import numpy as np
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        return False
+    if getattr(GPUModelRunner._bookkeeping_sync, "_restores_cpu_generators", False):
+        return True
+    original_sample, original_bookkeeping = GPUModelRunner._sample, GPUModelRunner._bookkeeping_sync
+
+    def discarded_cpu_generators(runner) -> dict[int, torch.Generator]:
+        rows = np.nonzero(runner.discard_request_mask.np[: runner.input_batch.num_reqs])[0]
+        generators = runner.input_batch.generators
+        return {int(row): generators[int(row)] for row in rows
+                if int(row) in generators and generators[int(row)].device.type == "cpu"}
+
+    def _sample(self, *args, **kwargs):
+        self._saved_generator_states = {row: gen.get_state() for row, gen in discarded_cpu_generators(self).items()}
+        return original_sample(self, *args, **kwargs)
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        saved = getattr(self, "_saved_generator_states", None) or {}
+        self._saved_generator_states = None
+        held = {row: self.input_batch.generators.pop(row) for row in saved if row in self.input_batch.generators}
+        try:
+            return original_bookkeeping(self, *args, **kwargs)
+        finally:
+            for row, generator in held.items():
+                generator.set_state(saved[row])
+                self.input_batch.generators[row] = generator
+
+    _bookkeeping_sync._restores_cpu_generators = True
+    GPUModelRunner._sample, GPUModelRunner._bookkeeping_sync = _sample, _bookkeeping_sync
     return True

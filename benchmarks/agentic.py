@@ -1,0 +1,168 @@
+"""The agentic task's cost and learning, measured against references in the same run.
+
+1. Prefix reuse: the same model tokens generated as 3 turns with an observation between them
+   (each turn a new request carrying the whole history: the multi-turn rollout's pattern) vs in
+   one request (the single-turn reference: same prompts, same number of sampled tokens, no
+   observations). vLLM's prefix cache serves each turn's history, so the ratio shows what the
+   turns themselves cost: request round trips, the observations' prefill, scheduling.
+   Reported: multi-turn seconds / single-turn seconds, median of rounds, alternating.
+2. The built-in agentic task (`configs/tiny_agent.yaml`) through `megatron-rl train`, colocated
+   and (with --server) with `rollout.mode=server rl.max_staleness=1`: held-out accuracy and
+   tool-call rate after the warm start and after RL, and per step the time spent in the
+   environments, generating and training (medians over the RL steps), from the run's metrics.
+
+    python benchmarks/agentic.py --prefix-only      # ~1 min on 2 CPU cores
+    python benchmarks/agentic.py                    # + the colocated learning run (~8 min)
+    python benchmarks/agentic.py --server           # + the asynchronous server run (~8 more)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def prefix_reuse(rounds: int, turns: int = 3, turn_tokens: int = 32, prompts: int = 16, n: int = 4) -> dict:
+    import torch
+
+    from megatron_rl.agents.chat_format import ChatFormat
+    from megatron_rl.agents.environment import Environment, Observation
+    from megatron_rl.agents.rollout import AgentRollout, AgentSettings
+    from megatron_rl.config import load_config
+    from megatron_rl.data.chat import to_messages
+    from megatron_rl.data.records import PromptRecord
+    from megatron_rl.rollout.engine_model import load_engine_tokenizer, write_engine_model_dir
+    from megatron_rl.rollout.engines.vllm_colocated import VllmColocatedEngine
+    from megatron_rl.rollout.protocol import SamplingParams
+
+    class FixedTurns(Environment):
+        def reset(self, record):
+            self.turn = 0
+            return Observation()
+
+        def step(self, response_text, response_ids):
+            self.turn += 1
+            if self.turn == turns:
+                return Observation(reward=0.0, done=True)
+            return Observation(messages=[{"role": "tool", "content": f"result {self.turn}: 12345"}])
+
+    work = Path(tempfile.mkdtemp(prefix="agentic-bench-"))
+    write_engine_model_dir(load_config(), work / "model")
+    tokenizer = load_engine_tokenizer(work / "model")
+    chat = ChatFormat.for_tokenizer(tokenizer)
+    engine = VllmColocatedEngine(work / "model", dtype="float32", max_model_len=1024, seed=0,
+                                 cache_dir=work / "cache", load_format="dummy")
+    records = [PromptRecord(f"{100 + 7 * i}*{300 + 11 * i}=", "0", {}, "bench") for i in range(prompts)]
+    agent = AgentRollout(environment=FixedTurns, chat_format=chat, tokenizer=tokenizer,
+                         settings=AgentSettings(turns, None, 1024, "last", 60.0),
+                         encode_record=lambda record, messages: chat.prompt_ids(to_messages(record.prompt)))
+    multi = SamplingParams(n=n, temperature=1.0, max_tokens=turn_tokens, seed=3, ignore_eos=True)
+    single = SamplingParams(n=n, temperature=1.0, max_tokens=turns * turn_tokens, seed=3, ignore_eos=True)
+    first_prompts = [chat.prompt_ids(to_messages(r.prompt)) for r in records]
+
+    def run_multi():
+        groups = agent.run(records, multi, lambda p, params: engine.generate(p, params))
+        return sum(s.extras["agent"]["model_tokens"] for g in groups for s in g), groups
+
+    def run_single():
+        groups = engine.generate(first_prompts, single)
+        return sum(len(s.response_token_ids) for g in groups for s in g), groups
+
+    run_multi(), run_single()  # warm-up
+    times: dict[str, list[float]] = {"multi": [], "single": []}
+    counts = {}
+    for _ in range(rounds):
+        for label, fn in (("multi", run_multi), ("single", run_single)):
+            started = time.perf_counter()
+            count, groups = fn()
+            times[label].append(time.perf_counter() - started)
+            counts[label] = count
+    _, groups = run_multi()
+    observation_tokens = sum(s.extras["loss_mask"].count(0) for g in groups for s in g)
+    agent.close()
+    engine.shutdown()
+    if counts["multi"] != counts["single"]:
+        raise SystemExit(f"the runs sampled different token counts: {counts}")
+    multi_s, single_s = statistics.median(times["multi"]), statistics.median(times["single"])
+    return {"trajectories": prompts * n, "turns": turns, "model_tokens": counts["multi"],
+            "observation_tokens": observation_tokens, "multi_turn_s": multi_s, "single_turn_s": single_s,
+            "ratio": multi_s / single_s, "requests_multi_turn": prompts * n * turns}
+
+
+def learning_run(out: Path, *overrides: str) -> dict:
+    command = [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(REPO / "configs/tiny_agent.yaml"),
+               "--output-dir", str(out), "logging.wandb_mode=disabled", "checkpoint.export_hf=false", *overrides]
+    started = time.perf_counter()
+    result = subprocess.run(command, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{(result.stdout + result.stderr)[-4000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    steps = [r for r in rows if r["step"] >= 1]
+
+    def median(key: str) -> float | None:
+        values = [r[key] for r in steps if key in r]
+        return statistics.median(values) if values else None
+
+    return {"wall_s": wall, "steps": len(steps),
+            "eval_accuracy_warm_start": evals[0]["eval/accuracy"], "eval_accuracy_final": evals[-1]["eval/accuracy"],
+            "eval_tool_call_rate_warm_start": evals[0].get("eval/tool_call_rate"),
+            "eval_tool_call_rate_final": evals[-1].get("eval/tool_call_rate"),
+            "train_tool_call_rate_first": steps[0].get("agent/tool_call_rate"),
+            "train_tool_call_rate_last": steps[-1].get("agent/tool_call_rate"),
+            "train_malformed_calls_first": steps[0].get("agent/info/malformed_calls"),
+            "train_malformed_calls_last": steps[-1].get("agent/info/malformed_calls"),
+            "env_s_per_step": median("time/env_s"), "generate_s_per_step": median("time/generate_s"),
+            "wait_rollout_s_per_step": median("time/wait_rollout_s"),
+            "train_s_per_step": median("time/train_s"), "logprobs_s_per_step": median("time/logprobs_s"),
+            "step_s": median("time/step_s"), "turns_mean": median("agent/turns_mean"),
+            "masked_token_share": median("agent/masked_token_share"),
+            "eval_curve": [(r["step"], r["eval/accuracy"], r.get("eval/tool_call_rate")) for r in evals]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--prefix-only", action="store_true", help="only the prefix-reuse measurement")
+    parser.add_argument("--server", action="store_true", help="also the asynchronous server run")
+    parser.add_argument("--json", help="write the results here as JSON")
+    args = parser.parse_args()
+
+    results = {"prefix_reuse": prefix_reuse(args.rounds)}
+    p = results["prefix_reuse"]
+    print(f"prefix reuse: {p['trajectories']} trajectories x {p['turns']} turns, {p['model_tokens']} model tokens "
+          f"(+{p['observation_tokens']} observation tokens): multi-turn {p['multi_turn_s']:.2f} s vs the same tokens "
+          f"single-turn {p['single_turn_s']:.2f} s, ratio {p['ratio']:.2f}")
+    if not args.prefix_only:
+        work = Path(tempfile.mkdtemp(prefix="agentic-runs-"))
+        runs = {"colocated": ()}
+        if args.server:
+            runs["server_staleness_1"] = ("rollout.mode=server", "rollout.weight_transport=collective",
+                                          "rl.max_staleness=1")
+        for name, overrides in runs.items():
+            r = learning_run(work / name, *overrides)
+            results[name] = r
+            print(f"{name}: held-out accuracy {r['eval_accuracy_warm_start']:.3f} after the warm start -> "
+                  f"{r['eval_accuracy_final']:.3f} after {r['steps']} RL steps (+"
+                  f"{r['eval_accuracy_final'] - r['eval_accuracy_warm_start']:.3f}); tool-call rate "
+                  f"{r['eval_tool_call_rate_warm_start']} -> {r['eval_tool_call_rate_final']}; malformed calls "
+                  f"per trajectory {r['train_malformed_calls_first']:.2f} -> {r['train_malformed_calls_last']:.2f}; "
+                  f"per step: env {r['env_s_per_step']}, generate {r['generate_s_per_step']}, train "
+                  f"{r['train_s_per_step']:.2f} s; wall {r['wall_s']:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

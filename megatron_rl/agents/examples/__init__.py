@@ -1,0 +1,1 @@
+"""Example environments to copy (docs/agents.md)."""
