@@ -33,8 +33,6 @@ sys.path.insert(0, str(REPO))
 
 
 def prefix_reuse(rounds: int, turns: int = 3, turn_tokens: int = 32, prompts: int = 16, n: int = 4) -> dict:
-    import torch
-
     from megatron_rl.agents.chat_format import ChatFormat
     from megatron_rl.agents.environment import Environment, Observation
     from megatron_rl.agents.rollout import AgentRollout, AgentSettings

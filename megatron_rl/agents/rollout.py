@@ -48,7 +48,6 @@ from typing import Any, Callable, Sequence
 
 from megatron_rl.agents.environment import (
     EnvironmentFailure,
-    Observation,
     call_maybe_async,
     check_observation,
     load_environment_factory,
@@ -172,7 +171,7 @@ class AgentRollout:
                           prompt_seeds=tuple(seeds) if params.seed is not None else (),
                           stop_token_ids=tuple(dict.fromkeys((*params.stop_token_ids, *self.chat.stop_token_ids))))
         groups = generate([run.prompt_ids + run.ids for run in active], request)
-        for run, (sample,), budget in zip(active, groups, budgets):
+        for run, (sample,) in zip(active, groups):
             tokens = list(sample.response_token_ids)
             version = sample.extras.get("versions")
             run.ids += tokens
