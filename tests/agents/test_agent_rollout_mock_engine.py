@@ -199,3 +199,33 @@ def test_environment_configuration_errors_name_the_key_before_any_model_is_built
         check_agents(load_config(None, ["rollout.tools=[no_such_pkg:fn]", "data.prompt_format=chat"]))
     with pytest.raises(ConfigError, match="max_total_tokens"):
         load_config(None, ["rollout.tools=[calculator]", "rollout.max_total_tokens=5000"])
+
+
+def test_warm_start_on_a_demonstration_scores_exactly_the_assistant_tokens():
+    """`megatron-rl sft` / the warm start on a multi-turn demonstration: the packed loss mask is 1
+    at exactly the positions that predict an assistant token (end-of-turn included), 0 on the
+    prompt and the tool result, whatever the record's place in the micro-batch."""
+    from megatron_rl.agents.demonstrations import demonstration_ids
+    from megatron_rl.agents.tools import ToolRegistry
+    from megatron_rl.rewards.synthetic import SyntheticTask, TaskConfig
+    from megatron_rl.train.warm_start import _mask_observations, _pack
+
+    rows = SyntheticTask(TaskConfig(task="mul", digits=3)).generate(3, seed=0, split="train")
+    records = [PromptRecord(r["prompt"], r["answer"], {"demonstration": r["demonstration"]}, "test") for r in rows]
+    tools = ToolRegistry.from_paths(["calculator"]).schemas()
+    encoded = [demonstration_ids(CHAT, record, system_prompt=None, tools=tools) for record in records]
+    sequences = [ids for ids, _ in encoded]
+    prompts = [mask.index(1) for _, mask in encoded]
+    batches = _pack(sequences, prompts, token_budget=2 * len(sequences[0]), pad=1)
+    _mask_observations(batches, [mask[p:] for (_, mask), p in zip(encoded, prompts)])
+    seen = 0
+    for batch in batches:
+        for (start, prompt, length), sample_id in zip(batch.spans, batch.sample_ids):
+            ids, mask = encoded[sample_id]
+            scored = batch.loss_mask[0, start: start + length - 1].tolist()
+            assert scored == [float(m) for m in mask[1:]]  # position p predicts token p + 1
+            answer = "".join(TOKENIZER.decode([ids[p + 1]]) for p, s in enumerate(scored) if s)
+            assert answer.startswith("<tool_call>") and rows[sample_id]["answer"] + "<|im_end|>" in answer
+            assert rows[sample_id]["answer"] + "<|im_end|>\n<|im_start|>assistant" not in answer  # the result: 0
+            seen += 1
+    assert seen == 3
