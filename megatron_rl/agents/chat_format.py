@@ -38,8 +38,8 @@ from the trajectory where the template rewrites history (tests/agents/test_chat_
 where, per family); the trajectory is what the model saw.
 
 Families (`model_type` from the HF config.json; a tokenizer whose chat template is the tiny
-tokenizer's (data/tokenizer.py CHAT_TEMPLATE) is "chatml" whatever the model_type, since the tiny
-presets name real architectures):
+tokenizer's (data/tokenizer.py CHAT_TEMPLATE, or PLAIN_CHAT_TEMPLATE before it took tools) is
+"chatml" whatever the model_type, since the tiny presets name real architectures):
 
     family        model_type              tool_call_format  end-of-turn (stop ids, with the eos)
     chatml        (the tiny template)     hermes            <|im_end|>
@@ -51,9 +51,11 @@ presets name real architectures):
                                                             turn with the next role's token)
 
 `tools` (OpenAI-style function schemas) go to templates that render them through
-`apply_chat_template(tools=...)`; a template that ignores them is a ConfigError (the model would
-never see its tools). The tiny ChatML template has no tools support, so for "chatml" a
-Hermes-style block (Qwen2.5 / Qwen3 wording) is prepended to the system message, or becomes one.
+`apply_chat_template(tools=...)` (the tiny ChatML template does, compactly: one instruction line
+and one schema per line); a template that ignores them is a ConfigError (the model would never
+see its tools), except a plain ChatML one (the tiny tokenizer's before it took tools, saved with
+older checkpoints), which gets a Hermes-style block (Qwen2.5 / Qwen3 wording) prepended to the
+system message, or as one.
 """
 
 from __future__ import annotations
