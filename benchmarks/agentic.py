@@ -33,9 +33,10 @@ sys.path.insert(0, str(REPO))
 
 
 def prefix_reuse(rounds: int, turns: int = 3, turn_tokens: int = 32, prompts: int = 16, n: int = 4) -> dict:
+    from dataclasses import replace
+
     from megatron_rl.agents.chat_format import ChatFormat
-    from megatron_rl.agents.environment import Environment, Observation
-    from megatron_rl.agents.rollout import AgentRollout, AgentSettings
+    from megatron_rl.agents.rollout import turn_seed
     from megatron_rl.config import load_config
     from megatron_rl.data.chat import to_messages
     from megatron_rl.data.records import PromptRecord
@@ -43,51 +44,59 @@ def prefix_reuse(rounds: int, turns: int = 3, turn_tokens: int = 32, prompts: in
     from megatron_rl.rollout.engines.vllm_colocated import VllmColocatedEngine
     from megatron_rl.rollout.protocol import SamplingParams
 
-    class FixedTurns(Environment):
-        def reset(self, record):
-            self.turn = 0
-            return Observation()
-
-        def step(self, response_text, response_ids):
-            self.turn += 1
-            if self.turn == turns:
-                return Observation(reward=0.0, done=True)
-            return Observation(messages=[{"role": "tool", "content": f"result {self.turn}: 12345"}])
-
     work = Path(tempfile.mkdtemp(prefix="agentic-bench-"))
     write_engine_model_dir(load_config(), work / "model")
     tokenizer = load_engine_tokenizer(work / "model")
     chat = ChatFormat.for_tokenizer(tokenizer)
     engine = VllmColocatedEngine(work / "model", dtype="float32", max_model_len=1024, seed=0,
                                  cache_dir=work / "cache", load_format="dummy")
+    # random weights of the tiny model, pushed as the trainer pushes them (generation cost only)
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(work / "model"), dtype=torch.float32)
+    engine.update_weights(model.state_dict().items())
     records = [PromptRecord(f"{100 + 7 * i}*{300 + 11 * i}=", "0", {}, "bench") for i in range(prompts)]
-    agent = AgentRollout(environment=FixedTurns, chat_format=chat, tokenizer=tokenizer,
-                         settings=AgentSettings(turns, None, 1024, "last", 60.0),
-                         encode_record=lambda record, messages: chat.prompt_ids(to_messages(record.prompt)))
-    multi = SamplingParams(n=n, temperature=1.0, max_tokens=turn_tokens, seed=3, ignore_eos=True)
-    single = SamplingParams(n=n, temperature=1.0, max_tokens=turns * turn_tokens, seed=3, ignore_eos=True)
     first_prompts = [chat.prompt_ids(to_messages(r.prompt)) for r in records]
+    # Every turn exactly `turn_tokens` sampled tokens (ignore_eos, no stop ids), so both sides
+    # sample the same number of tokens. The multi-turn side is the agent loop's request pattern
+    # (agents/rollout.py: one request per turn carrying the whole history, per-turn seeds, the
+    # observation rendered once by the chat format); it is driven here directly because the
+    # loop itself ends a turn cut by its budget.
+    multi = SamplingParams(n=1, temperature=1.0, max_tokens=turn_tokens, seed=3, ignore_eos=True)
+    single = SamplingParams(n=n, temperature=1.0, max_tokens=turns * turn_tokens, seed=3, ignore_eos=True)
 
     def run_multi():
-        groups = agent.run(records, multi, lambda p, params: engine.generate(p, params))
-        return sum(s.extras["agent"]["model_tokens"] for g in groups for s in g), groups
+        histories = [list(p) for p in first_prompts for _ in range(n)]
+        model_tokens = observation_tokens = 0
+        for turn in range(turns):
+            seeds = tuple(turn_seed(single.prompt_seed(i // n), i % n, turn) for i in range(len(histories)))
+            groups = engine.generate(histories, replace(multi, prompt_seeds=seeds))
+            for history, (sample,) in zip(histories, groups):
+                history += sample.response_token_ids
+                model_tokens += len(sample.response_token_ids)
+                if turn < turns - 1:
+                    observation = chat.observation_ids([{"role": "tool", "content": f"result {turn}: 12345"}],
+                                                       sample.response_token_ids[-1])
+                    history += observation
+                    observation_tokens += len(observation)
+        return model_tokens, observation_tokens
 
     def run_single():
         groups = engine.generate(first_prompts, single)
-        return sum(len(s.response_token_ids) for g in groups for s in g), groups
+        return sum(len(s.response_token_ids) for g in groups for s in g), 0
 
     run_multi(), run_single()  # warm-up
     times: dict[str, list[float]] = {"multi": [], "single": []}
-    counts = {}
+    counts, observation_tokens = {}, 0
     for _ in range(rounds):
         for label, fn in (("multi", run_multi), ("single", run_single)):
             started = time.perf_counter()
-            count, groups = fn()
+            count, observed = fn()
             times[label].append(time.perf_counter() - started)
             counts[label] = count
-    _, groups = run_multi()
-    observation_tokens = sum(s.extras["loss_mask"].count(0) for g in groups for s in g)
-    agent.close()
+            observation_tokens = max(observation_tokens, observed)
     engine.shutdown()
     if counts["multi"] != counts["single"]:
         raise SystemExit(f"the runs sampled different token counts: {counts}")
