@@ -11,7 +11,9 @@ turns are checked, every token of every trajectory:
   same token in the whole sequence within 1e-4 (the same check through Megatron, the trainer, is
   the `mismatch/` metric of tests/agents/test_agent_training.py);
 * broken on purpose, each check fails: the model's text re-tokenized between turns, the mask
-  shifted by one.
+  shifted by one;
+* long seeded prompts whose prefill vLLM splits over steps sample what they sample alone (a
+  vLLM-CPU crash the agentic prompts ran into, repaired in runtime/cpu/vllm_repairs.py).
 """
 
 from __future__ import annotations
@@ -158,3 +160,19 @@ def test_checks_fail_when_the_mask_is_off_by_one(served):
         sample.extras["loss_mask"] = [0] + sample.extras["loss_mask"][:-1]
     with pytest.raises(AssertionError, match="the mask is not 0 exactly on the observations"):
         check(samples, recorded, chat, served[1], served[2])
+
+
+def test_seeded_long_prompts_whose_prefill_is_split_sample_as_they_do_alone(served):
+    """vLLM's CPU build died on a seeded request whose prompt prefill was split over engine steps
+    (it rewound the request's generator with the CUDA-only `set_offset`): the first multi-turn run
+    with tool schemas in its prompts hit it. Ten ~900-token prompts exceed one step's token budget,
+    so some are prefilled in pieces; with runtime/cpu/vllm_repairs.py `fix_cpu_seeded_chunked_prefill`
+    each samples exactly what it samples alone (prefix-cached, in one piece)."""
+    engine = served[0]
+    prompts = [[1] + [6 + (index * 13 + position) % 80 for position in range(899)] for index in range(10)]
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=9)
+    together = engine.generate(prompts, params, timeout_s=300)
+    for index in (0, 4, 9):
+        (alone,) = engine.generate([prompts[index]], params.offset(index), timeout_s=300)
+        assert [s.response_token_ids for s in alone] == [s.response_token_ids for s in together[index]], index
+    assert len({tuple(s.response_token_ids) for group in together for s in group}) > 10  # seeds differ
