@@ -12,7 +12,7 @@ Public API (kept stable: the trainer and outside checks call it; see docs/algori
 * metrics: ``reduce_metrics(dicts, group=None)``, ``length_bias_metrics(rewards, lengths)``.
 * helpers: ``kl_penalty``, ``agg_loss``, ``segments_to_padded``.
 * names (``names.py``, no torch): every algorithm name a config may write, declared once;
-  ``from_config.recipe_for(rl)``: the recipe a run's ``rl`` section selects.
+  ``from_config.recipe_for(rl, response_budget)``: the recipe a run's ``rl`` section selects.
 
 The names below load on first use (PEP 562), so that the config can import ``names`` and
 ``from_config`` without importing torch.

@@ -18,10 +18,17 @@ OVERRIDABLE = ("kl_coef", "entropy_coef", "eps_low", "eps_high", "dynamic_sampli
                "tis_mode", "tis_upper", "tis_lower")
 
 
-def overlong_lengths(rl, recipe_max: int | None, recipe_buffer: int | None, where: str = "rl") -> dict[str, Any]:
+def overlong_lengths(rl, recipe_max: int | None, recipe_buffer: int | None, where: str = "rl",
+                     budget: int | None = None) -> dict[str, Any]:
     """The overlong-shaping overrides for `rl` (an RLConfig; see its overlong_* field comments)
     on top of a recipe whose own lengths are `recipe_max` / `recipe_buffer` (None: it does not
-    shape). Raises ConfigError for lengths that could never apply."""
+    shape). `budget`: the most model tokens one trajectory holds (RunConfig.response_budget;
+    None: rl.max_response_tokens, a single-turn run's). Shaping measures a trajectory's model
+    tokens, so its default length is this budget: a multi-turn trajectory's turns together, not
+    one turn's cap (against which every tool-calling trajectory would be shaped as overlong).
+    Raises ConfigError for lengths that could never apply."""
+    if budget is None:
+        budget = rl.max_response_tokens
     if rl.overlong_penalty_factor == 0:
         return {"overlong_max_length": None, "overlong_buffer_length": None}
     lengths = (recipe_max, rl.overlong_max_length, rl.overlong_buffer_length)
@@ -29,23 +36,27 @@ def overlong_lengths(rl, recipe_max: int | None, recipe_buffer: int | None, wher
         return {}
     # DAPO's buffer is a fifth of its budget (4096 / 20480); a recipe's own ratio if it has one.
     num, den = (recipe_buffer, recipe_max) if recipe_max is not None else (1, 5)
-    length = rl.overlong_max_length if rl.overlong_max_length is not None else rl.max_response_tokens
+    length = rl.overlong_max_length if rl.overlong_max_length is not None else budget
     buffer = rl.overlong_buffer_length
     if buffer is None:
         buffer = max(1, (num * length + den // 2) // den)  # rounded half up, in integers
     if buffer > length:
         raise ConfigError(f"{where}.overlong_buffer_length={buffer} must be <= overlong_max_length={length}")
-    if length - buffer >= rl.max_response_tokens:
+    if length - buffer >= budget:
+        what = (f"max_response_tokens={budget}" if budget == rl.max_response_tokens else
+                f"the {budget} model tokens a trajectory can hold (rollout.max_turns x rl.max_response_tokens, at most "
+                f"rollout.max_total_tokens)")
         raise ConfigError(
             f"{where}: overlong shaping would never apply: its soft budget overlong_max_length - "
             f"overlong_buffer_length = {length} - {buffer} = {length - buffer} is not below "
-            f"max_response_tokens={rl.max_response_tokens}; lower overlong_max_length (null = the "
-            f"budget) or set overlong_penalty_factor: 0 for no shaping")
+            f"{what}; lower overlong_max_length (null = the budget) or set overlong_penalty_factor: 0 for no shaping")
     return {"overlong_max_length": length, "overlong_buffer_length": buffer}
 
 
-def recipe_for(rl):
-    """The Recipe (megatron_rl.algorithms.Recipe) that `rl` (an RLConfig) selects.
+def recipe_for(rl, response_budget: int | None = None):
+    """The Recipe (megatron_rl.algorithms.Recipe) that `rl` (an RLConfig) selects, for
+    trajectories of at most `response_budget` model tokens (RunConfig.response_budget; None:
+    rl.max_response_tokens, a single-turn run's).
 
     Raises ConfigError for overlong lengths that cannot apply; the recipe's own checks raise
     ValueError (the trainer's preflight reports them as ConfigError)."""
@@ -53,7 +64,8 @@ def recipe_for(rl):
 
     base = RECIPES[rl.recipe]
     overrides = {name: getattr(rl, name) for name in OVERRIDABLE if getattr(rl, name) is not None}
-    overrides.update(overlong_lengths(rl, base.overlong_max_length, base.overlong_buffer_length))
+    budget = rl.max_response_tokens if response_budget is None else response_budget
+    overrides.update(overlong_lengths(rl, base.overlong_max_length, base.overlong_buffer_length, budget=budget))
     if rl.tis_level == "off":
         overrides["tis_level"] = None
     elif rl.tis_level is not None:
@@ -70,5 +82,5 @@ def recipe_for(rl):
     chosen = recipe(rl.recipe, **overrides)
     if chosen.loss.loss_agg_mode == "seq-mean-token-sum-norm" and chosen.loss.l_norm is None:
         # Dr. GRPO divides by a constant: the generation budget, as in the paper.
-        chosen = recipe(rl.recipe, **overrides, l_norm=rl.max_response_tokens)
+        chosen = recipe(rl.recipe, **overrides, l_norm=budget)
     return chosen

@@ -251,7 +251,7 @@ class CheckpointManager:
 
     @property
     def _uses_kl(self) -> bool:
-        return recipe_for(self.config.rl).loss.kl_coef > 0
+        return recipe_for(self.config.rl, self.config.response_budget).loss.kl_coef > 0
 
     # ---- during the run -----------------------------------------------------------------------
 

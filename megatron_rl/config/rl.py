@@ -2,7 +2,7 @@
 
 The algorithm names are declared once, in megatron_rl/algorithms/names.py (no torch); the
 recipe this section selects, with its overrides and run-dependent defaults, is built by
-megatron_rl/algorithms/from_config.py (`recipe_for(config.rl)`).
+megatron_rl/algorithms/from_config.py (`recipe_for(config.rl, config.response_budget)`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from megatron_rl.algorithms.from_config import overlong_lengths
 from megatron_rl.algorithms.names import LossAggMode, OutcomeAdvantageEstimator, RatioLevel, RecipeName, TisLevel, TisMode
 from megatron_rl.errors import ConfigError
 
@@ -62,18 +61,20 @@ class RLConfig:
     # mean), reinforce_plus_plus_baseline (r - group mean, whitened over the batch).
     advantage_estimator: AdvantageEstimator | None = None
     # Loss reduction: token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum,
-    # seq-mean-token-sum-norm (Dr. GRPO; L_norm = max_response_tokens), token-sum.
+    # seq-mean-token-sum-norm (Dr. GRPO; L_norm = the response budget, below), token-sum.
     loss_agg_mode: LossAggMode | None = None
     # Importance ratio: token (PPO), sequence (GSPO), sequence_token (GSPO-token).
     ratio_level: RatioLevel | None = None
     # DAPO overlong reward shaping: 0 up to overlong_max_length - overlong_buffer_length, then a
     # linear ramp to -overlong_penalty_factor at overlong_max_length. DAPO's 20480 / 4096 are its
     # generation budget and a fifth of it, so when the recipe shapes (dapo) or either length is set
-    # here, a length left null follows that rule at this run's budget: overlong_max_length =
-    # max_response_tokens and overlong_buffer_length = round(0.2 * overlong_max_length), at least 1
-    # (DAPO's own numbers would never penalize a response budget up to 16384). A soft budget at or
-    # beyond max_response_tokens is refused (it would never apply); overlong_penalty_factor: 0
-    # turns shaping off.
+    # here, a length left null follows that rule at this run's response budget (the model tokens
+    # of one trajectory: max_response_tokens single-turn; multi-turn, rollout.max_turns of them,
+    # at most rollout.max_total_tokens; RunConfig.response_budget): overlong_max_length = the
+    # budget and overlong_buffer_length = round(0.2 * overlong_max_length), at least 1 (DAPO's
+    # own numbers would never penalize a response budget up to 16384). A soft budget at or beyond
+    # the response budget is refused (it would never apply); overlong_penalty_factor: 0 turns
+    # shaping off.
     overlong_max_length: int | None = None
     overlong_buffer_length: int | None = None
     overlong_penalty_factor: float | None = None
@@ -173,8 +174,6 @@ class RLConfig:
         if factor is not None and not (factor >= 0 and factor != float("inf")):
             raise ConfigError(f"{where}.overlong_penalty_factor must be a finite number >= 0 (0 = no shaping), "
                               f"got {factor}")
-        if self.overlong_max_length is not None or self.overlong_buffer_length is not None:
-            overlong_lengths(self, None, None, where)  # lengths given here: do they ever apply? (DAPO's ratio, as dapo's)
         if self.tis_upper is not None and not 1 < self.tis_upper < float("inf"):
             raise ConfigError(f"{where}.tis_upper must be > 1 (or null), got {self.tis_upper}")
         if self.tis_lower is not None and not 0 < self.tis_lower < 1:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from megatron_rl.algorithms.from_config import overlong_lengths
 from megatron_rl.config.model import ModelConfig, OptimizerConfig, ParallelConfig, check_learning_rate
 from megatron_rl.config.rl import RLConfig
 from megatron_rl.config.rollout import RolloutConfig
@@ -99,6 +100,9 @@ class RunConfig:
         self.optimizer.validate(f"{where}: optimizer")
         self.rollout.validate(f"{where}: rollout")
         self.rl.validate(f"{where}: rl")
+        if self.rl.overlong_max_length is not None or self.rl.overlong_buffer_length is not None:
+            # lengths given: do they ever apply to this run's trajectories? (DAPO's ratio, as dapo's)
+            overlong_lengths(self.rl, None, None, f"{where}: rl", budget=self.response_budget)
         if self.rl.routing_replay == "rollout":
             if self.rollout.engine != "vllm":
                 raise ConfigError(f"{where}: rl.routing_replay=rollout needs the rollout engine's routes, which only "
@@ -115,6 +119,18 @@ class RunConfig:
         self._validate_fp8_rollout(where)
         # The recipe overrides are checked by trainer.preflight (building a Recipe imports torch).
         return self
+
+    @property
+    def response_budget(self) -> int:
+        """The most model (sampled) tokens one trajectory holds: rl.max_response_tokens in a
+        single-turn run; in a multi-turn run its model turns together, rollout.max_turns of
+        rl.max_response_tokens, at most rollout.max_total_tokens (observations share that budget)
+        or rollout.max_model_len. Overlong shaping and Dr. GRPO's L_norm measure against it."""
+        per_turn = self.rl.max_response_tokens
+        if not self.rollout.multi_turn:
+            return per_turn
+        total = self.rollout.max_total_tokens if self.rollout.max_total_tokens is not None else self.rollout.max_model_len
+        return min(self.rollout.max_turns * per_turn, total)
 
     def _validate_async(self, where: str) -> None:
         """Asynchronous RL needs engines that generate while the trainer trains: servers."""

@@ -132,7 +132,7 @@ def preflight(config):
 
     check_layout_and_paths(config)
     try:
-        recipe_for(config.rl)
+        recipe_for(config.rl, config.response_budget)
     except ValueError as exc:
         raise ConfigError(f"rl: {exc}") from None
     check_run_directory(config)

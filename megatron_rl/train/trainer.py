@@ -83,7 +83,7 @@ class Trainer:
         """`datasets`: the (train, held-out) prompt datasets preflight() read."""
         self.config, self.runtime = config, runtime
         self.out = Path(config.output_dir)
-        self.recipe = recipe_for(config.rl)
+        self.recipe = recipe_for(config.rl, config.response_budget)
         self.use_kl = self.recipe.loss.kl_coef > 0
         self.train_set, self.heldout = datasets
         # uniform, or the Olmo 3 success-rate curriculum (data.sampler); it learns from every scored group

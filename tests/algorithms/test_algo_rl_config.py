@@ -125,3 +125,56 @@ def test_zero_std_group_fraction_with_or_without_dynamic_sampling():
     groups = [group(1.0, 1.0), group(0.0, 1.0), group(0.0, 0.0), group(0.5, 0.0)]
     assert rollout_metrics(groups)["rollout/zero_std_group_frac"] == 0.5
     assert rollout_metrics([group(0.0, 1.0)])["rollout/zero_std_group_frac"] == 0.0
+
+
+def agent_run(*overrides: str):
+    """A multi-turn run: the calculator tool, 3 turns of at most 80 model tokens, 256 tokens in all."""
+    return load_config(None, ["rollout.tools=[calculator]", "rollout.max_turns=3", "rollout.max_total_tokens=256",
+                              "rl.max_response_tokens=80", "data.prompt_format=chat", *overrides])
+
+
+def test_multi_turn_shaping_measures_the_trajectorys_model_tokens_not_one_turns():
+    """Overlong shaping and Dr. GRPO's L_norm measure a trajectory's model tokens (observations
+    excluded), so their budget is the model turns together. Measured against one turn's cap
+    (80), a tool call (~65 model tokens) plus the answer turn lands in the penalty ramp: every
+    tool-calling trajectory was shaped toward -1 and RL drove the tool-call rate down."""
+    from megatron_rl.train.experience import group_advantages
+
+    config = agent_run()
+    assert config.response_budget == 240  # 3 x 80, below max_total_tokens=256
+    assert agent_run("rollout.max_total_tokens=200").response_budget == 200
+    assert load_config(None, ["rl.max_response_tokens=80"]).response_budget == 80  # single-turn: one turn
+    recipe = recipe_for(config.rl, config.response_budget)
+    assert (recipe.overlong_max_length, recipe.overlong_buffer_length) == (240, 48)
+
+    def group() -> list[Trajectory]:
+        """A correct tool call + answer (73 model tokens around 12 observation tokens), a wrong
+        direct answer (7), and a rambling wrong trajectory in the ramp (216 model tokens)."""
+        masks = ([1] * 66 + [0] * 12 + [1] * 7, [1] * 7, [1] * 100 + [0] * 20 + [1] * 116)
+        return [Trajectory(0, [1], list(range(len(mask))), [0.0] * len(mask), False, reward, loss_mask=list(mask))
+                for mask, reward in zip(masks, (1.0, 0.0, 0.0))]
+
+    def advantages(rows: list[Trajectory], chosen) -> list[float]:
+        group_advantages([rows], chosen)
+        return [t.advantage for t in rows]
+
+    shaped = advantages(group(), recipe)
+    # the same group's rewards shaped by hand: 216 model tokens are 24 into the 48-token ramp
+    # (-0.5); 73 are nowhere near it. Plain rewards through the same estimator, shaping off.
+    by_hand = group()
+    by_hand[2].reward = -0.5
+    plain = recipe_for(agent_run("rl.overlong_penalty_factor=0").rl, config.response_budget)
+    assert plain.overlong_max_length is None
+    assert shaped == pytest.approx(advantages(by_hand, plain), abs=1e-12)
+    # measured against one turn's cap (the defect), the correct tool call itself is shaped:
+    per_turn = recipe_for(config.rl)
+    assert per_turn.overlong_max_length == 80
+    wrong = advantages(group(), per_turn)
+    assert wrong[0] < shaped[0] - 0.1
+
+    # Dr. GRPO divides by the same budget
+    assert recipe_for(agent_run("rl.recipe=dr_grpo").rl, config.response_budget).loss.l_norm == 240
+    # explicit lengths are checked against the trajectory's budget: 150 > one turn's 80 applies here
+    assert recipe_for(agent_run("rl.overlong_max_length=150").rl, 240).overlong_max_length == 150
+    with pytest.raises(ConfigError, match="never apply.*the 240 model tokens a trajectory can hold"):
+        agent_run("rl.overlong_max_length=400")
