@@ -122,20 +122,32 @@ def learning_run(out: Path, *overrides: str) -> dict:
         values = [r[key] for r in steps if key in r]
         return statistics.median(values) if values else None
 
+    def mean_of(rows: list[dict], key: str) -> float | None:
+        values = [r[key] for r in rows if key in r]
+        return statistics.fmean(values) if values else None
+
+    # one step's sampled rates are noisy (128 trajectories): the first and last 5 steps, averaged
+    first, last = steps[:5], steps[-5:]
+
     return {"wall_s": wall, "steps": len(steps),
             "eval_accuracy_warm_start": evals[0]["eval/accuracy"], "eval_accuracy_final": evals[-1]["eval/accuracy"],
             "eval_tool_call_rate_warm_start": evals[0].get("eval/tool_call_rate"),
             "eval_tool_call_rate_final": evals[-1].get("eval/tool_call_rate"),
-            "train_tool_call_rate_first": steps[0].get("agent/tool_call_rate"),
-            "train_tool_call_rate_last": steps[-1].get("agent/tool_call_rate"),
-            "train_malformed_calls_first": steps[0].get("agent/info/malformed_calls"),
-            "train_malformed_calls_last": steps[-1].get("agent/info/malformed_calls"),
+            "train_tool_call_rate_first5": mean_of(first, "agent/tool_call_rate"),
+            "train_tool_call_rate_last5": mean_of(last, "agent/tool_call_rate"),
+            "train_reward_first5": mean_of(first, "reward/mean"), "train_reward_last5": mean_of(last, "reward/mean"),
+            "train_malformed_calls_first5": mean_of(first, "agent/info/malformed_calls"),
+            "train_malformed_calls_last5": mean_of(last, "agent/info/malformed_calls"),
             "env_s_per_step": median("time/env_s"), "generate_s_per_step": median("time/generate_s"),
             "wait_rollout_s_per_step": median("time/wait_rollout_s"),
             "train_s_per_step": median("time/train_s"), "logprobs_s_per_step": median("time/logprobs_s"),
             "step_s": median("time/step_s"), "turns_mean": median("agent/turns_mean"),
             "masked_token_share": median("agent/masked_token_share"),
             "eval_curve": [(r["step"], r["eval/accuracy"], r.get("eval/tool_call_rate")) for r in evals]}
+
+
+def fmt(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.2f}"
 
 
 def main() -> None:
@@ -162,11 +174,15 @@ def main() -> None:
             results[name] = r
             print(f"{name}: held-out accuracy {r['eval_accuracy_warm_start']:.3f} after the warm start -> "
                   f"{r['eval_accuracy_final']:.3f} after {r['steps']} RL steps (+"
-                  f"{r['eval_accuracy_final'] - r['eval_accuracy_warm_start']:.3f}); tool-call rate "
-                  f"{r['eval_tool_call_rate_warm_start']} -> {r['eval_tool_call_rate_final']}; malformed calls "
-                  f"per trajectory {r['train_malformed_calls_first']:.2f} -> {r['train_malformed_calls_last']:.2f}; "
-                  f"per step: env {r['env_s_per_step']}, generate {r['generate_s_per_step']}, train "
-                  f"{r['train_s_per_step']:.2f} s; wall {r['wall_s']:.0f} s")
+                  f"{r['eval_accuracy_final'] - r['eval_accuracy_warm_start']:.3f}; greedy tool-call rate "
+                  f"{r['eval_tool_call_rate_warm_start']} -> {r['eval_tool_call_rate_final']}); sampled, first 5 -> "
+                  f"last 5 steps: tool-call rate {r['train_tool_call_rate_first5']:.3f} -> "
+                  f"{r['train_tool_call_rate_last5']:.3f}, reward {r['train_reward_first5']:.3f} -> "
+                  f"{r['train_reward_last5']:.3f}, malformed calls per trajectory "
+                  f"{r['train_malformed_calls_first5']:.2f} -> {r['train_malformed_calls_last5']:.2f}; median per "
+                  f"step: env {fmt(r['env_s_per_step'])}, generate {fmt(r['generate_s_per_step'])}, wait for rollouts "
+                  f"{fmt(r['wait_rollout_s_per_step'])}, logprobs {fmt(r['logprobs_s_per_step'])}, train "
+                  f"{fmt(r['train_s_per_step'])}, step {fmt(r['step_s'])} s; wall {r['wall_s']:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 
