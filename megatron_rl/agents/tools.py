@@ -45,6 +45,7 @@ from megatron_rl.errors import ConfigError
 # Built-in tools, by the short name a config may use.
 BUILTIN_TOOLS = {
     "calculator": "megatron_rl.agents.calculator:calculator",
+    "python": "megatron_rl.agents.python_tool:python",
 }
 
 # How long an error observation may get before it is cut (the model reads it as its next turn).

@@ -7,6 +7,9 @@ Names:
     "synthetic"          verifies synthetic-task records by their own "task" and
                          "response_format" metadata (one reward for any mix of tasks)
     "synthetic:<task>"   the verifier of one task; params: response_format
+    "code_tests"         code_tests.code_tests_reward: the response's program against the record's
+                         tests, in the sandbox; params: wall_seconds, cpu_seconds, memory_mb, mode,
+                         isolation
     "pkg.module:attr"    any importable callable (attr may be dotted: "module:Class.method")
     "path/to/file.py:fn" a callable defined in a Python file (relative paths are resolved
                          against the current directory when the name is resolved)
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from megatron_rl.errors import ConfigError
+from megatron_rl.rewards.code_tests import MODES, code_tests_reward
 from megatron_rl.rewards.format import make_format_reward
 from megatron_rl.rewards.functions import RewardFunction, is_batched
 from megatron_rl.rewards.math_answer import math_fast_path, math_reward, math_verify_available, prepare_math_verify
@@ -40,7 +44,7 @@ from megatron_rl.rewards.synthetic import TASKS, make_task, verify_synthetic
 
 __all__ = ["BUILTIN_REWARDS", "resolve_reward", "absolute_reward_name", "WithParams"]
 
-BUILTIN_REWARDS = ("math", "format", "synthetic", *(f"synthetic:{task}" for task in TASKS))
+BUILTIN_REWARDS = ("math", "format", "code_tests", "synthetic", *(f"synthetic:{task}" for task in TASKS))
 
 
 def _check_params(name: str, params: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
@@ -82,6 +86,30 @@ def _format(name: str, params: Mapping[str, Any]) -> RewardFunction:
     fn = make_format_reward(**params)
     # A configured regex can backtrack exponentially; only the boxed check is linear.
     return RewardFunction(name, fn, inline_safe=params.get("pattern") is None)
+
+
+def _code_tests(name: str, params: Mapping[str, Any]) -> RewardFunction:
+    _check_params(name, params, ("wall_seconds", "cpu_seconds", "memory_mb", "mode", "isolation"))
+    for key in ("wall_seconds", "cpu_seconds", "memory_mb"):
+        value = params.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(f"reward {name!r}: {key} must be a number > 0, got {value!r}")
+    if params.get("mode", "fraction") not in MODES:
+        raise ConfigError(f"reward {name!r}: mode must be one of {', '.join(MODES)}, got {params['mode']!r}")
+    isolation = params.get("isolation", "namespaces")
+    if isolation not in ("namespaces", "none"):
+        raise ConfigError(f"reward {name!r}: isolation must be 'namespaces' or 'none', got {isolation!r}")
+    if isolation == "namespaces":
+        from megatron_rl.sandbox import namespaces_available
+
+        why = namespaces_available()  # refused here, before any rollout, not at the first sample
+        if why is not None:
+            raise ConfigError(f"reward {name!r} runs model-written code in a sandbox, which this machine cannot "
+                              f"build: {why}. Allow user namespaces, or set params: {{isolation: none}} to run the "
+                              "code with resource limits only (it can then use the network and this user's files)")
+    # Not inline-safe: every test is a sandboxed process (tens of ms); the scorer's workers run it.
+    return RewardFunction(name, WithParams(code_tests_reward, params) if params else code_tests_reward,
+                          inline_safe=False)
 
 
 def _synthetic_any(prompt: str, response: str, answer: str | None, *, task: str | None = None,
@@ -180,6 +208,8 @@ def resolve_reward(name: str, params: Mapping[str, Any] | None = None) -> Reward
         return _math(name, params)
     if name == "format":
         return _format(name, params)
+    if name == "code_tests":
+        return _code_tests(name, params)
     if name == "synthetic" or name.startswith("synthetic:"):
         if name != "synthetic" and name.split(":", 1)[1] not in TASKS:
             raise ConfigError(f"reward {name!r}: unknown synthetic task; known: {', '.join(TASKS)}")

@@ -163,6 +163,15 @@ def check_agents(config) -> None:
         from megatron_rl.agents.tools import ToolRegistry
 
         ToolRegistry.from_paths(rollout.tools)
+        if any(entry.strip() == "python" for entry in rollout.tools):
+            from megatron_rl.sandbox import namespaces_available
+
+            why = namespaces_available()
+            if why is not None:
+                raise ConfigError(f"rollout.tools: the built-in 'python' tool runs the model's code in a sandbox, which "
+                                  f"this machine cannot build: {why}. Allow user namespaces, or offer a tool of your "
+                                  "own (see megatron_rl/agents/python_tool.py) after weighing what running it "
+                                  "unsandboxed opens")
 
 
 # --------------------------------------------------------------------------- prompt lengths

@@ -175,7 +175,7 @@ def test_registry_from_paths_builtin_and_import_path():
 
 
 @pytest.mark.parametrize("entry, expected", [
-    ("word_count", "neither a built-in tool (calculator) nor an import path"),
+    ("word_count", "neither a built-in tool (calculator, python) nor an import path"),
     ("no_such_package_xyz.tools:search", "cannot import 'no_such_package_xyz.tools'"),
     (f"{__name__}:no_such_function", "has no 'no_such_function'"),
     (f"{__name__}:NOT_CALLABLE", "is a int, not a function"),

@@ -24,6 +24,7 @@ FLOORS = [
     {"runtime"},
     {"config"},
     {"data", "rewards"},
+    {"sandbox"},
     {"algorithms"},
     {"observability"},
     {"errors"},
