@@ -217,6 +217,8 @@ class Sandbox:
         except BaseException:
             for fd in (status_read, go_write):
                 os.close(fd)
+            shutil.rmtree(work, ignore_errors=True)
+            shutil.rmtree(root, ignore_errors=True)
             raise
         finally:
             os.close(status_write)
@@ -255,50 +257,29 @@ class Sandbox:
         thread.start()
 
     def _run_jail(self, jail: _Jail, stdin: bytes) -> SandboxResult:
-        process = jail.process
-        out, err, overflow, readers = _start_capture(process, self.limits.output_bytes)
-        timed_out, timer = _start_timer(process, self.limits.wall_seconds)
-        started = time.perf_counter()
-        try:
-            os.write(jail.go, b"g")
-        except OSError:
-            pass  # the launcher already failed; its stderr says why
-        os.close(jail.go)
-        jail.go = -1
-        _feed(process, stdin)
-        process.wait()
-        timer.cancel()
-        wall = time.perf_counter() - started
-        for reader in readers:
-            reader.join(timeout=5)
+        def go():
+            try:
+                os.write(jail.go, b"g")
+            except OSError:
+                pass  # the launcher already failed; its stderr says why
+            os.close(jail.go)
+            jail.go = -1
+
+        ended = _supervise(jail.process, stdin, self.limits, start=go)
         with os.fdopen(jail.status, "rb") as pipe:
             data = pipe.read()
         jail.status = -1
-        report = marshal.loads(data) if data else None
-        stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
-        return _result(process.returncode, report, True, timed_out.is_set(), overflow.is_set(), stdout, stderr, wall,
-                       self.limits)
+        return _result(ended, marshal.loads(data) if data else None, True, self.limits)
 
     # ---------------------------------------------------------------- the opt-out
 
     def _run_open(self, work: Path, stdin: bytes) -> SandboxResult:
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8",
                "PYTHONDONTWRITEBYTECODE": "1"}
-        started = time.perf_counter()
         process = subprocess.Popen([self.python, "-I", "-S", str(work / "main.py")], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=work, env=env,
                                    preexec_fn=_limiter(self.limits), start_new_session=True)
-        out, err, overflow, readers = _start_capture(process, self.limits.output_bytes)
-        timed_out, timer = _start_timer(process, self.limits.wall_seconds)
-        _feed(process, stdin)
-        process.wait()
-        timer.cancel()
-        wall = time.perf_counter() - started
-        for reader in readers:
-            reader.join(timeout=5)
-        stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
-        return _result(process.returncode, None, False, timed_out.is_set(), overflow.is_set(), stdout, stderr, wall,
-                       self.limits)
+        return _result(_supervise(process, stdin, self.limits), None, False, self.limits)
 
     def _read_only_dirs(self) -> list[str]:
         """The host directories the snippet sees (read-only): /usr, and the interpreter's prefix
@@ -326,24 +307,42 @@ def _write_files(work: Path, source: str, files: dict[str, str] | None) -> None:
         path.write_text(text)
 
 
-def _start_capture(process, cap: int):
+@dataclass
+class _Ended:
+    returncode: int
+    stdout: str
+    stderr: str
+    wall_seconds: float
+    timed_out: bool
+    overflowed: bool
+
+
+def _supervise(process, stdin: bytes, limits: SandboxLimits, start=None) -> _Ended:
+    """Capture the output (capped), arm the wall limit, call `start` (a warm jail's go), feed
+    stdin and wait. The timer kills at the wall limit while wait() blocks in waitpid:
+    Popen.wait(timeout=) polls with sleeps growing to 50 ms, which added up to 50 ms to every
+    call that ran longer."""
     overflow = threading.Event()
     out, err = bytearray(), bytearray()
-    readers = [threading.Thread(target=_capture, args=(pipe, sink, cap, overflow, process), daemon=True)
-               for pipe, sink in ((process.stdout, out), (process.stderr, err))]
+    readers = [threading.Thread(target=_capture, args=(pipe, sink, limits.output_bytes, overflow, process),
+                                daemon=True) for pipe, sink in ((process.stdout, out), (process.stderr, err))]
     for reader in readers:
         reader.start()
-    return out, err, overflow, readers
-
-
-def _start_timer(process, seconds: float):
-    """A timer that kills at the wall limit while wait() blocks in waitpid: Popen.wait(timeout=)
-    polls with sleeps growing to 50 ms, which added ~50 ms to every call that ran longer."""
     timed_out = threading.Event()
-    timer = threading.Timer(seconds, lambda: (timed_out.set(), _kill(process)))
+    timer = threading.Timer(limits.wall_seconds, lambda: (timed_out.set(), _kill(process)))
     timer.daemon = True
     timer.start()
-    return timed_out, timer
+    started = time.perf_counter()
+    if start is not None:
+        start()
+    _feed(process, stdin)
+    process.wait()
+    timer.cancel()
+    wall = time.perf_counter() - started
+    for reader in readers:
+        reader.join(timeout=5)
+    return _Ended(process.returncode, out.decode(errors="replace"), err.decode(errors="replace"), wall,
+                  timed_out.is_set(), overflow.is_set())
 
 
 def _host_env() -> dict[str, str]:
@@ -396,15 +395,15 @@ def _kill(process) -> None:
         pass
 
 
-def _result(returncode: int, report: dict | None, inside: bool, timed_out: bool, overflowed: bool, stdout: str,
-            stderr: str, wall: float, limits: SandboxLimits) -> SandboxResult:
+def _result(ended: _Ended, report: dict | None, inside: bool, limits: SandboxLimits) -> SandboxResult:
     def result(status, exit_code=None, sig=None, cpu=None):
-        return SandboxResult(status, exit_code, sig, stdout, stderr, wall, cpu)
+        return SandboxResult(status, exit_code, sig, ended.stdout, ended.stderr, ended.wall_seconds, cpu)
 
-    if overflowed:
+    if ended.overflowed:
         return result("output_limit")
-    if timed_out:
+    if ended.timed_out:
         return result("timeout")
+    returncode = ended.returncode
     if inside:
         if report is None:  # the launcher could not build the jail (its stderr line says why)
             return result("sandbox_error", exit_code=returncode)
@@ -417,6 +416,6 @@ def _result(returncode: int, report: dict | None, inside: bool, timed_out: bool,
         return result("killed", sig=sig, cpu=cpu)
     if code == 0:
         return result("ok", exit_code=0, cpu=cpu)
-    if "MemoryError" in stderr[-2000:]:
+    if "MemoryError" in ended.stderr[-2000:]:
         return result("memory_limit", exit_code=code, cpu=cpu)
     return result("error", exit_code=code, cpu=cpu)
