@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
+from megatron_rl.sandbox import Sandbox, SandboxLimits
 
 LIMITS = SandboxLimits(wall_seconds=4, cpu_seconds=2, memory_mb=256, processes=16, output_bytes=4096, file_mb=4)
 
@@ -198,7 +198,7 @@ def test_os_system_subprocess_and_ctypes_escapes_stay_inside(sandbox):
 
 REFUSING_MACHINE = """
 import sys
-from megatron_rl.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
+from megatron_rl.sandbox import Sandbox, SandboxLimits
 limits = SandboxLimits(wall_seconds=4, cpu_seconds=2, memory_mb=256, output_bytes=4096)
 try:
     Sandbox(limits)
