@@ -198,7 +198,7 @@ def test_os_system_subprocess_and_ctypes_escapes_stay_inside(sandbox):
 
 REFUSING_MACHINE = """
 import sys
-from megatron_rl.sandbox import Sandbox, SandboxLimits
+from megatron_rl.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
 limits = SandboxLimits(wall_seconds=4, cpu_seconds=2, memory_mb=256, output_bytes=4096)
 try:
     Sandbox(limits)
