@@ -182,7 +182,7 @@ def run_init(spec: dict, status_fd: int, go_fd: int, last_cap: int, snippet_id: 
     if os.read(go_fd, 1) != b"g":  # built ahead of its call (a warm jail), or the call went away
         os._exit(0)
     os.close(go_fd)
-    for directory, _, names in os.walk("/work"):  # written after the jail was built  # the snippet's own directory
+    for directory, _, names in os.walk("/work"):  # the snippet's own, written after the jail was built
         for path in [directory, *(os.path.join(directory, name) for name in names)]:
             os.lchown(path, snippet_id, snippet_id)
     child = os.fork()
