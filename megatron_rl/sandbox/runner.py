@@ -32,12 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from megatron_rl.sandbox.launcher import NAMESPACES
+
 LAUNCHER = Path(__file__).with_name("launcher.py")
 Isolation = Literal["namespaces", "none"]
 # Can this process create the namespaces? (a child tries, as the launcher's child will)
 PROBE = ("import ctypes, os\n"
          "libc = ctypes.CDLL(None, use_errno=True)\n"
-         "if libc.unshare(0x10000000 | 0x00020000 | 0x20000000 | 0x40000000 | 0x08000000 | 0x04000000):\n"
+         f"if libc.unshare({NAMESPACES}):\n"
          "    raise SystemExit(os.strerror(ctypes.get_errno()))\n")
 
 
@@ -195,8 +197,7 @@ class Sandbox:
 
     def _spec(self, work: Path, root: Path) -> dict:
         limits = self.limits
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
-               "PYTHONDONTWRITEBYTECODE": "1"}
+        env = _program_env(home="/work", tmp="/tmp")
         return {"work": str(work), "root": str(root), "ro": self._read_only_dirs(),
                 "argv": [self.python, "-I", "-S", "/work/main.py"], "env": env,
                 "limits": {"memory_bytes": limits.memory_mb << 20, "processes": limits.processes,
@@ -274,8 +275,7 @@ class Sandbox:
     # ---------------------------------------------------------------- the opt-out
 
     def _run_open(self, work: Path, stdin: bytes) -> SandboxResult:
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8",
-               "PYTHONDONTWRITEBYTECODE": "1"}
+        env = _program_env(home=str(work), tmp=str(work))
         process = subprocess.Popen([self.python, "-I", "-S", str(work / "main.py")], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=work, env=env,
                                    preexec_fn=_limiter(self.limits), start_new_session=True)
@@ -343,6 +343,12 @@ def _supervise(process, stdin: bytes, limits: SandboxLimits, start=None) -> _End
         reader.join(timeout=5)
     return _Ended(process.returncode, out.decode(errors="replace"), err.decode(errors="replace"), wall,
                   timed_out.is_set(), overflow.is_set())
+
+
+def _program_env(home: str, tmp: str) -> dict[str, str]:
+    """The program's whole environment: nothing of the trainer's is inherited."""
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": tmp, "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 def _host_env() -> dict[str, str]:
