@@ -8,16 +8,27 @@ the response's last ```python (or bare ```) fenced block, or the whole response 
 Each test is its own sandbox call (sandbox/runner.py: fresh namespaces, no network, the limits
 below), so a program that hangs, floods, forks or allocates fails that test and nothing else;
 the scorer never sees an exception from the program. The reward is the fraction of tests passed
-(`mode: fraction`, the default) or 1 when all pass, else 0 (`mode: all`).
+(`mode: fraction`, the default) or 1 when all pass, else 0 (`mode: all`, which stops at the first
+failing test: most samples early in training fail, and each test is a process).
 
-Params (rewards.terms[].params): wall_seconds (5), cpu_seconds (5), memory_mb (512), mode, and
+Params (rewards.terms[].params): wall_seconds (5), cpu_seconds (5), memory_mb (512), mode,
 isolation: "namespaces" (the default; refused at start-up on a machine without them) or "none",
 the explicit opt-out that keeps the limits but lets the program use the network and this
-user's files.
+user's files; and harness: a program template containing ``{code}``, for tasks whose answer is
+a fragment rather than a program. The extracted code, stripped of surrounding whitespace, is put
+in place of ``{code}`` (plain substitution: other braces stay as written), e.g. with
+``"x = int(input())\\nprint({code})"`` the answer ``x*2+1`` runs as that two-line program (the
+synthetic `expr` task, configs/tiny_code.yaml). A harness without ``{code}`` is refused when the
+reward is resolved, naming ``rewards.terms[].params.harness``; a record may also carry its own
+``harness`` metadata (the param wins), checked when it is scored. cache_entries (0, off): each
+scorer worker keeps the pass/fail of that many (program, test) pairs it has run and answers an
+identical program's test from it, without a sandbox call; a policy's group often repeats a
+response. Leave it 0 where programs may be nondeterministic (the clock, `random`).
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import re
 from typing import Any
@@ -26,12 +37,31 @@ from megatron_rl.sandbox import Sandbox, SandboxLimits
 
 FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 MODES = ("fraction", "all")
+PLACEHOLDER = "{code}"
 
 
 def extract_program(response: str) -> str:
     """The last fenced code block of `response`, or all of it when it has none."""
     blocks = FENCE.findall(response)
     return blocks[-1] if blocks else response
+
+
+def check_harness(harness: Any, where: str = "rewards.terms[].params.harness") -> str | None:
+    """The harness, or None; a ValueError naming `where` when it is not a string with {code}."""
+    if harness is None:
+        return None
+    if not isinstance(harness, str) or PLACEHOLDER not in harness:
+        raise ValueError(f"{where} must be a program template containing {PLACEHOLDER} (where the model's code goes, "
+                         f"e.g. 'x = int(input())\\nprint({{code}})'), got {harness!r}")
+    return harness
+
+
+def build_program(response: str, harness: str | None = None) -> str:
+    """The program a response stands for: its code (extract_program), inside the harness if any."""
+    program = extract_program(response)
+    if harness is None:
+        return program
+    return harness.replace(PLACEHOLDER, program.strip())
 
 
 def same_output(actual: str, expected: str) -> bool:
@@ -64,16 +94,56 @@ def check_tests(tests: Any) -> list[dict]:
     return tests
 
 
+class _Verdicts:
+    """Pass/fail of (program, test, settings) already run in this process, the newest `size` kept.
+    A policy's group often repeats a response, and an unchanged program passes or fails a test the
+    same way again unless it is nondeterministic (reads the clock, the random module), which is
+    why this is off unless `cache_entries` is set."""
+
+    def __init__(self):
+        self.entries: collections.OrderedDict[tuple, bool] = collections.OrderedDict()
+
+    def get(self, key: tuple) -> bool | None:
+        if key in self.entries:
+            self.entries.move_to_end(key)
+        return self.entries.get(key)
+
+    def put(self, key: tuple, passed: bool, size: int) -> None:
+        self.entries[key] = passed
+        while len(self.entries) > size:
+            self.entries.popitem(last=False)
+
+
+_VERDICTS = _Verdicts()
+
+
+def passes(sandbox: Sandbox, program: str, test: dict, cache_entries: int, settings: tuple) -> bool:
+    """Whether `program` passes one test: a sandbox call, or the cached verdict of an identical one."""
+    key = (program, test.get("stdin", ""), test["stdout"], settings)
+    if cache_entries and (known := _VERDICTS.get(key)) is not None:
+        return known
+    result = sandbox.run_python(program, stdin=test.get("stdin", ""))
+    passed = result.ok and same_output(result.stdout, test["stdout"])
+    if cache_entries:
+        _VERDICTS.put(key, passed, cache_entries)
+    return passed
+
+
 def code_tests_reward(prompt: str, response: str, answer: str | None, *, tests: Any = None,
                       wall_seconds: float = 5.0, cpu_seconds: int = 5, memory_mb: int = 512,
-                      mode: str = "fraction", isolation: str = "namespaces", **metadata: Any) -> float:
+                      mode: str = "fraction", isolation: str = "namespaces", harness: str | None = None,
+                      cache_entries: int = 0, **metadata: Any) -> float:
     tests = check_tests(tests)
-    sandbox = sandbox_for(float(wall_seconds), int(cpu_seconds), int(memory_mb), isolation)
-    program = extract_program(response)
+    program = build_program(response, check_harness(harness, "the 'code_tests' reward's harness (a param or the "
+                                                             "record's 'harness' metadata)"))
+    settings = (float(wall_seconds), int(cpu_seconds), int(memory_mb), isolation)
+    sandbox = sandbox_for(*settings)
     passed = 0
     for test in tests:
-        result = sandbox.run_python(program, stdin=test.get("stdin", ""))
-        passed += result.ok and same_output(result.stdout, test["stdout"])
+        if passes(sandbox, program, test, int(cache_entries), settings):
+            passed += 1
+        elif mode == "all":
+            return 0.0  # decided: the remaining tests cannot change it (a sandbox call each saved)
     if mode == "all":
-        return float(passed == len(tests))
+        return 1.0
     return passed / len(tests)

@@ -9,7 +9,8 @@ Names:
     "synthetic:<task>"   the verifier of one task; params: response_format
     "code_tests"         code_tests.code_tests_reward: the response's program against the record's
                          tests, in the sandbox; params: wall_seconds, cpu_seconds, memory_mb, mode,
-                         isolation
+                         isolation, harness (a program template with {code}: the response's code
+                         goes there), cache_entries
     "pkg.module:attr"    any importable callable (attr may be dotted: "module:Class.method")
     "path/to/file.py:fn" a callable defined in a Python file (relative paths are resolved
                          against the current directory when the name is resolved)
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from megatron_rl.errors import ConfigError
-from megatron_rl.rewards.code_tests import MODES, code_tests_reward
+from megatron_rl.rewards.code_tests import MODES, check_harness, code_tests_reward
 from megatron_rl.rewards.format import make_format_reward
 from megatron_rl.rewards.functions import RewardFunction, is_batched
 from megatron_rl.rewards.math_answer import math_fast_path, math_reward, math_verify_available, prepare_math_verify
@@ -89,11 +90,19 @@ def _format(name: str, params: Mapping[str, Any]) -> RewardFunction:
 
 
 def _code_tests(name: str, params: Mapping[str, Any]) -> RewardFunction:
-    _check_params(name, params, ("wall_seconds", "cpu_seconds", "memory_mb", "mode", "isolation"))
+    _check_params(name, params, ("wall_seconds", "cpu_seconds", "memory_mb", "mode", "isolation", "harness",
+                                 "cache_entries"))
+    try:
+        check_harness(params.get("harness"))
+    except ValueError as exc:
+        raise ConfigError(f"reward {name!r}: {exc}") from None
     for key in ("wall_seconds", "cpu_seconds", "memory_mb"):
         value = params.get(key, 1)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ConfigError(f"reward {name!r}: {key} must be a number > 0, got {value!r}")
+    cache = params.get("cache_entries", 0)
+    if isinstance(cache, bool) or not isinstance(cache, int) or cache < 0:
+        raise ConfigError(f"reward {name!r}: cache_entries must be an integer >= 0 (0: no cache), got {cache!r}")
     if params.get("mode", "fraction") not in MODES:
         raise ConfigError(f"reward {name!r}: mode must be one of {', '.join(MODES)}, got {params['mode']!r}")
     isolation = params.get("isolation", "namespaces")

@@ -13,6 +13,26 @@ the characters of the tiny tokenizer (``megatron_rl.data.tokenizer.ALPHABET``):
     mul       "123*456="            "56088"  digits (operands of exactly that many digits), max_operand;
                                              the agentic task: a tiny model cannot multiply, but it
                                              can call `calculator`
+    expr      "f(3)=7 f(5)=9 f(x)=" "x+4"    forms, examples, shown_max, hidden_tests,
+                                             general_demonstrations, digits / max_operand (the
+                                             largest constant); the code task: a one-line Python
+                                             expression in x, run on hidden inputs
+
+An `expr` record hides a function f of one form (``forms``: add "x+b", sub "x-b", mul "x*a",
+affine "x*a+b", square "x*x+b", mod "x%a"; a in [2, C], b in [1, C], C = ``operand_max``) and
+shows ``examples`` values of it at distinct inputs in [0, ``shown_max``] (at most 9); a problem
+is kept only when no other function of the configured forms gives the same shown values, so the
+answer is determined.
+The record carries ``tests`` metadata for the ``code_tests`` reward (rewards/code_tests.py):
+``hidden_tests`` inputs in [0, 99] that the prompt does not show, as {"stdin": "42\\n", "stdout":
+"46\\n"}, a pure function of the prompt. The reward runs the expression in the sandbox through a
+``harness`` ("x = int(input())\\nprint({code})", configs/tiny_code.yaml). With
+``general_demonstrations`` below 1, that share of the records has the expression as its warm-start
+``target`` and the rest a lookup of the shown values ("{3:7,5:9}[x]"): right on the prompt, a
+KeyError on every hidden input, as a model that special-cases the examples writes; RL then has a
+habit to unlearn, as the agentic task's answers without the tool. The task's own verifier
+(the ``synthetic`` reward) never runs the model's text: it parses it with ``ast`` (integers, x,
++ - * // % and parentheses only) and compares it with the answer on every input in [0, 99].
 
 A `mul` record also carries a `demonstration` for the multi-turn warm start
 (agents/demonstrations.py): the conversation of a model that calls the calculator and states its
@@ -21,7 +41,8 @@ result, or (for 1 - ``tool_demonstrations`` of the records) one that answers at 
 Response formats (``response_format``): "plain", the answer then the end of the sequence ("19"
 then EOS), the default because a tiny model learns it fastest; or "boxed" ("\\boxed{19}").
 Verification extracts the answer by the format and compares it with the task's own rule: as
-integers for add / count / modular, as exact digit strings for sort / reverse.
+integers for add / count / modular, as exact digit strings for sort / reverse, as functions of x
+for expr.
 
 Splits are disjoint by construction: a prompt belongs to the held-out split when a stable hash
 of (task, prompt) falls below ``heldout_fraction``, whatever the seed. Train records are drawn
@@ -32,7 +53,10 @@ SHA-512 by Python), whose streams are stable across Python versions and platform
 
 from __future__ import annotations
 
+import ast
+import functools
 import hashlib
+import operator
 import random
 import re
 from dataclasses import dataclass
@@ -53,7 +77,7 @@ RESPONSE_FORMATS = ("plain", "boxed")
 class TaskConfig:
     """One synthetic task and its difficulty; each task reads only the knobs it uses."""
 
-    task: Literal["add", "sort", "reverse", "count", "modular", "mul"] = "add"
+    task: Literal["add", "sort", "reverse", "count", "modular", "mul", "expr"] = "add"
     # add / modular: operands are drawn uniformly from [0, 10**digits - 1] ...
     digits: int = 2
     # ... or from [0, max_operand] when set: a finer difficulty knob than whole digits.
@@ -68,6 +92,19 @@ class TaskConfig:
     # once (with the product, which a small model cannot compute). Below 1, a warm-started model
     # sometimes skips the tool, and RL can show it learning to call it.
     tool_demonstrations: float = 1.0
+    # expr: the forms the hidden function is drawn from (comma-separated names of EXPR_FORMS), the
+    # values shown in the prompt, and the test cases the reward runs (inputs the prompt does not show).
+    forms: str = "add,mul"
+    examples: int = 2
+    hidden_tests: int = 4
+    # expr: shown inputs are drawn from [0, shown_max]; small ranges make the constants easy to
+    # read off (f(0) = b, f(1) = a), larger ones need subtraction or division.
+    shown_max: int = 9
+    # expr: the share of records whose warm-start target is the general expression; the others'
+    # is a lookup of the shown values ("{3:7,5:9}[x]"), which fits the prompt and fails every
+    # hidden test. Below 1, a warm-started model sometimes special-cases the examples, and RL can
+    # show it learning to write the rule instead (the hidden tests pay only for that).
+    general_demonstrations: float = 1.0
     response_format: ResponseFormat = "plain"
     # Share of the problem space reserved for held-out evaluation (by hash of the prompt).
     heldout_fraction: float = 0.1
@@ -84,8 +121,11 @@ class TaskConfig:
         if not self.symbols or len(set(self.symbols)) != len(self.symbols) or not self.symbols.isalpha() \
                 or not self.symbols.islower():
             raise ConfigError(f"{where}.symbols must be distinct lowercase letters, got {self.symbols!r}")
+        if not 0.0 <= self.general_demonstrations <= 1.0:
+            raise ConfigError(f"{where}.general_demonstrations must be in [0, 1], got {self.general_demonstrations}")
         if not 0.0 <= self.tool_demonstrations <= 1.0:
             raise ConfigError(f"{where}.tool_demonstrations must be in [0, 1], got {self.tool_demonstrations}")
+        self._validate_expr(where)
         if self.modulus < 2:
             raise ConfigError(f"{where}.modulus must be >= 2, got {self.modulus}")
         if self.response_format not in RESPONSE_FORMATS:
@@ -95,6 +135,24 @@ class TaskConfig:
         if not 0.0 < self.heldout_fraction < 1.0:
             raise ConfigError(f"{where}.heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
         return self
+
+    def _validate_expr(self, where: str) -> None:
+        unknown = [name for name in self.form_names if name not in EXPR_FORMS]
+        if not self.form_names or unknown:
+            raise ConfigError(f"{where}.forms must be a comma-separated list of {', '.join(EXPR_FORMS)}, "
+                              f"got {self.forms!r}")
+        if not 1 <= self.shown_max <= SHOWN_MAX:
+            raise ConfigError(f"{where}.shown_max must be in [1, {SHOWN_MAX}], got {self.shown_max}")
+        if not 1 <= self.examples <= self.shown_max + 1:
+            raise ConfigError(f"{where}.examples must be in [1, shown_max + 1 = {self.shown_max + 1}] (distinct "
+                              f"inputs in [0, shown_max]), got {self.examples}")
+        if not 1 <= self.hidden_tests <= len(TEST_INPUTS) - SHOWN_MAX - 1:
+            raise ConfigError(f"{where}.hidden_tests must be in [1, {len(TEST_INPUTS) - SHOWN_MAX - 1}], "
+                              f"got {self.hidden_tests}")
+
+    @property
+    def form_names(self) -> tuple[str, ...]:
+        return tuple(name.strip() for name in self.forms.split(",") if name.strip())
 
     @property
     def operand_max(self) -> int:
@@ -143,6 +201,110 @@ def _mul(rng: random.Random, config: TaskConfig) -> tuple[str, str]:
     return f"{a}*{b}=", str(a * b)
 
 
+# --------------------------------------------------------------------------- expr (the code task)
+# The hidden function's forms, with their constants: a (a factor or modulus) in [2, C], b (an
+# offset) in [1, C]. a >= 2 and b >= 1 so that no two (form, constants) give the same function.
+EXPR_FORMS = {
+    "add": "x+{b}",
+    "sub": "x-{b}",
+    "mul": "x*{a}",
+    "affine": "x*{a}+{b}",
+    "square": "x*x+{b}",
+    "mod": "x%{a}",
+}
+SHOWN_MAX = 9               # inputs shown in the prompt: single digits, short prompts
+TEST_INPUTS = range(100)    # inputs the tests and the verifier use
+MAX_EXPR_CHARS = 200        # longer responses are wrong without parsing (bounds the verifier's work)
+_EXPR_DRAWS = 1000
+
+_EXPR_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+             ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+
+
+def _expr_node(node: ast.AST, x: int) -> int:
+    """Value of an expression tree at x; ValueError for anything but integers, x, + - * // % ()."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.Name) and node.id == "x":
+        return x
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _expr_node(node.operand, x)
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.BinOp) and type(node.op) in _EXPR_OPS:
+        return _EXPR_OPS[type(node.op)](_expr_node(node.left, x), _expr_node(node.right, x))
+    raise ValueError(f"not allowed in an expr answer: {type(node).__name__}")
+
+
+def expr_values(expression: str, inputs) -> list[int] | None:
+    """The expression's values at `inputs`, computed without running it (ast walk, no eval); None
+    when it is not an arithmetic expression in x or fails (division by zero, too long, too deep)."""
+    if len(expression) > MAX_EXPR_CHARS:
+        return None
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+        return [_expr_node(tree.body, x) for x in inputs]
+    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError, MemoryError):
+        return None
+
+
+@functools.lru_cache(maxsize=16)
+def _expr_table(forms: tuple[str, ...], limit: int) -> dict[tuple[int, int], list[str]]:
+    """Every candidate function (as its canonical expression) by (shown input, value): the
+    candidates that agree with one shown example, from which a prompt's ambiguity is read."""
+    table: dict[tuple[int, int], list[str]] = {}
+    for form in forms:
+        template = EXPR_FORMS[form]
+        factors = range(2, limit + 1) if "{a}" in template else (None,)
+        offsets = range(1, limit + 1) if "{b}" in template else (None,)
+        for a in factors:
+            for b in offsets:
+                expression = template.format(a=a, b=b)
+                for x, y in enumerate(expr_values(expression, range(SHOWN_MAX + 1))):
+                    table.setdefault((x, y), []).append(expression)
+    return table
+
+
+def _expr_prompt(pairs: list[tuple[int, int]]) -> str:
+    return " ".join(f"f({x})={y}" for x, y in pairs) + " f(x)="
+
+
+def _expr(rng: random.Random, config: TaskConfig) -> tuple[str, str]:
+    # Draw a function and its shown inputs until the shown values determine it within the forms.
+    forms, limit = config.form_names, max(2, config.operand_max)
+    table = _expr_table(forms, limit)
+    for _ in range(_EXPR_DRAWS):
+        form = EXPR_FORMS[rng.choice(forms)]
+        answer = form.format(a=rng.randint(2, limit), b=rng.randint(1, limit))
+        inputs = rng.sample(range(config.shown_max + 1), config.examples)
+        pairs = list(zip(inputs, expr_values(answer, inputs)))
+        fitting = set(table[pairs[0]]).intersection(*(table[pair] for pair in pairs[1:]))
+        if fitting == {answer}:
+            return _expr_prompt(pairs), answer
+    raise ConfigError(f"task 'expr': no problem in {_EXPR_DRAWS} draws whose {config.examples} shown examples "
+                      f"determine the function among the forms {config.forms!r}; raise examples")
+
+
+def expr_tests(prompt: str, answer: str, config: TaskConfig) -> list[dict[str, str]]:
+    """The record's test cases: `hidden_tests` inputs the prompt does not show, a pure function of
+    the prompt, as the code_tests reward reads them (stdin, stdout)."""
+    shown = {int(x) for x in re.findall(r"f\((\d+)\)=", prompt)}
+    hidden = [x for x in TEST_INPUTS if x not in shown]
+    inputs = random.Random(f"megatron_rl.synthetic:expr-tests:{prompt}").sample(hidden, config.hidden_tests)
+    return [{"stdin": f"{x}\n", "stdout": f"{y}\n"} for x, y in zip(inputs, expr_values(answer, inputs))]
+
+
+def expr_lookup(prompt: str) -> str:
+    """A response that special-cases the shown examples: a dict of them indexed by x. It is right
+    on the prompt's inputs and raises KeyError on every other (the hidden tests')."""
+    pairs = re.findall(r"f\((\d+)\)=(-?\d+)", prompt)
+    return "{" + ",".join(f"{x}:{y}" for x, y in pairs) + "}[x]"
+
+
+def _same_function(candidate: str, answer: str) -> bool:
+    values = expr_values(candidate, TEST_INPUTS)
+    return values is not None and values == expr_values(answer, TEST_INPUTS)
+
+
 _INTEGER = re.compile(r"[+-]?\d{1,64}")
 
 
@@ -164,6 +326,7 @@ TASKS: dict[str, tuple[Generator, Checker]] = {
     "count": (_count, _same_integer),
     "modular": (_modular, _same_integer),
     "mul": (_mul, _same_integer),
+    "expr": (_expr, _same_function),
 }
 
 
@@ -210,6 +373,11 @@ class SyntheticTask:
             "response_format": self.config.response_format,
             "target": self.target(answer),
         }
+        if self.name == "expr":
+            record["tests"] = expr_tests(prompt, answer, self.config)
+            # which records demonstrate a lookup: a stable function of the prompt (as the split is)
+            if _heldout_bucket("general-demonstration", prompt) >= self.config.general_demonstrations:
+                record["target"] = self.target(expr_lookup(prompt))
         if self.name == "mul":
             record["demonstration"] = [{"role": "assistant", "content": self.target(answer)}]
             # which records call the tool: a stable function of the prompt (as the split is)

@@ -67,3 +67,63 @@ def test_bad_params_and_records_are_named():
         code_tests_reward("", SQUARE, None)
     with pytest.raises(ValueError, match="test 0 must be a dict with a string 'stdout'"):
         code_tests_reward("", SQUARE, None, tests=[{"stdin": "1"}])
+
+
+# --------------------------------------------------------------------------- harness, early exit, cache
+
+HARNESS = "x = int(input())\nprint({code})"
+DOUBLE = [{"stdin": "3\n", "stdout": "6\n"}, {"stdin": "10\n", "stdout": "20\n"}, {"stdin": "-1\n", "stdout": "-2\n"}]
+
+
+def sandbox_calls(**settings) -> int:
+    """Calls the reward's sandbox (one per process and settings) has made so far."""
+    from megatron_rl.rewards.code_tests import sandbox_for
+
+    key = (float(settings.get("wall_seconds", 5.0)), int(settings.get("cpu_seconds", 5)),
+           int(settings.get("memory_mb", 512)), settings.get("isolation", "namespaces"))
+    return sum(sandbox_for(*key).counts.values())
+
+
+def test_a_harness_turns_an_expression_into_the_program():
+    assert code_tests_reward("", "x*2", None, tests=DOUBLE, harness=HARNESS) == 1.0
+    assert code_tests_reward("", " x+x \n", None, tests=DOUBLE, harness=HARNESS) == 1.0  # stripped
+    assert code_tests_reward("", "x*3", None, tests=DOUBLE, harness=HARNESS) == 0.0
+    # without the harness the bare expression is a program that prints nothing
+    assert code_tests_reward("", "x*2", None, tests=DOUBLE) == 0.0
+    # plain substitution: other braces of the template stay as written
+    assert code_tests_reward("", "x*2", None, tests=DOUBLE,
+                             harness="x = int(input())\nprint({'v': {code}}['v'])") == 1.0
+    # through the registry, as a run resolves it: the param reaches the function
+    assert resolve_reward("code_tests", {"harness": HARNESS}).fn("", "x*2", None, tests=DOUBLE) == 1.0
+
+
+def test_a_harness_without_the_placeholder_is_refused_naming_the_key():
+    for bad in ("x = int(input())\nprint(x)", "{ code }", 7):
+        with pytest.raises(ConfigError, match=r"rewards\.terms\[\]\.params\.harness must be a program template "
+                                              r"containing \{code\}"):
+            resolve_reward("code_tests", {"harness": bad})
+    with pytest.raises(ValueError, match="record's 'harness' metadata"):
+        code_tests_reward("", "x*2", None, tests=DOUBLE, harness="print(1)")
+    with pytest.raises(ConfigError, match="cache_entries must be an integer >= 0"):
+        resolve_reward("code_tests", {"cache_entries": -1})
+
+
+def test_mode_all_stops_at_the_first_failing_test():
+    before = sandbox_calls()
+    assert code_tests_reward("", "x*3", None, tests=DOUBLE, harness=HARNESS, mode="all") == 0.0
+    assert sandbox_calls() - before == 1  # the first test failed: the other two are not run
+    before = sandbox_calls()
+    assert code_tests_reward("", "x*3", None, tests=DOUBLE, harness=HARNESS) == 0.0
+    assert sandbox_calls() - before == 3  # fraction: every test counts
+
+
+def test_cached_verdicts_answer_an_identical_program_without_a_call():
+    tests = [{"stdin": "41\n", "stdout": "82\n"}]  # a test no other test of this module runs
+    before = sandbox_calls()
+    assert code_tests_reward("", "x*2", None, tests=tests, harness=HARNESS, cache_entries=8) == 1.0
+    assert code_tests_reward("", "x*2", None, tests=tests, harness=HARNESS, cache_entries=8) == 1.0
+    assert sandbox_calls() - before == 1
+    # a different program, or the cache off, runs again
+    assert code_tests_reward("", "x+x", None, tests=tests, harness=HARNESS, cache_entries=8) == 1.0
+    assert code_tests_reward("", "x*2", None, tests=tests, harness=HARNESS) == 1.0
+    assert sandbox_calls() - before == 3

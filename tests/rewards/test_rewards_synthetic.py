@@ -14,7 +14,8 @@ def test_generation_is_deterministic_and_seed_dependent(task):
     first = generator.generate(50, seed=3, split="train")
     assert first == make_task(task=task).generate(50, seed=3, split="train")
     assert first != generator.generate(50, seed=4, split="train")
-    extra = {"demonstration"} if task == "mul" else set()  # the multi-turn warm start's conversation
+    # mul: the multi-turn warm start's conversation; expr: the hidden test cases code_tests runs
+    extra = {"demonstration"} if task == "mul" else {"tests"} if task == "expr" else set()
     assert set(first[0]) == {"prompt", "answer", "task", "response_format", "target"} | extra
     assert all(record["task"] == task for record in first)
 
