@@ -10,10 +10,15 @@
    and (with --server) with `rollout.mode=server rl.max_staleness=1`: held-out accuracy and
    tool-call rate after the warm start and after RL, and per step the time spent in the
    environments, generating and training (medians over the RL steps), from the run's metrics.
+   With --openai, the same task once more through the OpenAI-compatible endpoint
+   (`rollout.agent`): the agent is a plain OpenAI-client loop that runs the calculator itself
+   (megatron_rl/agents/examples/openai_calculator.py); "env" is then the time the trainer waited
+   on the agents between engine requests.
 
     python benchmarks/agentic.py --prefix-only      # ~1 min on 2 CPU cores
     python benchmarks/agentic.py                    # + the colocated learning run (~8 min)
     python benchmarks/agentic.py --server           # + the asynchronous server run (~8 more)
+    python benchmarks/agentic.py --rounds 0 --no-colocated --openai   # only the endpoint run (~10 min)
 """
 
 from __future__ import annotations
@@ -155,20 +160,27 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--prefix-only", action="store_true", help="only the prefix-reuse measurement")
     parser.add_argument("--server", action="store_true", help="also the asynchronous server run")
+    parser.add_argument("--openai", action="store_true",
+                        help="also the run through the OpenAI-compatible endpoint (rollout.agent: the plain "
+                             "OpenAI-client agent of megatron_rl/agents/examples/openai_calculator.py)")
+    parser.add_argument("--no-colocated", action="store_true", help="skip the colocated environment run")
     parser.add_argument("--json", help="write the results here as JSON")
     args = parser.parse_args()
 
-    results = {"prefix_reuse": prefix_reuse(args.rounds)}
-    p = results["prefix_reuse"]
-    print(f"prefix reuse: {p['trajectories']} trajectories x {p['turns']} turns, {p['model_tokens']} model tokens "
-          f"(+{p['observation_tokens']} observation tokens): multi-turn {p['multi_turn_s']:.2f} s vs the same tokens "
-          f"single-turn {p['single_turn_s']:.2f} s, ratio {p['ratio']:.2f}")
+    results = {}
+    if args.rounds:
+        results["prefix_reuse"] = p = prefix_reuse(args.rounds)
+        print(f"prefix reuse: {p['trajectories']} trajectories x {p['turns']} turns, {p['model_tokens']} model "
+              f"tokens (+{p['observation_tokens']} observation tokens): multi-turn {p['multi_turn_s']:.2f} s vs the "
+              f"same tokens single-turn {p['single_turn_s']:.2f} s, ratio {p['ratio']:.2f}")
     if not args.prefix_only:
         work = Path(tempfile.mkdtemp(prefix="agentic-runs-"))
-        runs = {"colocated": ()}
+        runs = {} if args.no_colocated else {"colocated": ()}
         if args.server:
             runs["server_staleness_1"] = ("rollout.mode=server", "rollout.weight_transport=collective",
                                           "rl.max_staleness=1")
+        if args.openai:
+            runs["openai_endpoint"] = ("rollout.agent=megatron_rl.agents.examples.openai_calculator:solve",)
         for name, overrides in runs.items():
             r = learning_run(work / name, *overrides)
             results[name] = r
@@ -183,6 +195,16 @@ def main() -> None:
                   f"step: env {fmt(r['env_s_per_step'])}, generate {fmt(r['generate_s_per_step'])}, wait for rollouts "
                   f"{fmt(r['wait_rollout_s_per_step'])}, logprobs {fmt(r['logprobs_s_per_step'])}, train "
                   f"{fmt(r['train_s_per_step'])}, step {fmt(r['step_s'])} s; wall {r['wall_s']:.0f} s")
+        if "colocated" in results and "openai_endpoint" in results:
+            ours, reference = results["openai_endpoint"], results["colocated"]
+            rollout = {name: (r["env_s_per_step"] or 0.0) + (r["generate_s_per_step"] or 0.0)
+                       for name, r in (("ours", ours), ("reference", reference))}
+            results["openai_vs_environment"] = {"rollout_s_ratio": rollout["ours"] / rollout["reference"],
+                                                "step_s_ratio": ours["step_s"] / reference["step_s"]}
+            print(f"endpoint vs environment loop, same task and invocation: rollout (generate + env) per step "
+                  f"{rollout['ours']:.2f} s vs {rollout['reference']:.2f} s, ratio "
+                  f"{results['openai_vs_environment']['rollout_s_ratio']:.2f}; step ratio "
+                  f"{results['openai_vs_environment']['step_s_ratio']:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 

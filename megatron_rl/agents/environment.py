@@ -70,12 +70,12 @@ class EnvironmentFailure(Exception):
     """An environment broke its contract or its call failed: the trajectory is `failed`."""
 
 
-def load_environment_factory(path: str, args: dict, where: str = "rollout.environment") -> Callable[[], Any]:
-    """A zero-argument factory of fresh environments for `path` ("pkg.module:Name"). Imported and
-    checked at start-up, before any model is built; nothing is constructed here."""
-    module_name, _, attribute = path.partition(":")
+def import_callable(path: str, where: str, shape: str) -> Callable:
+    """The callable at `path` ("pkg.module:name"); ConfigError naming `where` when it cannot be
+    imported or is not callable (`shape`: what the user should have written, for the message)."""
+    module_name, _, attribute = (path or "").partition(":")
     if not module_name or not attribute:
-        raise ConfigError(f"{where}={path!r} must be 'pkg.module:Class'")
+        raise ConfigError(f"{where}={path!r} must be '{shape}'")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - any import failure is the user's to fix
@@ -85,7 +85,14 @@ def load_environment_factory(path: str, args: dict, where: str = "rollout.enviro
     if target is None:
         raise ConfigError(f"{where}={path!r}: module {module_name!r} has no {attribute!r}")
     if not callable(target):
-        raise ConfigError(f"{where}={path!r} is not a class or factory")
+        raise ConfigError(f"{where}={path!r} is not callable ('{shape}')")
+    return target
+
+
+def load_environment_factory(path: str, args: dict, where: str = "rollout.environment") -> Callable[[], Any]:
+    """A zero-argument factory of fresh environments for `path` ("pkg.module:Name"). Imported and
+    checked at start-up, before any model is built; nothing is constructed here."""
+    target = import_callable(path, where, "pkg.module:Class")
     if inspect.isclass(target):
         missing = [name for name in ("reset", "step") if not callable(getattr(target, name, None))]
         if missing:

@@ -113,6 +113,21 @@ def has_tool_call_start(text: str, fmt: str) -> bool:
     return DS_CALL_BEGIN in text or DS_CALLS_BEGIN in text
 
 
+def text_before_tool_calls(text: str, fmt: str) -> str:
+    """The part of a model turn before its first tool call (its `content` when the calls are
+    returned structured, as an OpenAI-compatible server does); all of it when it has none."""
+    _check_format(fmt)
+    if fmt == "llama3_json":
+        start = _llama_region(text)
+        if start is None:
+            return text
+        tag = text.find(PYTHON_TAG)
+        return text[:tag] if 0 <= tag < start else ""
+    markers = (DS_CALLS_BEGIN, DS_CALL_BEGIN) if fmt == "deepseek_v3" else (TOOL_CALL_START,)
+    starts = [text.find(marker) for marker in markers if marker in text]
+    return text[:min(starts)] if starts else text
+
+
 def format_tool_call(call: ToolCall | tuple[str, dict], fmt: str) -> str:
     """The text a model of the `fmt` family writes for one call (as its chat template renders an
     assistant turn with that call, without the turn's end token).

@@ -170,7 +170,7 @@ def _coerce(hint: Any, value: Any, source: str, key: str) -> Any:
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         return [_coerce(item, element, source, f"{key}[{index}]") for index, element in enumerate(value)]
     if hint is dict:
-        # Free-form keyword arguments handed to user code (rollout.environment_args), as written.
+        # Free-form keyword arguments handed to user code (rollout.environment_args, agent_args), as written.
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         return value

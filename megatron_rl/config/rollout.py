@@ -58,6 +58,13 @@ class RolloutConfig:
     # reward functions score its last turn. Neither: single-turn (one completion per prompt).
     environment: str | None = None
     environment_args: dict = field(default_factory=dict)
+    # An agent written against the OpenAI client ("pkg.module:async_function", called as
+    # fn(base_url, record, **agent_args)) instead of an environment: it talks to a chat-completions
+    # endpoint the rollout serves, which records every call's exact tokens (agents/openai_agent.py).
+    # With an agent, `tools` only names the tools the warm start's demonstrations show; the agent
+    # offers its own in each request.
+    agent: str | None = None
+    agent_args: dict = field(default_factory=dict)
     tools: list[str] = field(default_factory=list)
     max_turns: int = 4  # model turns per trajectory
     # Tokens per trajectory after the prompt (model turns and observations); rl.max_response_tokens
@@ -68,10 +75,16 @@ class RolloutConfig:
     # An environment call (reset / step) or tool call slower than this fails its trajectory.
     env_timeout_s: float = 60.0
     env_workers: int = 32  # threads that run environment calls concurrently
+    # Scoring beside generation (synchronous loop): each generate round is sent as this many
+    # requests of whole groups, and the driver scores one while the next generates, so a slow
+    # reward (code_tests runs a sandbox per test case) hides behind generation. 1: generate the
+    # round in one request, then score it. Seeds do not depend on it. (Asynchronous RL scores
+    # each group as it completes, beside the others' generation, whatever this is.)
+    score_chunks: int = 1
 
     @property
     def multi_turn(self) -> bool:
-        return self.environment is not None or bool(self.tools)
+        return self.environment is not None or self.agent is not None or bool(self.tools)
 
     def tp_of_server(self, index: int) -> int:
         """The tensor parallel size of the `index`-th server we start."""
@@ -116,11 +129,21 @@ class RolloutConfig:
             raise ConfigError(f"{where}.environment must be 'pkg.module:Class', got {self.environment!r}")
         if self.environment_args and self.environment is None:
             raise ConfigError(f"{where}.environment_args is set but rollout.environment is not")
+        if self.agent is not None and (not isinstance(self.agent, str) or ":" not in self.agent):
+            raise ConfigError(f"{where}.agent must be 'pkg.module:function', got {self.agent!r}")
+        if self.agent is not None and self.environment is not None:
+            raise ConfigError(f"{where}: set rollout.agent (an OpenAI-client agent) or rollout.environment, not both")
+        if self.agent_args and self.agent is None:
+            raise ConfigError(f"{where}.agent_args is set but rollout.agent is not")
+        if not isinstance(self.agent_args, dict):
+            raise ConfigError(f"{where}.agent_args must be a mapping (keyword arguments of the agent)")
         if not isinstance(self.environment_args, dict):
             raise ConfigError(f"{where}.environment_args must be a mapping (keyword arguments of the environment)")
         if not isinstance(self.tools, list) or not all(isinstance(t, str) and t for t in self.tools):
             raise ConfigError(f"{where}.tools must be a list of 'pkg.module:function' (or built-in names), "
                               f"got {self.tools!r}")
+        if self.score_chunks < 1:
+            raise ConfigError(f"{where}.score_chunks must be >= 1, got {self.score_chunks}")
         if self.max_turns < 1 or self.env_workers < 1:
             raise ConfigError(f"{where}: max_turns and env_workers must be >= 1")
         if self.max_total_tokens is not None and not 1 <= self.max_total_tokens < self.max_model_len:

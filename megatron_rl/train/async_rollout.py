@@ -468,14 +468,16 @@ def _trajectory_to_json(t: Trajectory) -> dict[str, Any]:
     return {"group": t.group, "prompt_ids": t.prompt_ids, "response_ids": t.response_ids,
             "rollout_logprobs": t.rollout_logprobs, "truncated": t.truncated, "reward": t.reward,
             "versions": t.versions, "loss_mask": t.loss_mask, "agent": t.agent,
-            "routed_experts": None if t.routed_experts is None else t.routed_experts.tolist()}
+            "routed_experts": None if t.routed_experts is None else t.routed_experts.tolist(),
+            "segments": [_trajectory_to_json(segment) for segment in t.segments]}
 
 
 def _trajectory_from_json(d: dict[str, Any]) -> Trajectory:
     routes = d["routed_experts"]
     return Trajectory(d["group"], d["prompt_ids"], d["response_ids"], d["rollout_logprobs"], d["truncated"],
                       d["reward"], routed_experts=None if routes is None else torch.tensor(routes, dtype=torch.int32),
-                      versions=d["versions"], loss_mask=d.get("loss_mask"), agent=d.get("agent"))
+                      versions=d["versions"], loss_mask=d.get("loss_mask"), agent=d.get("agent"),
+                      segments=[_trajectory_from_json(segment) for segment in d.get("segments", ())])
 
 
 def _batch_to_json(batch: Batch) -> dict[str, Any]:

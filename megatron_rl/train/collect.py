@@ -19,11 +19,12 @@ samples.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from megatron_rl.rollout.protocol import SamplingParams
 from megatron_rl.train.experience import StepRollout
-from megatron_rl.train.scoring import GroupScorer, assemble_step, keeps_group
+from megatron_rl.train.scoring import GroupScorer, assemble_step, combine_rounds, keeps_group, to_trajectories
 
 
 def step_seed(seed: int, step: int, round_: int) -> int:
@@ -59,6 +60,9 @@ class SyncCollector:
         self.runtime = runtime
         self.sampler, self.train_set, self.generation, self.scorer = sampler, train_set, generation, scorer
         self.notify = notify
+        self.score_chunks = config.rollout.score_chunks
+        # the driver's scorer thread: a request's rewards are computed while the next generates
+        self._scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scoring")
 
     def start(self, next_step: int, resumed_state: dict | None) -> None:
         """Nothing runs ahead of the trainer."""
@@ -71,14 +75,9 @@ class SyncCollector:
         indices = self.sampler.next_batch()
         while True:
             records = self.train_set.select(indices)
-            tick = time.perf_counter()
             params = rollout_params(self.rl, step_seed(self.seed, step, rounds))
-            samples = self.generation.groups(records, params)
-            timings["time/generate_s"] += time.perf_counter() - tick
-            tick = time.perf_counter()
-            scored, reward_metrics = self.scorer.score(records, samples)
+            scored, reward_metrics = self._generate_and_score(records, params, timings)
             reward_rounds.append((sum(len(g) for g in scored), reward_metrics))
-            timings["time/score_s"] += time.perf_counter() - tick
             generated.extend(scored)
             for index, group in zip(indices, scored):
                 self.sampler.observe(index, [t.reward for t in group])
@@ -103,6 +102,30 @@ class SyncCollector:
         self.sampler.step()
         return assemble_step(kept, generated, reward_rounds, sampler_metrics, {"rollout/refill_rounds": rounds})
 
+    def _generate_and_score(self, records, params, timings: dict):
+        """One round's groups, scored. With rollout.score_chunks > 1 the round goes out as that
+        many requests of whole groups (each keeps its prompts' seeds: params.offset), and the
+        driver scores each in a thread while the next generates; `time/score_s` is then only the
+        scoring left after the last request."""
+        bounds = chunk_bounds(len(records), self.score_chunks)
+        pending = []  # (samples, the driver's scoring future) per request
+        tick = time.perf_counter()
+        for start, end in bounds:
+            chunk = [records[i] for i in range(start, end)]
+            samples = self.generation.groups(chunk, params.offset(start))
+            future = self._scoring.submit(self.scorer.score_on_driver, chunk, samples) if self.runtime.is_driver \
+                else None
+            pending.append((samples, future))
+        timings["time/generate_s"] += time.perf_counter() - tick
+        tick = time.perf_counter()
+        scored, metric_rounds = [], []
+        for samples, future in pending:
+            rewards, metrics = self.runtime.from_driver(future.result() if future is not None else None)
+            scored.extend(to_trajectories(samples, rewards))
+            metric_rounds.append((sum(len(group) for group in samples), metrics))
+        timings["time/score_s"] += time.perf_counter() - tick
+        return scored, combine_rounds(metric_rounds)
+
     def before_push(self, version: int | None, timings: dict | None) -> None:
         """Nothing is in flight between steps."""
 
@@ -117,4 +140,11 @@ class SyncCollector:
         return {"sampler": self.sampler.state_dict()}
 
     def close(self) -> None:
-        pass
+        self._scoring.shutdown(wait=False, cancel_futures=True)
+
+
+def chunk_bounds(count: int, chunks: int) -> list[tuple[int, int]]:
+    """[start, end) of `chunks` near-equal consecutive slices of `count` items (none empty)."""
+    chunks = max(1, min(chunks, count))
+    edges = [count * k // chunks for k in range(chunks + 1)]
+    return list(zip(edges[:-1], edges[1:]))

@@ -50,6 +50,9 @@ class Trajectory:
     loss_mask: list[int] | None = None
     # Multi-turn: turns, finish (stop | length | max_turns | failed), environment info and time.
     agent: dict | None = None
+    # An OpenAI-client agent whose history was rewritten (agents/openai_agent.py): its earlier
+    # sequences, which train with this trajectory's advantage (expand_segments).
+    segments: list[Trajectory] = field(default_factory=list)
 
     @property
     def length(self) -> int:
@@ -105,6 +108,18 @@ def group_advantages(groups: list[list[Trajectory]], recipe: Recipe) -> None:
     for group, row in zip(groups, advantages):
         for trajectory, value in zip(group, row.tolist()):
             trajectory.advantage = value
+
+
+def expand_segments(groups: list[list[Trajectory]]) -> None:
+    """After `group_advantages`: each trajectory's earlier segments join its group as sequences
+    of their own with the trajectory's advantage (the group compared trajectories, one reward
+    each; every token the agent was served trains). In place; groups may grow beyond G."""
+    for group in groups:
+        for trajectory in list(group):
+            for segment in trajectory.segments:
+                segment.group, segment.reward, segment.advantage = trajectory.group, trajectory.reward, trajectory.advantage
+                group.append(segment)
+            trajectory.segments = []
 
 
 def rollout_metrics(groups: list[list[Trajectory]], correct_threshold: float = 0.5) -> dict[str, float]:

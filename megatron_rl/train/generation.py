@@ -7,7 +7,8 @@
 
 Single-turn (no `rollout.environment`, no `rollout.tools`): each record's prompt, encoded once,
 is one engine request of n samples. Multi-turn: agents/rollout.py runs the turns, the
-environments on the driver. The collectors, the held-out evaluation and the scorer see Samples
+environments on the driver; with `rollout.agent`, agents/openai_agent.py serves an OpenAI-client
+agent's calls. The collectors, the held-out evaluation and the scorer see Samples
 either way; a multi-turn Sample carries its `loss_mask` and `agent` summary in `extras`.
 """
 
@@ -45,6 +46,10 @@ class Generation:
                 messages = to_messages(record.prompt, system_prompt)
             return chat.prompt_ids(messages, tools=schemas)
 
+        if config.rollout.agent is not None:
+            from megatron_rl.agents.openai_agent import OpenAIAgentRollout
+
+            return cls(rollout, encode, runtime, OpenAIAgentRollout.from_config(config, tokenizer, chat))
         return cls(rollout, encode, runtime, AgentRollout.from_config(config, tokenizer, chat, encode_record))
 
     @property

@@ -153,12 +153,16 @@ def check_agents(config) -> None:
     if not rollout.multi_turn:
         return
     if config.data.prompt_format != "chat":
-        raise ConfigError("rollout.environment / rollout.tools: multi-turn rollouts render observations with the "
+        raise ConfigError("rollout.environment / agent / tools: multi-turn rollouts render observations with the "
                           f"chat template; set data.prompt_format=chat (it is {config.data.prompt_format!r})")
     if rollout.environment is not None:
         from megatron_rl.agents.environment import load_environment_factory
 
         load_environment_factory(rollout.environment, rollout.environment_args)
+    if rollout.agent is not None:
+        from megatron_rl.agents.openai_agent import load_agent
+
+        load_agent(rollout.agent, rollout.agent_args)
     if rollout.tools:
         from megatron_rl.agents.tools import ToolRegistry
 

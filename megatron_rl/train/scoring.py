@@ -81,19 +81,23 @@ class GroupScorer:
 def to_trajectories(groups: Sequence[Sequence[Sample]], rewards: Sequence[float]) -> list[list[Trajectory]]:
     """Samples with their rewards (in sample order) as trajectories; a sample's `versions` (the
     policy version of each token) comes from the asynchronous producer, its `routed_experts`
-    from an engine asked for them (R3)."""
+    from an engine asked for them (R3), its `segments` from an OpenAI-client agent."""
     scored, cursor = [], 0
     for index, group in enumerate(groups):
         trajectories = []
         for sample in group:
-            trajectories.append(Trajectory(index, sample.prompt_token_ids, sample.response_token_ids,
-                                           sample.logprobs, sample.finish_reason == "length", float(rewards[cursor]),
-                                           routed_experts=sample.extras.get("routed_experts"),
-                                           versions=sample.extras.get("versions"),
-                                           loss_mask=sample.extras.get("loss_mask"), agent=sample.extras.get("agent")))
+            trajectories.append(_trajectory(index, sample, float(rewards[cursor])))
             cursor += 1
         scored.append(trajectories)
     return scored
+
+
+def _trajectory(group: int, sample: Sample, reward: float) -> Trajectory:
+    return Trajectory(group, sample.prompt_token_ids, sample.response_token_ids, sample.logprobs,
+                      sample.finish_reason == "length", reward, routed_experts=sample.extras.get("routed_experts"),
+                      versions=sample.extras.get("versions"), loss_mask=sample.extras.get("loss_mask"),
+                      agent=sample.extras.get("agent"),
+                      segments=[_trajectory(group, segment, reward) for segment in sample.extras.get("segments", ())])
 
 
 def _environment_reward(sample: Sample) -> float | None:

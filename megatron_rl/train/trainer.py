@@ -40,6 +40,7 @@ from megatron_rl.train.collect import SyncCollector
 from megatron_rl.train.evaluate import evaluate
 from megatron_rl.train.generation import Generation
 from megatron_rl.train.experience import (
+    expand_segments,
     group_advantages,
     make_loss_fn,
     minibatches,
@@ -182,6 +183,7 @@ class Trainer:
 
         tick = time.perf_counter()
         group_advantages(rollout.groups, self.recipe)
+        expand_segments(rollout.groups)
         mine = my_groups(rollout.groups, self.runtime.dp_rank, self.runtime.dp_size)
         per_update = minibatches(mine, rl.updates_per_rollout)
         packed = [pack_minibatch(t, self.config.micro_batch_tokens, self.policy.pad_to_multiple) for t in per_update]
