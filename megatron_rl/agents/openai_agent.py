@@ -395,6 +395,7 @@ class OpenAIAgentRollout:
         run.tools_key = json.dumps(call.tools, sort_keys=True)
         finish = "tool_calls" if message.get("tool_calls") else sample.finish_reason
         call.response = completion(message, finish, len(call.prompt_ids), tokens, sample.logprobs, call_id)
+        # where the call landed, for an agent's own logs (not an OpenAI field; clients ignore it)
         call.response["trajectory"] = {"call": len(run.calls) - 1, "segment": len(run.segments) - 1}
 
     def _end(self, run: _Run, finish: str, error: str | None = None, *, final: bool = False) -> None:

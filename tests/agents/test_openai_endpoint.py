@@ -105,9 +105,7 @@ def test_calculator_agent_trains_on_the_same_tokens_as_the_environment_loop():
             calls = sample.extras["agent"]["calls"]
             # each call's prompt is the previous call's prompt + its sampled ids + the observation
             assert calls[1]["prompt_tokens"] > calls[0]["prompt_tokens"] + calls[0]["sampled_tokens"]
-            assert TOKENIZER.decode(sample.extras["final_response_ids"], skip_special_tokens=True) == other.extras[
-                "agent"]["info"].get("answer", TOKENIZER.decode(other.extras["final_response_ids"],
-                                                                  skip_special_tokens=True))
+            assert sample.extras["final_response_ids"] == other.extras["final_response_ids"]  # what rewards score
     # two engine requests (a batch per round: all four agents waited), per-call seeds distinct
     assert len(engine.requests) == 2 and all(len(prompts) == 4 for prompts, _ in engine.requests)
     assert len(set(engine.requests[0][1].prompt_seeds)) == 4
