@@ -272,13 +272,15 @@ def loss_metrics(
     entropy_loss: torch.Tensor | None = None,
     tis: ImportanceWeight | None = None,
     train_vs_rollout: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None = None,
     cp_group=None,
 ) -> dict[str, torch.Tensor]:
     """The micro-batch's combinable metrics: detached 0-d float64 sums, maxima and minima.
 
     The key suffix says how each combines over micro-batches and ranks (``metrics.reduce_metrics``):
     ``/sum`` (losses, counts), ``/tok_sum`` (sum over valid tokens, a token mean once divided by
-    ``count/tokens``), ``/max``, ``/min``. Always: ``count/tokens``, ``count/sequences`` (samples
+    ``count/tokens``), ``/sub_tok_sum`` (a token mean over a sub-population, divided by its own
+    ``<parent>/tokens``), ``/max``, ``/min``. Always: ``count/tokens``, ``count/sequences`` (samples
     with a valid token, counted on CP rank 0 only), ``check/nonfinite_tokens``, ``actor/loss``,
     ``actor/pg_loss``, ``actor/clip_frac`` (``_low``, ``_high``), ``actor/ratio_mean`` / ``_max``
     / ``_min`` and ``actor/ppo_kl`` = mean of ``logp_old - logp`` (k1 estimate of
@@ -288,7 +290,13 @@ def loss_metrics(
     ``tis/masked_frac``, and the train/rollout mismatch ``mismatch/logp_abs_diff_mean`` / ``_max``
     (|log pi_old_train - log pi_rollout|) and ``mismatch/kl``: the k3 estimate (Schulman 2020,
     "Approximating KL Divergence") of KL(pi_rollout || pi_train), ``(w - 1) - log w`` with
-    ``w = pi_train / pi_rollout`` on tokens the rollout engine sampled.
+    ``w = pi_train / pi_rollout`` on tokens the rollout engine sampled. With ``old_logprobs``
+    (``policy_loss`` always passes them): ``actor/up_clipped/tokens`` (the count of valid tokens
+    clipped at the upper bound, ``surrogate.clip_high``) and ``actor/up_clipped/old_prob``, the
+    mean over those tokens of the OLD policy's probability ``exp(logp_old)`` (left out of the
+    step values when no token was up-clipped). This is DAPO's clip-higher diagnostic
+    (arXiv:2503.14476 §3.1, Fig. 3): the tokens the upper clip stops are mostly low-probability
+    ones, so a small mean says eps_high is what holds exploration tokens back.
     """
     vf = valid.to(torch.float64)
 
@@ -341,6 +349,12 @@ def loss_metrics(
         # with r = pi_train / pi_rollout = exp(diff), KL ~ (r - 1) - log r (always >= 0).
         bounded = diff.clamp(-20.0, 20.0)
         metrics["mismatch/kl/tok_sum"] = tok_sum(torch.expm1(bounded) - bounded)
+    if old_logprobs is not None:
+        # Always both keys (even at zero count): every rank must pass the same key set.
+        up = clip_high & valid
+        old_prob = torch.where(up, torch.exp(d(old_logprobs)), torch.zeros((), dtype=torch.float64, device=vf.device))
+        metrics["actor/up_clipped/tokens/sum"] = up.sum().to(torch.float64)
+        metrics["actor/up_clipped/old_prob/sub_tok_sum"] = old_prob.sum()
     return metrics
 
 
@@ -541,5 +555,5 @@ def policy_loss(
     metrics = loss_metrics(valid, seq_len, bad_any, loss=loss, pg_loss=pg_loss, ratio=ratio,
                            token_log_ratio=tok_log_ratio, surrogate=sur, kl=kl_tok, kl_loss=kl_loss,
                            entropy=ent_c, entropy_loss=ent_loss, tis=tis, train_vs_rollout=train_vs_rollout,
-                           cp_group=cp_group)
+                           old_logprobs=old_c, cp_group=cp_group)
     return loss, metrics

@@ -1,38 +1,116 @@
-"""The reward / accuracy curve every run writes as a PNG (matplotlib, no display needed)."""
+"""The learning curve every run writes as a PNG (matplotlib, no display needed).
+
+Three panels stacked on one shared step axis (``learning_curve_figure``):
+
+1. ``reward``: train reward, train accuracy, held-out accuracy.
+2. ``length``: mean response length of all samples (``response/length_mean``), of correct and of
+   wrong ones (``length_bias/length/correct_mean`` / ``wrong_mean``: wrong answers growing longer
+   is GRPO's length bias), and on a right axis the truncated fraction (``response/truncated_frac``).
+3. ``entropy``: the policy's per-token mean entropy (``actor/entropy``, nats), and on a right axis
+   the fractions of tokens clipped at the lower / upper bound (``actor/clip_frac_low`` /
+   ``_high``).
+
+A panel none of whose keys was logged is drawn anyway, with the note "not logged", so every run's
+figure has the same layout. The main panels' axes carry the labels ``reward``, ``length`` and
+``entropy`` (``Axes.get_label()``); a right axis is ``<panel>:right``.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Sequence
 
 from megatron_rl.observability.metrics_log import read_metrics
 
+# (panel label, y label, left-axis series, right-axis label, right-axis series);
+# a series is (metric key, line label, style).
+PANELS = (
+    ("reward", "reward / accuracy",
+     (("reward/mean", "train reward (mean)", "-"),
+      ("train/accuracy", "train accuracy", ":"),
+      ("eval/accuracy", "held-out accuracy", "o-")),
+     None, ()),
+    ("length", "response length (tokens)",
+     (("response/length_mean", "mean length (all)", "-"),
+      ("length_bias/length/correct_mean", "mean length (correct)", "--"),
+      ("length_bias/length/wrong_mean", "mean length (wrong)", ":")),
+     "truncated fraction",
+     (("response/truncated_frac", "truncated fraction", "-."),)),
+    ("entropy", "entropy (nats / token)",
+     (("actor/entropy", "entropy (per-token mean)", "-"),),
+     "clipped token fraction",
+     (("actor/clip_frac_low", "clip fraction low", "--"),
+      ("actor/clip_frac_high", "clip fraction high", ":"))),
+)
+X_LABEL = "RL step (0 = after the warm start)"
 
-def plot_learning_curve(metrics_path: str | Path, png_path: str | Path, title: str = "") -> Path:
+
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never a window
     import matplotlib.pyplot as plt
 
-    records = read_metrics(metrics_path)
-    figure, axis = plt.subplots(figsize=(7, 4), dpi=110)
-    for key, label, style in (("reward/mean", "train reward (mean)", "-"),
-                              ("train/accuracy", "train accuracy", ":"),
-                              ("eval/accuracy", "held-out accuracy", "o-")):
-        points = [(r["step"], r[key]) for r in records if key in r]
-        if points:
-            steps, values = zip(*points)
-            axis.plot(steps, values, style, label=label, markersize=4)
-    axis.set_xlabel("RL step (0 = after the warm start)")
-    axis.set_ylabel("reward / accuracy")
-    axis.set_ylim(-0.02, 1.02)
-    axis.grid(alpha=0.3)
-    axis.legend(loc="lower right")
+    return plt
+
+
+def _series(records: Sequence[dict[str, Any]], key: str) -> list[tuple[float, float]]:
+    """(step, value) of the records that logged ``key`` as a number."""
+    points = []
+    for r in records:
+        value = r.get(key)
+        if "step" in r and isinstance(value, (int, float)) and not isinstance(value, bool):
+            points.append((r["step"], value))
+    return points
+
+
+def learning_curve_figure(records: Sequence[dict[str, Any]], title: str = ""):
+    """The learning-curve figure of a run's metric records (``read_metrics``); the caller saves
+    and closes it. Three panels sharing the x axis (module docstring)."""
+    figure, axes = _pyplot().subplots(3, 1, sharex=True, figsize=(7, 9), dpi=110)
+    for axis, (name, y_label, left, right_label, right) in zip(axes, PANELS):
+        axis.set_label(name)
+        handles = []
+        for key, label, style in left:
+            points = _series(records, key)
+            if points:
+                steps, values = zip(*points)
+                handles += axis.plot(steps, values, style, label=label, markersize=4)
+        right_points = [(spec, _series(records, spec[0])) for spec in right]
+        if any(points for _, points in right_points):
+            twin = axis.twinx()
+            twin.set_label(f"{name}:right")
+            for (key, label, style), points in right_points:
+                if points:
+                    steps, values = zip(*points)
+                    # the twin's colour cycle restarts: continue the left axis's colours instead
+                    handles += twin.plot(steps, values, style, label=label, markersize=4,
+                                         color=f"C{len(handles) % 10}")
+            twin.set_ylabel(right_label)
+            twin.set_ylim(bottom=0.0)
+        axis.set_ylabel(y_label)
+        axis.grid(alpha=0.3)
+        if name == "reward":
+            axis.set_ylim(-0.02, 1.02)
+        if handles:
+            axis.legend(handles=handles, loc="lower right" if name == "reward" else "best", fontsize="small")
+        else:
+            axis.text(0.5, 0.5, "not logged", transform=axis.transAxes, ha="center", va="center", color="gray")
+    axes[-1].set_xlabel(X_LABEL)
     if title:
-        axis.set_title(title)
+        axes[0].set_title(title)
     figure.tight_layout()
+    return figure
+
+
+def plot_learning_curve(metrics_path: str | Path, png_path: str | Path, title: str = "") -> Path:
+    """Draws the metrics.jsonl at ``metrics_path`` (``learning_curve_figure``) to ``png_path``."""
+    figure = learning_curve_figure(read_metrics(metrics_path), title=title)
     png_path = Path(png_path)
-    figure.savefig(png_path)
-    plt.close(figure)
+    try:
+        figure.savefig(png_path)
+    finally:
+        _pyplot().close(figure)
     return png_path
 
 

@@ -17,6 +17,10 @@ the characters of the tiny tokenizer (``megatron_rl.data.tokenizer.ALPHABET``):
                                              general_demonstrations, digits / max_operand (the
                                              largest constant); the code task: a one-line Python
                                              expression in x, run on hidden inputs
+    retry     "347+58="             "405"    digits, min_digits, attempts, retry_noise, check_miss;
+                                             the reasoning-length task (below)
+    pad       "347+58="             "405"    digits, min_digits, pad_max; its negative control
+    pairs     "sum 13="             "13"     max_operand / digits; many correct answers ("6+7")
 
 An `expr` record hides a function f of one form (``forms``: add "x+b", sub "x-b", mul "x*a",
 affine "x*a+b", square "x*x+b", mod "x%a"; a in [2, C], b in [1, C], C = ``operand_max``) and
@@ -33,6 +37,31 @@ KeyError on every hidden input, as a model that special-cases the examples write
 habit to unlearn, as the agentic task's answers without the tool. The task's own verifier
 (the ``synthetic`` reward) never runs the model's text: it parses it with ``ast`` (integers, x,
 + - * // % and parentheses only) and compares it with the answer on every input in [0, 99].
+
+The reasoning tasks (retry, pad, pairs) exist to show the GRPO family's length and entropy
+dynamics (docs/reproductions.md), which a 3-token answer cannot. They always box their answer
+(``response_format`` is ignored) and carry ``difficulty`` (the operands' digits) in their
+records. Their warm-start ``target`` is a trace drawn per record from the generator's stream:
+
+* ``retry``: one or more attempts, each the sum's digits least significant first (the order a
+  column addition produces them, which a small model learns), followed by a self-check; a failed
+  check starts another attempt, at most ``attempts``; the last attempt is boxed most significant
+  first: ``"415 chk:no 504 chk:ok \\boxed{405}"``. Each attempt of the trace is wrong with
+  probability ``retry_noise`` (one digit off by one, a carry slip), and its check says ``no``
+  exactly when it is wrong except for a ``check_miss`` share of wrong attempts passed as ``ok``.
+  A model warm-started on these samples slips about as often as the traces, and its check, a
+  judgement of text it can see, is better than its attempts; the longest responses are those
+  that ran out of attempts, whose last attempt is boxed whatever its check says. Length therefore
+  goes with wrongness inside a group (the warm-started tiny model's in-group wrong - correct gap:
+  0.4 to 3 tokens), which is what GRPO's per-sample 1/|o| weighting acts on (Dr. GRPO
+  arXiv:2503.20783 §3.1).
+* ``pad``: the negative control: optional filler (``"."`` x k, k = 0 for half the records, else
+  uniform in [1, ``pad_max``]) before one attempt and the boxed answer: ``"....504 \\boxed{405}"``.
+  The filler is written before the sum is computed, so its length says nothing about correctness,
+  until it reaches the response cap: a truncated response has no answer (docs/reproductions.md).
+* ``pairs``: "sum 13=" asks for two non-negative integers adding up to 13, boxed as
+  ``"\\boxed{6+7}"``: n + 1 correct answers, the warm start's split drawn uniformly, so the number of
+  distinct correct answers in a group measures how much of its entropy the policy keeps.
 
 A `mul` record also carries a `demonstration` for the multi-turn warm start
 (agents/demonstrations.py): the conversation of a model that calls the calculator and states its
@@ -65,7 +94,8 @@ from typing import Any, Callable, Literal
 from megatron_rl.errors import ConfigError
 from megatron_rl.rewards.math_answer import extract_boxed
 
-__all__ = ["TASKS", "SPLITS", "TaskConfig", "SyntheticTask", "make_task", "verify_synthetic"]
+__all__ = ["TASKS", "SPLITS", "REASONING_TASKS", "TaskConfig", "SyntheticTask", "make_task", "response_mode",
+           "verify_synthetic"]
 
 ResponseFormat = Literal["plain", "boxed"]
 Split = Literal["train", "heldout"]
@@ -77,7 +107,7 @@ RESPONSE_FORMATS = ("plain", "boxed")
 class TaskConfig:
     """One synthetic task and its difficulty; each task reads only the knobs it uses."""
 
-    task: Literal["add", "sort", "reverse", "count", "modular", "mul", "expr"] = "add"
+    task: Literal["add", "sort", "reverse", "count", "modular", "mul", "expr", "retry", "pad", "pairs"] = "add"
     # add / modular: operands are drawn uniformly from [0, 10**digits - 1] ...
     digits: int = 2
     # ... or from [0, max_operand] when set: a finer difficulty knob than whole digits.
@@ -105,6 +135,17 @@ class TaskConfig:
     # hidden test. Below 1, a warm-started model sometimes special-cases the examples, and RL can
     # show it learning to write the rule instead (the hidden tests pay only for that).
     general_demonstrations: float = 1.0
+    # retry / pad: operand digits are drawn uniformly from [min_digits, digits] per problem (both
+    # operands the same count; its `difficulty`), a mix that keeps a small model's accuracy in the
+    # middle for many steps.
+    min_digits: int = 1
+    # retry: attempts per trace at most (the last is boxed whatever its check says), the chance
+    # that a trace's attempt is wrong, and the share of wrong attempts its check passes as ok.
+    attempts: int = 3
+    retry_noise: float = 0.3
+    check_miss: float = 0.1
+    # pad: the longest filler of a trace (half the traces have none).
+    pad_max: int = 24
     response_format: ResponseFormat = "plain"
     # Share of the problem space reserved for held-out evaluation (by hash of the prompt).
     heldout_fraction: float = 0.1
@@ -126,6 +167,15 @@ class TaskConfig:
         if not 0.0 <= self.tool_demonstrations <= 1.0:
             raise ConfigError(f"{where}.tool_demonstrations must be in [0, 1], got {self.tool_demonstrations}")
         self._validate_expr(where)
+        if not 1 <= self.min_digits <= self.digits:
+            raise ConfigError(f"{where}.min_digits must be in [1, digits = {self.digits}], got {self.min_digits}")
+        if not 1 <= self.attempts <= 9:
+            raise ConfigError(f"{where}.attempts must be in [1, 9], got {self.attempts}")
+        for name in ("retry_noise", "check_miss"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{where}.{name} must be in [0, 1), got {getattr(self, name)}")
+        if not 0 <= self.pad_max <= 256:
+            raise ConfigError(f"{where}.pad_max must be in [0, 256], got {self.pad_max}")
         if self.modulus < 2:
             raise ConfigError(f"{where}.modulus must be >= 2, got {self.modulus}")
         if self.response_format not in RESPONSE_FORMATS:
@@ -153,6 +203,11 @@ class TaskConfig:
     @property
     def form_names(self) -> tuple[str, ...]:
         return tuple(name.strip() for name in self.forms.split(",") if name.strip())
+
+    @property
+    def answer_format(self) -> ResponseFormat:
+        """How responses state the answer: the reasoning tasks always box it."""
+        return "boxed" if self.task in REASONING_TASKS else self.response_format
 
     @property
     def operand_max(self) -> int:
@@ -316,6 +371,81 @@ def _same_string(candidate: str, answer: str) -> bool:
     return candidate == answer
 
 
+# --------------------------------------------------------------------------- the reasoning tasks
+# retry / pad / pairs: the problems are drawn here, the traces a warm start imitates in
+# SyntheticTask.record (they need the generator's stream, a trace per record).
+REASONING_TASKS = ("retry", "pad", "pairs")
+CHECK_OK, CHECK_NO = " chk:ok", " chk:no"
+PAD = "."
+
+
+def _column_sum(rng: random.Random, config: TaskConfig) -> tuple[str, str]:
+    digits = rng.randint(config.min_digits, config.digits)
+    low = 0 if digits == 1 else 10 ** (digits - 1)
+    a, b = rng.randint(low, 10**digits - 1), rng.randint(low, 10**digits - 1)
+    return f"{a}+{b}=", str(a + b)
+
+
+def _pairs(rng: random.Random, config: TaskConfig) -> tuple[str, str]:
+    n = rng.randint(1, config.operand_max)
+    return f"sum {n}=", str(n)
+
+
+def _slip(answer: str, rng: random.Random) -> str:
+    """The answer with one digit off by one (a carry slip); the leading digit never becomes 0."""
+    digits = list(answer)
+    index = rng.randrange(len(digits))
+    value = int(digits[index])
+    choices = [v for v in (value - 1, value + 1) if 0 <= v <= 9 and not (index == 0 and v == 0 and len(digits) > 1)]
+    digits[index] = str(rng.choice(choices))
+    return "".join(digits)
+
+
+def retry_trace(answer: str, rng: random.Random, config: TaskConfig) -> str:
+    """A check-and-retry trace for the sum `answer` (see the module docstring)."""
+    parts, attempt = [], answer
+    for _ in range(config.attempts):
+        wrong = rng.random() < config.retry_noise
+        attempt = _slip(answer, rng) if wrong else answer
+        passed = not wrong or rng.random() < config.check_miss
+        parts.append(attempt[::-1] + (CHECK_OK if passed else CHECK_NO))
+        if passed:
+            break
+    return " ".join(parts) + f" \\boxed{{{attempt}}}"
+
+
+def pad_trace(answer: str, rng: random.Random, config: TaskConfig) -> str:
+    filler = 0 if config.pad_max == 0 or rng.random() < 0.5 else rng.randint(1, config.pad_max)
+    return PAD * filler + f"{answer[::-1]} \\boxed{{{answer}}}"
+
+
+def pairs_trace(answer: str, rng: random.Random, config: TaskConfig) -> str:
+    first = rng.randint(0, int(answer))
+    return f"\\boxed{{{first}+{int(answer) - first}}}"
+
+
+TRACES = {"retry": retry_trace, "pad": pad_trace, "pairs": pairs_trace}
+_PAIR = re.compile(r"(\d{1,9})\+(\d{1,9})")
+
+
+def _pair_sums_to(candidate: str, answer: str) -> bool:
+    match = _PAIR.fullmatch(candidate)
+    return match is not None and int(match[1]) + int(match[2]) == int(answer)
+
+
+def response_mode(task: str, response: str) -> str | None:
+    """The kind of response a reasoning task's sample is, for the per-step mode shares: retry
+    "attempts_<k>" (k self-checks written) or "no_answer"; pad "padded" / "unpadded"; None for
+    the other tasks."""
+    if task == "retry":
+        if extract_boxed(response) is None:
+            return "no_answer"
+        return f"attempts_{response.count(' chk:')}"
+    if task == "pad":
+        return "padded" if response.startswith(PAD) else "unpadded"
+    return None
+
+
 Generator = Callable[[random.Random, TaskConfig], tuple[str, str]]
 Checker = Callable[[str, str], bool]
 
@@ -327,6 +457,9 @@ TASKS: dict[str, tuple[Generator, Checker]] = {
     "modular": (_modular, _same_integer),
     "mul": (_mul, _same_integer),
     "expr": (_expr, _same_function),
+    "retry": (_column_sum, _same_integer),
+    "pad": (_column_sum, _same_integer),
+    "pairs": (_pairs, _pair_sums_to),
 }
 
 
@@ -352,10 +485,10 @@ class SyntheticTask:
 
     def target(self, answer: str) -> str:
         """The reference response for an answer (what a supervised warm start trains on)."""
-        return f"\\boxed{{{answer}}}" if self.config.response_format == "boxed" else answer
+        return f"\\boxed{{{answer}}}" if self.config.answer_format == "boxed" else answer
 
     def extract(self, response: str) -> str | None:
-        if self.config.response_format == "boxed":
+        if self.config.answer_format == "boxed":
             boxed = extract_boxed(response)
             return None if boxed is None else boxed.strip()
         return response.strip()
@@ -365,14 +498,21 @@ class SyntheticTask:
         candidate = self.extract(response)
         return float(candidate is not None and self._check(candidate, answer))
 
-    def record(self, prompt: str, answer: str) -> dict[str, Any]:
+    def record(self, prompt: str, answer: str, rng: random.Random | None = None) -> dict[str, Any]:
+        """A record of a problem; `rng`: the generator's stream, which draws the reasoning tasks'
+        traces (None: a stream of the prompt's own)."""
         record = {
             "prompt": prompt,
             "answer": answer,
             "task": self.name,
-            "response_format": self.config.response_format,
+            "response_format": self.config.answer_format,
             "target": self.target(answer),
         }
+        if self.name in TRACES:
+            rng = rng or random.Random(f"megatron_rl.synthetic:trace:{prompt}")
+            record["target"] = TRACES[self.name](answer, rng, self.config)
+            if self.name != "pairs":
+                record["difficulty"] = len(prompt.split("+")[0])
         if self.name == "expr":
             record["tests"] = expr_tests(prompt, answer, self.config)
             # which records demonstrate a lookup: a stable function of the prompt (as the split is)
@@ -412,7 +552,7 @@ class SyntheticTask:
             if self.split_of(prompt) != split or (split == "heldout" and prompt in seen):
                 continue
             seen.add(prompt)
-            records.append(self.record(prompt, answer))
+            records.append(self.record(prompt, answer, rng))
         if len(records) == n:
             return records
         raise ConfigError(

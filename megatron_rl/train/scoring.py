@@ -21,6 +21,7 @@ from megatron_rl.agents.metrics import agent_metrics
 from megatron_rl.algorithms import dynamic_sampling_keep
 from megatron_rl.data import prompt_text
 from megatron_rl.rewards import RewardInput, build_scorer
+from megatron_rl.rewards.response_stats import count_responses, finalize_response_stats
 from megatron_rl.rollout.protocol import Sample
 from megatron_rl.train.experience import StepRollout, Trajectory, rollout_metrics
 
@@ -52,13 +53,14 @@ class GroupScorer:
         rewards: list[float | None] = [_environment_reward(sample) for _, sample in samples]
         to_score = [index for index, reward in enumerate(rewards) if reward is None]
         metrics: dict = {}
+        texts: dict[int, str] = {}
         if to_score:
             inputs = []
             for index in to_score:
                 record, sample = samples[index]
                 ids = sample.extras.get("final_response_ids", sample.response_token_ids)
-                inputs.append(RewardInput(prompt=prompt_text(record.prompt),
-                                          response=self.tokenizer.decode(ids, skip_special_tokens=True),
+                texts[index] = self.tokenizer.decode(ids, skip_special_tokens=True)
+                inputs.append(RewardInput(prompt=prompt_text(record.prompt), response=texts[index],
                                           answer=record.answer, metadata=record.metadata))
             with self._lock:
                 result = self._scorer.score(inputs)
@@ -66,6 +68,13 @@ class GroupScorer:
             for index, reward in zip(to_score, result.rewards):
                 rewards[index] = reward
             metrics = result.metrics()
+        if len(texts) == len(samples):  # single-turn, every sample scored here: what the responses are
+            described, cursor = [], 0
+            for record, group in zip(records, groups):
+                described.append([(record.metadata, texts[cursor + i], rewards[cursor + i],
+                                   len(sample.response_token_ids)) for i, sample in enumerate(group)])
+                cursor += len(group)
+            metrics.update(count_responses(described))
         return [float(r) for r in rewards], metrics
 
     def score_group_on_driver(self, record, samples: Sequence[Sample]) -> tuple[list[Trajectory], dict]:
@@ -143,7 +152,7 @@ def assemble_step(kept: list[list[Trajectory]], generated: list[list[Trajectory]
                   reward_rounds: Sequence[tuple[int, dict]], sampler_metrics: dict, counts: dict) -> StepRollout:
     """What a step trains on: the kept groups, numbered in order, and the step's rollout metrics
     (the scorer's, the sampler's, those of every generated group, then the collector's `counts`)."""
-    metrics = combine_rounds(reward_rounds)
+    metrics = finalize_response_stats(combine_rounds(reward_rounds))
     metrics.update(sampler_metrics)
     metrics.update(rollout_metrics(generated, CORRECT))
     metrics.update(agent_metrics(generated))

@@ -170,6 +170,50 @@ def test_clip_fractions_ratio_stats_and_dual_clip():
     torch.testing.assert_close(g, want_g, rtol=1e-12, atol=1e-15)
 
 
+def _up_clipped_oracle(old_probs, ratios, adv, mask, eps_high):
+    """Float64 re-derivation, token by token in plain Python: (count, mean of pi_old) over the
+    valid tokens with A > 0 and r > 1 + eps_high (where PPO's upper clip binds)."""
+    picked = [p for row_p, row_r, row_a, row_m in zip(old_probs, ratios, adv, mask)
+              for p, r, a, m in zip(row_p, row_r, row_a, row_m) if m and a > 0 and r > 1.0 + eps_high]
+    return len(picked), (math.fsum(picked) / len(picked) if picked else None)
+
+
+def test_up_clipped_old_probability():
+    """DAPO's clip-higher diagnostic (arXiv:2503.14476 §3.1): the mean OLD-policy probability of
+    the tokens clipped at the upper bound, against a plain-Python float64 re-derivation."""
+    old_probs = [[0.05, 0.5, 0.1, 0.9, 0.02], [0.3, 0.02, 0.6, 0.2, 0.7], [0.15, 0.4, 0.8, 0.01, 0.5]]
+    ratios = [[3.0, 1.5, 1.1, 1.05, 5.0], [1.4, 9.0, 0.5, 2.0, 1.0], [1.0, 1.2, 0.9, 20.0, 1.3]]
+    adv = [[1.0, 1.0, 1.0, 1.0, 1.0], [-1.0, 0.5, 1.0, 2.0, 1.0], [1.0, 1.0, -1.0, -1.0, 1.0]]
+    # (0, 4) and (2, 4) are padding with r > 1.28 and A > 0: they must not count
+    mask = [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+    old = torch.tensor(old_probs, dtype=torch.float64).log()
+    lp = old + torch.tensor(ratios, dtype=torch.float64).log()  # pi_new = r * pi_old != pi_old
+    adv_t, mask_t = torch.tensor(adv, dtype=torch.float64), torch.tensor(mask, dtype=torch.bool)
+    cfg = PolicyLossConfig(eps_low=0.2, eps_high=0.28, loss_agg_mode="token-mean")
+    _, m = policy_loss(lp, old, adv_t, mask_t, cfg)
+    n_want, mean_want = _up_clipped_oracle(old_probs, ratios, adv, mask, 0.28)
+    # (0,0) (0,1) (1,1) (1,3); not (1,0) / (2,3) with A < 0, (0,4) / (2,4) padding, (0,2) r < 1.28
+    assert n_want == 4
+    out = reduce_metrics([m])
+    assert out["actor/up_clipped/tokens"] == n_want
+    assert out["actor/up_clipped/tokens"] == out["actor/clip_frac_high"] * out["count/tokens"]
+    assert out["actor/up_clipped/old_prob"] == pytest.approx(mean_want, rel=1e-12, abs=0)
+    # The same step split into micro-batches (the second has no up-clipped token) combines exactly.
+    parts = [policy_loss(lp[rows], old[rows], adv_t[rows], mask_t[rows], cfg,
+                         normalizer=compute_step_normalizer([mask_t], cfg.loss_agg_mode))[1]
+             for rows in (slice(0, 2), slice(2, 3))]
+    assert parts[1]["actor/up_clipped/tokens/sum"] == 0
+    split = reduce_metrics(parts)
+    assert split["actor/up_clipped/tokens"] == n_want
+    assert split["actor/up_clipped/old_prob"] == pytest.approx(mean_want, rel=1e-12, abs=0)
+    # No up-clipped token: both keys still in the micro-batch dict (same key set on every rank),
+    # zero count, and the mean is left out of the step values (never NaN).
+    _, m0 = policy_loss(old, old, adv_t, mask_t, cfg)  # r = 1 everywhere
+    assert m0["actor/up_clipped/tokens/sum"] == 0 and m0["actor/up_clipped/old_prob/sub_tok_sum"] == 0
+    out0 = reduce_metrics([m0])
+    assert out0["actor/up_clipped/tokens"] == 0 and "actor/up_clipped/old_prob" not in out0
+
+
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("mode", ["truncate", "mask"])
 def test_truncated_importance_sampling_and_mismatch_metrics(level, mode):
