@@ -234,7 +234,7 @@ EXTRA_EFFECTS = {
         plot=("length_bias/length/wrong_mean", "length_bias/length/correct_mean", "reward/mean"),
         note="Designed after the first setting (`length`) showed no difference beyond its noise: a stable "
              "learning rate (at 1e-3 the recipe's GRPO run lost held-out accuracy, 0.81 -> 0.40 in 60 steps; at "
-             "3e-4 it rose, 0.81 -> 1.00), 80 steps, and traces of up to 4 attempts whose checks catch every "
+             "3e-4 it rose, 0.81 -> 0.99), 80 steps, and traces of up to 4 attempts whose checks catch every "
              "slip (retry_noise 0.4, check_miss 0: a wrong trace is one that used all 4 attempts, 53 vs 27 "
              "characters). Not part of `all`: on the tuning seed 0 its two arms ended equal (wrong length over "
              "the last 16 steps 25.08 vs 25.07), see docs/reproductions.md."),
