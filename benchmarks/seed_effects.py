@@ -12,11 +12,13 @@ on configs/tiny_reasoning.yaml with the effect's task, and the arm's overrides. 
 of an effect start from one warm-start checkpoint per task (`megatron-rl sft`, written once) and
 a seed fixes the prompt stream and the engine's sampling seeds, so for a seed the arms differ
 only in the algorithm (and what it makes the policy generate). Seeds are fixed here, before any
-run: the reference arm of each effect runs on all of SEEDS (its spread over seeds is the noise),
-the other arms on the first `seeds` of them. Each effect names one primary metric, averaged over
-the last 20% of RL steps of a run, and the comparisons it is judged on (`Comparison`): an
-effect is called real when the mean paired difference exceeds twice the reference arm's seed
-spread (its standard deviation over SEEDS) and its 95% bootstrap interval excludes 0.
+run: the reference arm of each effect (its first comparison's) runs on the first
+`reference_seeds` of SEEDS (all 8 unless the effect says fewer; its spread over seeds is the
+noise), the other arms on the first `seeds` (or `few_seed_arms`). The recipe's values every run
+relies on are pinned in BASE. Each effect names one primary metric, averaged over the last 20% of
+RL steps of a run, and the comparisons it is judged on (`Comparison`): an effect is called real
+when the mean paired difference exceeds twice the reference arm's seed spread (its standard
+deviation over seeds) and its 95% bootstrap interval excludes 0.
 
 Runs are resumable: a run whose directory holds `done.json` is not run again (delete the work
 directory, `--work`, to start over). The report step rewrites the effect's section of
