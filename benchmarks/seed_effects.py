@@ -32,9 +32,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import platform
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -221,42 +223,42 @@ EFFECTS = {
              "toward its 30-70% band, so held-out accuracy at the end is reported beside it."),
 }
 
+
+def _length_setting(name: str, title: str, task: str, steps: int, plot_second: str, secondary: tuple[str, ...],
+                    note: str) -> Effect:
+    """A further setting of the length effect: GRPO against Dr. GRPO only, on its own task, at lr 3e-4
+    with one update per rollout."""
+    return Effect(
+        name, title, "Dr. GRPO arXiv:2503.20783 Fig. 1, 5, 7", "length_bias/length/wrong_mean",
+        "mean length of wrong responses (tokens)",
+        arms=[Arm("grpo", ["rl.recipe=grpo", "rl.kl_coef=0"], task=task),
+              Arm("dr_grpo", ["rl.recipe=dr_grpo"], task=task)],
+        comparisons=[Comparison("dr_grpo", "grpo", +1, "GRPO's wrong responses are longer than Dr. GRPO's")],
+        steps=steps, seeds=6, common=["rl.updates_per_rollout=1", "optimizer.lr=3.0e-4"],
+        secondary=("length_bias/length/wrong_minus_correct_in_group", "length_bias/length/correct_mean", *secondary),
+        plot=("length_bias/length/wrong_mean", plot_second, "reward/mean"), note=note)
+
+
 # Run only when named (`python benchmarks/seed_effects.py length_long`), not by `all`.
 EXTRA_EFFECTS = {
-    "length_long": Effect(
+    "length_long": _length_setting(
         "length_long", "Length bias, second setting: longer retries, a lower learning rate, more steps",
-        "Dr. GRPO arXiv:2503.20783 Fig. 1, 5, 7", "length_bias/length/wrong_mean",
-        "mean length of wrong responses (tokens)",
-        arms=[Arm("grpo", ["rl.recipe=grpo", "rl.kl_coef=0"], task="retry_long"),
-              Arm("dr_grpo", ["rl.recipe=dr_grpo"], task="retry_long")],
-        comparisons=[Comparison("dr_grpo", "grpo", +1, "GRPO's wrong responses are longer than Dr. GRPO's")],
-        steps=80, seeds=6, common=["rl.updates_per_rollout=1", "optimizer.lr=3.0e-4"],
-        secondary=("length_bias/length/wrong_minus_correct_in_group", "length_bias/length/correct_mean",
-                   "mode/attempts_1", "reward/mean", "response/truncated_frac"),
-        plot=("length_bias/length/wrong_mean", "length_bias/length/correct_mean", "reward/mean"),
+        "retry_long", 80, "length_bias/length/correct_mean", ("mode/attempts_1", "reward/mean", "response/truncated_frac"),
         note="Designed after the first setting (`length`) showed no difference beyond its noise: a stable "
              "learning rate (at 1e-3 the recipe's GRPO run lost held-out accuracy, 0.81 -> 0.40 in 60 steps; at "
              "3e-4 it rose, 0.81 -> 0.99), 80 steps, and traces of up to 4 attempts whose checks catch every "
              "slip (retry_noise 0.4, check_miss 0: a wrong trace is one that used all 4 attempts, 53 vs 27 "
              "characters). Not part of `all`: on the tuning seed 0 its two arms ended equal (wrong length over "
              "the last 16 steps 25.08 vs 25.07), see docs/reproductions.md."),
-    "length_cap": Effect(
+    "length_cap": _length_setting(
         "length_cap", "Length bias, third setting: retries that can outgrow the length cap",
-        "Dr. GRPO arXiv:2503.20783 Fig. 1, 5, 7", "length_bias/length/wrong_mean",
-        "mean length of wrong responses (tokens)",
-        arms=[Arm("grpo", ["rl.recipe=grpo", "rl.kl_coef=0"], task="retry_cap"),
-              Arm("dr_grpo", ["rl.recipe=dr_grpo"], task="retry_cap")],
-        comparisons=[Comparison("dr_grpo", "grpo", +1, "GRPO's wrong responses are longer than Dr. GRPO's")],
-        steps=60, seeds=6, common=["rl.updates_per_rollout=1", "optimizer.lr=3.0e-4"],
-        secondary=("length_bias/length/wrong_minus_correct_in_group", "length_bias/length/correct_mean",
-                   "response/truncated_frac", "mode/attempts_1", "reward/mean"),
-        plot=("length_bias/length/wrong_mean", "response/truncated_frac", "reward/mean"),
+        "retry_cap", 60, "response/truncated_frac", ("response/truncated_frac", "mode/attempts_1", "reward/mean"),
         note="Designed after the first two: traces of up to 6 attempts (retry_noise 0.4, check_miss 0.1) "
              "under a 40-token cap that about 12% of them exceed. A truncated response has no answer, so at "
              "the cap length is wrongness, as in the responses the paper's Fig. 1 counts; GRPO weights a "
-             "truncated response's tokens by 1/40, Dr. GRPO by the same 1/40 as every other. lr 3e-4, 60 "
-             "steps, one update per rollout. Not part of `all`: on the tuning seed 0 its two arms ended equal "
-             "(wrong length over the last 12 steps 24.25 vs 24.27), see docs/reproductions.md."),
+             "truncated response's tokens by 1/40 and a 25-token one's by 1/25, Dr. GRPO both by 1/40. lr 3e-4, "
+             "60 steps, one update per rollout. Not part of `all`: on the tuning seed 0 its two arms ended "
+             "equal (wrong length over the last 12 steps 24.25 vs 24.27), see docs/reproductions.md."),
 }
 
 SMOKE = ["rl.steps=2", "rl.prompts_per_step=4", "rl.group_size=4", "data.num_heldout=4", "rl.eval_every=0"]
@@ -338,7 +340,6 @@ def run_arm(effect: Effect, arm: Arm, seed: int, work: Path, smoke: bool) -> Pat
                "rl.eval_every=0", "logging.wandb_mode=disabled", "checkpoint.export_hf=false",
                "checkpoint.every_steps=0", *(SMOKE if smoke else [])]
     if out.exists():  # an interrupted run: start it over (the runs are short)
-        import shutil
         shutil.rmtree(out)
     out.mkdir(parents=True)
     seconds = _run(command, out.parent / f"seed{seed}.log")
@@ -389,8 +390,7 @@ def derived(rows: list[dict], group_size: int) -> dict:
         seconds += row.get("time/step_s", 0.0)
         window = steps[max(0, index - 2): index + 1]
         if len(window) == 3:
-            if out["train/samples_to_target"] != out["train/samples_to_target"] \
-                    and all(r["reward/mean"] >= 0.5 for r in window):
+            if math.isnan(out["train/samples_to_target"]) and all(r["reward/mean"] >= 0.5 for r in window):
                 out.update({"train/samples_to_target": samples, "train/seconds_to_target": seconds})
             best = max(best, statistics.fmean(r["reward/mean"] for r in window))
         collapses += row["reward/mean"] < 0.5 * best
