@@ -10,6 +10,8 @@
         [--seed S]   (Megatron's logits against transformers' for a HF model, at that layout)
     megatron-rl launch slurm --nodes N [--gpus-per-node G] [--partition P] ... [--dry-run] [key=value ...]
     megatron-rl launch local [--nproc-per-node N] [key=value ...]   (the same job under torchrun here)
+    megatron-rl plan --gpus N [--config FILE] [--hf-config DIR] [--gpus-per-node G] [--gpu-memory 80GiB]
+        [--rollout-gpus M] [--json] [key=value ...]   (every layout that fits, per-GPU memory, weight push)
 
 Settings come from one YAML recipe plus `section.key=value` overrides (see megatron_rl/config.py).
 Multi-rank runs: start the same command under torchrun (or srun); the layout comes from the
@@ -59,6 +61,18 @@ def _parser() -> argparse.ArgumentParser:
     commands.add_parser("convert", help="HF <-> Megatron checkpoint conversion (see tools/)", add_help=False)
     commands.add_parser("verify-hf", help="check that Megatron computes transformers' logits for a HF model "
                         "directory (megatron-rl verify-hf --help)", add_help=False)
+    plan = commands.add_parser("plan", help="the parallel layouts that fit a cluster, memory per GPU, weight push")
+    common(plan)
+    plan.add_argument("--gpus", type=int, required=True, help="trainer GPUs")
+    plan.add_argument("--gpus-per-node", type=int, default=8)
+    plan.add_argument("--gpu-memory", default="80GiB", help="memory per GPU, e.g. 80GiB (H100), 141GB (H200)")
+    plan.add_argument("--rollout-gpus", type=int, default=0,
+                      help="GPUs of the rollout servers (rollout.server_tp each); 0: engines colocated")
+    plan.add_argument("--hf-config", help="the model (a config.json directory or a preset) instead of the recipe's")
+    plan.add_argument("--nvlink-gbs", type=float, default=450.0, help="NVLink GB/s per GPU, one way")
+    plan.add_argument("--ib-gbs-per-node", type=float, default=400.0, help="InfiniBand GB/s per node")
+    plan.add_argument("--top", type=int, default=15, help="layouts shown in the table")
+    plan.add_argument("--json", action="store_true", help="every layout as JSON")
     launch = commands.add_parser("launch", help="start the training job on SLURM or with torchrun here")
     where = launch.add_subparsers(dest="where", required=True)
     slurm = where.add_parser("slurm", help="render an sbatch script from slurm/ and submit it")
@@ -128,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "launch":
             return _launch(args, overrides)
         config = load_config(args.config, overrides)
+        if args.command == "plan":
+            from megatron_rl.plan.command import run as plan
+
+            return plan(args, config)
         if args.command == "inspect-model":
             from megatron_rl.model.hf_config import load_hf_config, parse_hf_config
 

@@ -18,6 +18,9 @@ class ModelConfig:
     # A Hugging Face config.json (file or directory holding one), or the name of a preset shipped
     # with the package (see megatron_rl/model/presets/).
     hf_config: str = "tiny-qwen3-moe"
+    # The model's shape where the download named by hf_config is not at hand (a preset name or a
+    # config.json): `megatron-rl plan` reads it. When hf_config loads too, both must agree.
+    architecture: str | None = None
     precision: Precision = "fp32"
     # FP8 training through Transformer Engine (needs precision: bf16 and a CUDA GPU; checked
     # against the GPU and the TE version before the model is built, see model/fp8.py):
@@ -64,6 +67,10 @@ class ModelConfig:
     moe_router_bias_update_rate: float = 0.0
     # "auto": Transformer Engine layers when TE and CUDA are present, local layers otherwise.
     layer_spec: Literal["auto", "local", "transformer_engine"] = "auto"
+    # Activation recomputation. "full": every layer keeps only its input and recomputes its
+    # forward during the backward (Megatron's full/uniform granularity, one layer per checkpoint):
+    # activations shrink to about one layer's plus a hidden state per layer, for ~1/3 more compute.
+    recompute: Literal["none", "full"] = "none"
 
     @property
     def fp8_bf16_layers(self) -> bool:

@@ -178,10 +178,17 @@ def transformer_config(
         pipeline_dtype=dtype,
         bf16=bf16,
         use_cpu_initialization=device.type == "cpu",
+        **_recompute_fields(config.model),
         **moe,
         **attention,
         **fp8.transformer_config_fields(config.model),
     )
+
+
+def _recompute_fields(model: ModelConfig) -> dict:
+    if model.recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return {}
 
 
 def _router_fields(arch: ArchitectureSpec, model: ModelConfig) -> dict:
@@ -347,8 +354,16 @@ def _define_router_gemm_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
-def build_model(config: RunConfig, device: torch.device) -> BuiltModel:
-    """This rank's stage of the model described by config.model (parallel state must be up)."""
+def _left_as_allocated(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def build_model(config: RunConfig, device: torch.device, *, initialize: bool = True) -> BuiltModel:
+    """This rank's stage of the model described by config.model (parallel state must be up).
+
+    `initialize=False` leaves the weights as allocated (uninitialized), for callers that overwrite
+    every one of them (the conversion tools): on the CPU, Megatron draws each weight in fp32 and
+    casts it, which took most of a conversion's time and a transient fp32 copy of the largest weight."""
     from megatron_rl.model.hf_config import load_hf_config, parse_hf_config
 
     raw, where = load_hf_config(config.model.hf_config)
@@ -357,6 +372,10 @@ def build_model(config: RunConfig, device: torch.device) -> BuiltModel:
     if arch.is_moe:
         _define_router_gemm_without_te()
     tconfig = transformer_config(arch, config, device, use_te)
+    if not initialize:
+        # Not perform_initialization=False: on the CPU that also skips tagging each weight with its
+        # tensor-parallel split (tensor_model_parallel, partition_dim), which the bridge reads.
+        tconfig.init_method = tconfig.output_layer_init_method = tconfig.embedding_init_method = _left_as_allocated
     module = build_gpt_model(arch, tconfig, config.model, use_te)
     if device.type == "cuda":
         module = module.cuda(device)

@@ -59,7 +59,9 @@ FAMILIES: dict[str, Family] = {
                                  router="sigmoid", attention_bias_on_o_proj=False, engines_tie=False),
 }
 
-PRESETS = ("tiny-qwen3-moe", "tiny-qwen3", "tiny-llama", "tiny-deepseek-v3", "tiny-glm4-moe")
+PRESETS = ("tiny-qwen3-moe", "tiny-qwen3", "tiny-llama", "tiny-deepseek-v3", "tiny-glm4-moe",
+           # the published models' config.json (architecture only: no weights, no tokenizer)
+           "qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "glm-4.5", "kimi-k2")
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,22 @@ from megatron_rl.errors import ConfigError
 from megatron_rl.model.hf_config import ArchitectureSpec
 
 
+def check_layout(config, arch, world: int, *, rl: bool = True, source: str = "the model") -> None:
+    """The parallel layout against the model and the world size, with no file or machine read:
+    what `megatron-rl plan` calls a layout preflight accepts."""
+    config.parallel.validate_for_model("parallel", num_experts=arch.num_experts if arch.is_moe else None)
+    check_divisibility(arch, config)
+    if rl and config.rl.routing_replay == "rollout" and not arch.is_moe:
+        raise ConfigError(f"rl.routing_replay=rollout replays the rollout engine's MoE routes, but "
+                          f"{source} is a dense model (no experts); use rl.routing_replay=off")
+    config.parallel.validate_world_size(world)
+    if rl and config.rollout.mode == "colocated" and arch.num_key_value_heads % world:
+        raise ConfigError(
+            f"rollout.mode=colocated shards the engine over all {world} ranks, which must divide the "
+            f"model's {arch.num_key_value_heads} KV heads; use rollout.mode=server"
+        )
+
+
 def check_divisibility(arch: ArchitectureSpec, config) -> None:
     """`config`: the RunConfig (its `parallel` section, and the model keys that need a model feature)."""
     p = config.parallel

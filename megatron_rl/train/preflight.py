@@ -30,23 +30,12 @@ def check_layout_and_paths(config, *, rl: bool = True) -> None:
     `rl=False` (`megatron-rl sft`): no rollout engine, so not its check. The run directory and
     its checkpoints are checked by megatron_rl.checkpoint.manager.check_run_directory."""
     from megatron_rl.model.hf_config import load_hf_config, parse_hf_config
-    from megatron_rl.model.layout_checks import check_divisibility
+    from megatron_rl.model.layout_checks import check_layout
     from megatron_rl.runtime.launch_env import read_launch_env
 
     raw, source = load_hf_config(config.model.hf_config)
     arch = parse_hf_config(raw, source)
-    world = read_launch_env().world_size
-    config.parallel.validate_for_model("parallel", num_experts=arch.num_experts if arch.is_moe else None)
-    check_divisibility(arch, config)
-    if rl and config.rl.routing_replay == "rollout" and not arch.is_moe:
-        raise ConfigError(f"rl.routing_replay=rollout replays the rollout engine's MoE routes, but "
-                          f"{source} is a dense model (no experts); use rl.routing_replay=off")
-    config.parallel.validate_world_size(world)
-    if rl and config.rollout.mode == "colocated" and arch.num_key_value_heads % world:
-        raise ConfigError(
-            f"rollout.mode=colocated shards the engine over all {world} ranks, which must divide the "
-            f"model's {arch.num_key_value_heads} KV heads; use rollout.mode=server"
-        )
+    check_layout(config, arch, read_launch_env().world_size, rl=rl, source=source)
     if rl and config.rollout.weight_transport == "nccl":
         import torch
 

@@ -15,6 +15,7 @@ FLOORS = [
     {"cli"},
     {"launch"},
     {"tools"},
+    {"plan"},
     {"train"},
     {"agents"},
     {"rollout"},

@@ -1,0 +1,82 @@
+"""The `megatron-rl plan` command: resolve the model, plan, print."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from megatron_rl.errors import ConfigError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(GiB|GB|G)?\s*$", re.IGNORECASE)
+
+
+def parse_memory(text: str) -> int:
+    """'80GiB' / '80GB' / '80' (GiB) -> bytes."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ConfigError(f"--gpu-memory {text!r}: give a size such as 80GiB, 141GiB or 80GB")
+    value, unit = float(match.group(1)), (match.group(2) or "GiB").lower()
+    return int(value * (1e9 if unit == "gb" else 1024**3))
+
+
+def resolve_architecture(config, hf_config: str | None):
+    """The model to plan: --hf-config, else model.hf_config when it loads here, else
+    model.architecture (a preset or config.json standing in for a download not at hand). Both
+    recipe sources loading must agree."""
+    from megatron_rl.model.hf_config import load_hf_config, parse_hf_config
+
+    if hf_config:
+        raw, source = load_hf_config(hf_config)
+        return parse_hf_config(raw, source), source
+    try:
+        raw, source = load_hf_config(config.model.hf_config)
+    except ConfigError:
+        if not config.model.architecture:
+            raise ConfigError(
+                f"model.hf_config: {config.model.hf_config} is not here to read the model from; pass --hf-config "
+                "DIR (a directory with config.json, or a preset), or set model.architecture in the recipe") from None
+        raw, source = load_hf_config(config.model.architecture)
+        return parse_hf_config(raw, source), source
+    arch = parse_hf_config(raw, source)
+    if config.model.architecture:
+        declared_raw, declared_source = load_hf_config(config.model.architecture)
+        declared = parse_hf_config(declared_raw, declared_source)
+        if declared != arch:
+            raise ConfigError(f"model.architecture ({declared_source}) and model.hf_config ({source}) describe "
+                              "different models; fix the recipe so both name the same one")
+    return arch, source
+
+
+def run(args, config) -> int:
+    from megatron_rl.plan import report
+    from megatron_rl.plan.planner import Cluster, evaluate, plan_layouts, smallest_fix
+    from megatron_rl.model.layout_checks import check_layout
+
+    arch, source = resolve_architecture(config, args.hf_config)
+    if config.device == "cpu":
+        raise ConfigError("the planner plans GPU clusters: the config says device: cpu; use device=cuda (or auto)")
+    if args.rollout_gpus and config.rollout.mode == "colocated":
+        config = _with_rollout_mode(config, "server")  # --rollout-gpus: servers on GPUs of their own
+    cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu_memory=parse_memory(args.gpu_memory),
+                      rollout_gpus=args.rollout_gpus, colocated=config.rollout.mode == "colocated",
+                      nvlink_gbs=args.nvlink_gbs, ib_gbs_per_node=args.ib_gbs_per_node).validate()
+    plan = plan_layouts(config, arch, cluster)
+    own = fix = None
+    try:
+        check_layout(config, arch, cluster.gpus)
+    except ConfigError as exc:
+        print(f"megatron-rl plan: the config's own layout is not accepted on {cluster.gpus} GPUs: {exc}")
+    else:
+        own = evaluate(config, arch, cluster)
+        fix = None if own.fits else smallest_fix(config, arch, cluster, own)
+    if args.json:
+        print(json.dumps(report.as_json(config, arch, plan, own, fix), indent=1))
+    else:
+        print(report.describe(config, arch, plan, source=source, top=args.top, own=own, fix=fix))
+    return 0 if plan.fitting else 3
+
+
+def _with_rollout_mode(config, mode: str):
+    import dataclasses
+
+    return dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, mode=mode))

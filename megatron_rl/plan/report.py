@@ -1,0 +1,129 @@
+"""The planner's output: a table read at a glance, JSON for scripts, and the chosen layout's
+overrides for `megatron-rl launch slurm`."""
+
+from __future__ import annotations
+
+import math
+
+from megatron_rl.plan.planner import GIB, RANKING, LayoutPlan, Plan
+
+
+def _gib(value: int) -> str:
+    return f"{value / GIB:.1f}"
+
+
+def layout_name(p) -> str:
+    text = f"tp{p.tp} pp{p.pp} ep{p.ep} etp{p.expert_tp}" + (f" cp{p.cp}" if p.cp > 1 else "")
+    return text + (f" (last stage {p.pp_last_stage_layers})" if p.pp_last_stage_layers else "")
+
+
+HEADER = ("layout", "dp", "params", "grads", "optim", "activ", "engine", "kv", "left", "push GB", "push s", "fits")
+
+
+def row(layout: LayoutPlan) -> tuple[str, ...]:
+    stage = layout.fullest
+    return (layout_name(layout.parallel), str(layout.dp), _gib(stage.state.params), _gib(stage.state.grads),
+            _gib(stage.state.optimizer), _gib(stage.activations), _gib(layout.engine_weights),
+            _gib(max(layout.kv_cache, 0)), _gib(layout.left), f"{layout.push_bytes / 1e9:.1f}",
+            f"{layout.push_seconds:.2f}", "yes" if layout.fits else "no")
+
+
+def table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in [HEADER, *rows]) for i in range(len(HEADER))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in [HEADER, *rows]]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+def launch_overrides(config, layout: LayoutPlan, cluster) -> str:
+    """The `megatron-rl launch slurm` arguments that run this layout."""
+    p = layout.parallel
+    nodes = max(1, cluster.gpus // cluster.gpus_per_node)
+    parts = [f"--nodes {nodes}", f"--gpus-per-node {cluster.gpus_per_node}"]
+    if cluster.rollout_gpus:
+        parts.append(f"--rollout-nodes {math.ceil(cluster.rollout_gpus / cluster.gpus_per_node)}")
+    parts += [f"parallel.tp={p.tp}", f"parallel.pp={p.pp}", f"parallel.ep={p.ep}", f"parallel.etp={p.expert_tp}"]
+    if p.cp > 1:
+        parts.append(f"parallel.cp={p.cp}")
+    parts.append(f"parallel.pp_last_stage_layers={p.pp_last_stage_layers if p.pp_last_stage_layers else 'null'}")
+    parts.append("parallel.pp_first_stage_layers=null")
+    parts.append(f"model.recompute={config.model.recompute}")
+    if cluster.rollout_gpus:
+        parts.append("rollout.mode=server")
+    return " ".join(parts)
+
+
+def describe(config, arch, plan: Plan, *, source: str, top: int, own: LayoutPlan | None, fix: str | None) -> str:
+    cluster = plan.cluster
+    placement = ("engines colocated on the trainer GPUs" if cluster.colocated else
+                 f"rollout servers of {config.rollout.server_tp} GPUs on "
+                 + (f"{cluster.rollout_gpus} GPUs" if cluster.rollout_gpus else "GPUs") + " of their own")
+    lines = [
+        f"{arch.architecture} from {source}: {arch.num_layers} layers, hidden {arch.hidden_size}"
+        + (f", {arch.num_experts} experts top-{arch.moe_top_k}" if arch.is_moe else ""),
+        f"{cluster.gpus} trainer GPUs ({cluster.gpus_per_node} per node, {cluster.gpu_memory / GIB:.0f} GiB each), "
+        f"{placement}; micro-batch {config.micro_batch_tokens} tokens, {config.model.precision}"
+        + (f" + FP8 {config.model.fp8_recipe}" if config.model.fp8_recipe else "")
+        + f", distributed optimizer {'on' if config.parallel.distributed_optimizer else 'off'}, "
+        f"recompute {config.model.recompute}, gpu_memory_utilization {config.rollout.gpu_memory_utilization}",
+        "GiB per GPU on the fullest stage; params/grads/optim exact from the Megatron model on the meta device, "
+        "activations estimated (micro-batches in flight x one micro-batch); engine = its weights per GPU; "
+        f"push at NVLink {cluster.nvlink_gbs:g} GB/s (colocated) or InfiniBand "
+        f"{cluster.ib_gbs_per_node:g} GB/s per node (one NIC per sending GPU).",
+        "",
+    ]
+    shown = plan.layouts[:top]
+    lines.append(table([row(layout) for layout in shown]))
+    fitting = len(plan.fitting)
+    lines.append(f"\n{fitting} of {plan.considered} layouts preflight accepts fit; ranked by: {', '.join(RANKING)}"
+                 + (f"; showing {len(shown)} (--top)" if len(shown) < plan.considered else ""))
+    if own is not None:
+        lines.append(f"\nThe config's layout ({layout_name(own.parallel)}): "
+                     + ("fits" if own.fits else "does NOT fit") + f", {_gib(own.left)} GiB left per GPU.")
+        if not own.fits:
+            lines.append(_why(own) + (f" Smallest change that fits: {fix}." if fix else
+                                      " No single change (recompute, distributed optimizer, 2x EP, 2x PP, half "
+                                      "the micro-batch) makes it fit: choose a layout above or add GPUs."))
+    if plan.fitting:
+        best = plan.fitting[0]
+        lines.append(f"\nBest: {layout_name(best.parallel)}. To launch it:\n  megatron-rl launch slurm --config "
+                     f"CONFIG {launch_overrides(config, best, cluster)}")
+    else:
+        largest = plan.layouts[0] if plan.layouts else None
+        if largest is not None:
+            lines.append("\nNo layout fits. " + _why(largest))
+    return "\n".join(lines)
+
+
+def _why(layout: LayoutPlan) -> str:
+    if not layout.engine_fits:
+        return (f"The engine's weights ({_gib(layout.engine_weights)} GiB per GPU) leave no KV cache inside "
+                f"rollout.gpu_memory_utilization ({_gib(layout.engine_budget)} GiB): raise it, or give the engines "
+                "more GPUs (--rollout-gpus, rollout.server_tp).")
+    name, value = next(iter(layout.consumers().items()))
+    return (f"It needs {_gib(layout.trainer_bytes)} GiB for training on its fullest stage (stage "
+            f"{layout.fullest.stage}) of {_gib(layout.trainer_budget)} GiB; the largest consumer is {name} "
+            f"({_gib(value)} GiB).")
+
+
+def as_json(config, arch, plan: Plan, own: LayoutPlan | None, fix: str | None) -> dict:
+    def layout_dict(layout: LayoutPlan) -> dict:
+        p = layout.parallel
+        return {
+            "tp": p.tp, "pp": p.pp, "ep": p.ep, "etp": p.expert_tp, "cp": p.cp,
+            "pp_last_stage_layers": p.pp_last_stage_layers, "dp": layout.dp, "expert_dp": layout.expert_dp,
+            "fits": layout.fits, "left_bytes": layout.left, "trainer_budget_bytes": layout.trainer_budget,
+            "stages": [{"stage": s.stage, "layers": s.layers, "params_bytes": s.state.params,
+                        "grads_bytes": s.state.grads, "main_params_bytes": s.state.main_params,
+                        "moments_bytes": s.state.moments, "activations_bytes": s.activations,
+                        "micro_batches_in_flight": s.in_flight, "push_bytes": s.push_bytes} for s in layout.stages],
+            "engine_weights_bytes": layout.engine_weights, "kv_cache_bytes": layout.kv_cache,
+            "kv_cache_tokens": layout.kv_tokens, "push_seconds": layout.push_seconds,
+            "launch": launch_overrides(config, layout, plan.cluster),
+        }
+
+    return {
+        "model": arch.architecture, "cluster": plan.cluster.__dict__, "ranking": list(RANKING),
+        "layouts": [layout_dict(layout) for layout in plan.layouts],
+        "config_layout": None if own is None else {**layout_dict(own), "smallest_fix": fix},
+    }
