@@ -68,11 +68,14 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu-memory", default="80GiB", help="memory per GPU, e.g. 80GiB (H100), 141GB (H200)")
     plan.add_argument("--rollout-gpus", type=int, default=0,
                       help="GPUs of the rollout servers (rollout.server_tp each); 0: engines colocated")
+    plan.add_argument("--rollout-gpu-memory", help="memory per rollout-server GPU (default: --gpu-memory)")
     plan.add_argument("--hf-config", help="the model (a config.json directory or a preset) instead of the recipe's")
     plan.add_argument("--nvlink-gbs", type=float, default=450.0, help="NVLink GB/s per GPU, one way")
     plan.add_argument("--ib-gbs-per-node", type=float, default=400.0, help="InfiniBand GB/s per node")
     plan.add_argument("--top", type=int, default=15, help="layouts shown in the table")
     plan.add_argument("--json", action="store_true", help="every layout as JSON")
+    plan.add_argument("--recipe-header", metavar="COMMAND",
+                      help="print the plan as a recipe's header comment, naming COMMAND (this command line)")
     launch = commands.add_parser("launch", help="start the training job on SLURM or with torchrun here")
     where = launch.add_subparsers(dest="where", required=True)
     slurm = where.add_parser("slurm", help="render an sbatch script from slurm/ and submit it")

@@ -231,6 +231,12 @@ def prepare(config_path: str | None, overrides: list[str], options: SlurmOptions
     """Validate, then (write=True) copy the resolved config and the script into the run directory."""
     options.validate()
     config = resolve_config(config_path, overrides, options.world_size, disaggregated=options.rollout_nodes > 0)
+    if (options.gpus_per_node and not options.rollout_nodes and config.rollout.mode == "server"
+            and not config.rollout.server_urls):
+        # The trainer would start rollout.num_servers servers itself, on the GPUs of its own node.
+        raise ConfigError("rollout.mode=server with no rollout.server_urls and no --rollout-nodes: on a GPU "
+                          "cluster give --rollout-nodes R (servers the job starts) or rollout.server_urls=[...] "
+                          "(servers you started)")
     out = Path(config.output_dir).resolve()
     config.output_dir = str(out)  # the job may start in another directory
     copied = out / "config.yaml"

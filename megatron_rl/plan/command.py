@@ -58,6 +58,7 @@ def run(args, config) -> int:
     if args.rollout_gpus and config.rollout.mode == "colocated":
         config = _with_rollout_mode(config, "server")  # --rollout-gpus: servers on GPUs of their own
     cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu_memory=parse_memory(args.gpu_memory),
+                      rollout_gpu_memory=parse_memory(args.rollout_gpu_memory) if args.rollout_gpu_memory else None,
                       rollout_gpus=args.rollout_gpus, colocated=config.rollout.mode == "colocated",
                       nvlink_gbs=args.nvlink_gbs, ib_gbs_per_node=args.ib_gbs_per_node).validate()
     plan = plan_layouts(config, arch, cluster)
@@ -71,6 +72,8 @@ def run(args, config) -> int:
         fix = None if own.fits else smallest_fix(config, arch, cluster, own)
     if args.json:
         print(json.dumps(report.as_json(config, arch, plan, own, fix), indent=1))
+    elif args.recipe_header:
+        print(report.recipe_header(config, plan, own, args.recipe_header, top=args.top))
     else:
         print(report.describe(config, arch, plan, source=source, top=args.top, own=own, fix=fix))
     return 0 if plan.fitting else 3

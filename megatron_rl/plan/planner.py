@@ -2,7 +2,7 @@
 holds per GPU, and which ones fit.
 
     plan = plan_layouts(config, arch, Cluster(gpus=256))
-    plan.layouts[0]             # the best-ranked layout that fits (LayoutPlan)
+    plan.fitting[0]                   # the best-ranked layout that fits (LayoutPlan)
     evaluate(config, arch, cluster)   # the config's own layout
 
 Per GPU, for the fullest rank of each layout (the most loaded pipeline stage and DP rank):
@@ -16,8 +16,10 @@ after every step: each pipeline stage's leader sends its stage's weights in the 
 per GPU: ib_gbs_per_node / gpus_per_node), all stages at once.
 
 Ranking among the layouts that fit (a heuristic stated in `RANKING`, not a performance model):
-fewer pipeline stages (the 1F1B bubble), then tensor parallelism within a node and smaller, then
-expert groups within a node, then the shorter weight push, then the most memory left.
+those leaving at least 10% of the GPU (for what is not modelled: CUDA context, NCCL buffers,
+fragmentation), then fewer pipeline stages (the 1F1B bubble), then tensor parallelism within a node
+and smaller, then expert groups within a node, then the shorter weight push, then the most memory
+left.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from megatron_rl.plan.meta_model import layer_kinds, probe_parameters, stage_lay
 from megatron_rl.plan.state_bytes import RankState, stage_states
 
 GIB = 1024**3
-RANKING = ("fits", "fewer pipeline stages", "tensor parallel within a node, smaller", "expert group within a node",
+HEADROOM = 0.1  # of GPU memory, for what is not modelled: CUDA context, NCCL buffers, fragmentation
+RANKING = ("fits", f"at least {HEADROOM:.0%} of the GPU left", "fewer pipeline stages", "tensor parallel within a node, smaller", "expert group within a node",
            "shorter weight push", "more memory left")
 
 
@@ -40,6 +43,7 @@ class Cluster:
     gpus: int  # trainer GPUs
     gpus_per_node: int = 8
     gpu_memory: int = 80 * GIB
+    rollout_gpu_memory: int | None = None  # the rollout servers' GPUs (None: as the trainer's)
     rollout_gpus: int = 0  # GPUs of the rollout servers (0: not given)
     colocated: bool = True  # engines inside the trainer processes (rollout.mode colocated), else servers
     nvlink_gbs: float = 450.0  # GB/s one way per GPU (H100 NVLink 4: 900 GB/s both ways)
@@ -119,9 +123,9 @@ class LayoutPlan:
 
     def sort_key(self, cluster: Cluster):
         p = self.parallel
-        if not self.fits:  # the nearest to fitting first
-            return (1, -min(self.left, self.kv_cache))
-        return (0, p.pp, p.tp > cluster.gpus_per_node, p.tp, p.ep * p.expert_tp > cluster.gpus_per_node,
+        if not self.fits:  # those whose engines fit, then the nearest to fitting
+            return (1, not self.engine_fits, -self.left)
+        return (0, self.left < HEADROOM * self.gpu_memory, p.pp, p.tp > cluster.gpus_per_node, p.tp, p.ep * p.expert_tp > cluster.gpus_per_node,
                 round(self.push_seconds, 1), -self.left)
 
 
@@ -175,7 +179,8 @@ def evaluate(config, arch, cluster: Cluster) -> LayoutPlan:
         activations = in_flight * act.stage_bytes(arch, stage_kinds, x, first=first, last=last)
         pushed = full.stage(stage_kinds, first=first, last=last, pp=p.pp)
         stages.append(StagePlan(stage, count, state, activations, in_flight, _export_bytes(pushed, config)))
-    engine_budget = int(config.rollout.gpu_memory_utilization * cluster.gpu_memory)
+    engine_gpu = cluster.gpu_memory if cluster.colocated else (cluster.rollout_gpu_memory or cluster.gpu_memory)
+    engine_budget = int(config.rollout.gpu_memory_utilization * engine_gpu)
     total_export = _export_bytes(full.stage(kinds, first=True, last=True, pp=1), config)
     engine_itemsize = 4 if config.rollout.dtype == "float32" else 2
     if not cluster.colocated:

@@ -39,7 +39,7 @@ def launch_overrides(config, layout: LayoutPlan, cluster) -> str:
     """The `megatron-rl launch slurm` arguments that run this layout."""
     p = layout.parallel
     nodes = max(1, cluster.gpus // cluster.gpus_per_node)
-    parts = [f"--nodes {nodes}", f"--gpus-per-node {cluster.gpus_per_node}"]
+    parts = [f"--nodes {nodes}", f"--gpus-per-node {min(cluster.gpus, cluster.gpus_per_node)}"]
     if cluster.rollout_gpus:
         parts.append(f"--rollout-nodes {math.ceil(cluster.rollout_gpus / cluster.gpus_per_node)}")
     parts += [f"parallel.tp={p.tp}", f"parallel.pp={p.pp}", f"parallel.ep={p.ep}", f"parallel.etp={p.expert_tp}"]
@@ -62,7 +62,9 @@ def describe(config, arch, plan: Plan, *, source: str, top: int, own: LayoutPlan
         f"{arch.architecture} from {source}: {arch.num_layers} layers, hidden {arch.hidden_size}"
         + (f", {arch.num_experts} experts top-{arch.moe_top_k}" if arch.is_moe else ""),
         f"{cluster.gpus} trainer GPUs ({cluster.gpus_per_node} per node, {cluster.gpu_memory / GIB:.0f} GiB each), "
-        f"{placement}; micro-batch {config.micro_batch_tokens} tokens, {config.model.precision}"
+        + (f"rollout GPUs of {cluster.rollout_gpu_memory / GIB:.0f} GiB, "
+           if cluster.rollout_gpu_memory and not cluster.colocated else "")
+        + f"{placement}; micro-batch {config.micro_batch_tokens} tokens, {config.model.precision}"
         + (f" + FP8 {config.model.fp8_recipe}" if config.model.fp8_recipe else "")
         + f", distributed optimizer {'on' if config.parallel.distributed_optimizer else 'off'}, "
         f"recompute {config.model.recompute}, gpu_memory_utilization {config.rollout.gpu_memory_utilization}",
@@ -127,3 +129,27 @@ def as_json(config, arch, plan: Plan, own: LayoutPlan | None, fix: str | None) -
         "layouts": [layout_dict(layout) for layout in plan.layouts],
         "config_layout": None if own is None else {**layout_dict(own), "smallest_fix": fix},
     }
+
+
+HEADER_BEGIN = "# ---- planned with: megatron-rl plan "
+HEADER_END = "# ---- end of plan"
+
+
+def recipe_header(config, plan: Plan, own: LayoutPlan | None, command: str, top: int) -> str:
+    """The plan as a recipe's header comment: the command that made it, the best layouts and the
+    recipe's own (tests/config/test_recipes.py re-runs the command and compares)."""
+    rows = [row(layout) for layout in plan.layouts[:top]]
+    if own is not None and own.parallel not in [layout.parallel for layout in plan.layouts[:top]]:
+        rows.append(row(own))
+    lines = [HEADER_BEGIN + command,
+             f"# GiB per GPU ({plan.cluster.gpu_memory / GIB:.0f} GiB GPUs"
+             + (f", rollout {plan.cluster.rollout_gpu_memory / GIB:.0f} GiB" if plan.cluster.rollout_gpu_memory else "")
+             + ") on the fullest pipeline stage; "
+             f"{len(plan.fitting)} of {plan.considered} layouts fit; the first {min(top, plan.considered)} as ranked"
+             + (", then this recipe's" if own is not None and len(rows) > top else "") + ":"]
+    lines += ["#   " + line for line in table(rows).splitlines()]
+    if own is not None:
+        lines.append(f"# This recipe: {layout_name(own.parallel)}, " + ("fits" if own.fits else "DOES NOT FIT")
+                     + f" ({_gib(own.left)} GiB left per GPU).")
+    lines.append(HEADER_END)
+    return "\n".join(lines)

@@ -14,38 +14,24 @@ from megatron_rl.train.preflight import check_layout_and_paths
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
-# Published architecture numbers of the models the large recipes name (their config.json fields).
-QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "rms_norm_eps": 1e-6,
-             "rope_theta": 1000000.0, "tie_word_embeddings": False, "hidden_act": "silu", "vocab_size": 151936,
-             "max_position_embeddings": 40960, "head_dim": 128, "norm_topk_prob": True, "decoder_sparse_step": 1,
-             "mlp_only_layers": [], "num_experts_per_tok": 8, "num_experts": 128}
-# DeepSeek-V3's config.json as published (DeepSeek-R1's has the same numbers): the FP8 download.
-DEEPSEEK_V3 = {
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
-    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
-    "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256,
-    "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
-    "first_k_dense_replace": 3, "moe_layer_freq": 1, "norm_topk_prob": True, "scoring_func": "sigmoid",
-    "topk_method": "noaux_tc", "hidden_act": "silu", "rope_theta": 10000,
-    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
-                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-    "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "num_nextn_predict_layers": 1,
-    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                            "weight_block_size": [128, 128]},
-    "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
-    "bos_token_id": 0, "eos_token_id": 1,
-}
+def published(preset: str) -> dict:
+    """A published model's config.json, as shipped with the package (megatron_rl/model/presets/)."""
+    return load_hf_config(preset)[0]
+
+
+DEEPSEEK_V3 = published("deepseek-v3")  # the FP8 download's config.json (DeepSeek-R1's has the same numbers)
 DEEPSEEK_V3_BF16 = {k: v for k, v in DEEPSEEK_V3.items() if k != "quantization_config"}
 # recipe -> (config.json, world sizes its comments state)
 MODELS = {
-    "qwen3_30b_a3b.yaml": (dict(QWEN3_MOE, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
-                                num_key_value_heads=4, intermediate_size=6144, moe_intermediate_size=768), [32]),
-    "qwen3_235b_a22b.yaml": (dict(QWEN3_MOE, hidden_size=4096, num_hidden_layers=94, num_attention_heads=64,
-                                  num_key_value_heads=4, intermediate_size=12288, moe_intermediate_size=1536), [128]),
+    "qwen3_30b_a3b.yaml": (published("qwen3-30b-a3b"), [32]),
+    "qwen3_235b_a22b.yaml": (published("qwen3-235b-a22b"), [128]),
     # 32 nodes of 8 H100/H200, or 64 nodes with the same layout.
     "deepseek_v3.yaml": (DEEPSEEK_V3, [256, 512]),
+    "glm_4_5.yaml": (published("glm-4.5"), [128]),
+    "kimi_k2.yaml": (published("kimi-k2"), [512]),
 }
+# Recipes whose rollout servers span two nodes: the user starts them and lists rollout.server_urls.
+USER_SERVERS = {"kimi_k2.yaml": ["rollout.server_urls=[http://rollout-a:8000,http://rollout-b:8000]"]}
 CASES = [(name, world) for name, (_, worlds) in sorted(MODELS.items()) for world in worlds]
 
 
@@ -105,8 +91,12 @@ def test_large_recipe_rollout_servers_and_weight_transport(tmp_path, name):
     rollout = config.rollout
     assert (rollout.engine, rollout.mode, rollout.weight_transport, rollout.server_urls) == (
         "vllm", "server", "collective", [])
-    tp, per_node = rollout_layout(config, SlurmOptions(nodes=1, rollout_nodes=1, gpus_per_node=GPUS_PER_NODE))
-    assert tp * per_node == GPUS_PER_NODE
+    if name in USER_SERVERS:  # TP 16 over two nodes: servers the user starts
+        assert rollout.server_tp == 2 * GPUS_PER_NODE
+        assert parse_hf_config(MODELS[name][0]).num_attention_heads % rollout.server_tp == 0
+    else:
+        tp, per_node = rollout_layout(config, SlurmOptions(nodes=1, rollout_nodes=1, gpus_per_node=GPUS_PER_NODE))
+        assert tp * per_node == GPUS_PER_NODE
     assert rollout.max_model_len >= config.rl.max_response_tokens + 1024  # room for the prompt
 
 
@@ -137,7 +127,8 @@ def test_launch_script_renders_with_dry_run(tmp_path, script):
     overrides = []
     if path.stem + ".yaml" in MODELS:
         (tmp_path / "config.json").write_text(json.dumps(MODELS[path.stem + ".yaml"][0]))
-        overrides = [f"model.hf_config={tmp_path}", "checkpoint.init_from=null", f"output_dir={tmp_path / 'run'}"]
+        overrides = [f"model.hf_config={tmp_path}", "checkpoint.init_from=null", f"output_dir={tmp_path / 'run'}",
+                     *USER_SERVERS.get(path.stem + ".yaml", [])]
     env = dict(os.environ, MEGATRON_RL_VENV=sys.prefix, PYTHONPATH=str(REPO))
     result = subprocess.run(["bash", str(path), "--dry-run", *overrides], capture_output=True, text=True,
                             timeout=120, env=env, cwd=tmp_path)
@@ -145,13 +136,64 @@ def test_launch_script_renders_with_dry_run(tmp_path, script):
     if "launch local" in text:
         assert f"-m megatron_rl.cli train --config configs/{path.stem}.yaml" in result.stdout
         return
-    nodes, rollout_nodes = (int(value) for value in re.search(r"--nodes (\d+) --rollout-nodes (\d+)", text).groups())
+    nodes = int(re.search(r"--nodes (\d+)", text).group(1))
+    found = re.search(r"--rollout-nodes (\d+)", text)
+    rollout_nodes = int(found.group(1)) if found else 0  # 0: servers the user started (USER_SERVERS)
     # The training nodes are those the recipe's comments state (its world sizes in MODELS).
     assert nodes * GPUS_PER_NODE in MODELS[path.stem + ".yaml"][1]
     script_text = result.stdout
     assert f"#SBATCH --nodes={nodes + rollout_nodes}" in script_text
-    assert f"#SBATCH --gpus-per-node={GPUS_PER_NODE}" in script_text and "WEIGHT_TRANSPORT=collective" in script_text
-    assert "megatron_rl.launch.rollout_node" in script_text and "{{" not in script_text
+    assert f"#SBATCH --gpus-per-node={GPUS_PER_NODE}" in script_text and "{{" not in script_text
+    if rollout_nodes:
+        assert "WEIGHT_TRANSPORT=collective" in script_text and "megatron_rl.launch.rollout_node" in script_text
+    else:
+        assert (path.stem + ".yaml") in USER_SERVERS and "megatron_rl.launch.rollout_node" not in script_text
     check = subprocess.run(["bash", "-n"], input=script_text, capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
     assert not (tmp_path / "run").exists(), "a dry run must not write anything"
+
+
+# ---- the planner's table in every GPU recipe's header --------------------------------------------
+
+def planned_header(text: str) -> tuple[str, str] | None:
+    """(the command, the block) of a recipe's `megatron-rl plan` header, or None."""
+    from megatron_rl.plan.report import HEADER_BEGIN, HEADER_END
+
+    if HEADER_BEGIN not in text:
+        return None
+    start = text.index(HEADER_BEGIN)
+    end = text.index(HEADER_END, start) + len(HEADER_END)
+    command = text[start + len(HEADER_BEGIN):text.index("\n", start)]
+    return command, text[start:end]
+
+
+_SEPARATOR = "==== next recipe ===="
+
+
+def test_recipe_headers_are_the_planners_tables_for_their_clusters():
+    """Re-run the command each GPU recipe's header names (one process for all of them: the planner's
+    imports are most of its time): the table must be what the planner says today, the recipe's
+    own layout must fit, and the cluster must be the one the recipe states."""
+    import os
+    import subprocess
+    import sys
+
+    headers = {}
+    for name in sorted(MODELS):
+        found = planned_header((CONFIGS / name).read_text())
+        assert found is not None, f"{name}: no `megatron-rl plan` table in its header"
+        command, _ = found
+        assert f"--config configs/{name} " in command and f"--gpus {MODELS[name][1][0]} " in command
+        headers[name] = found
+    script = "\n".join(
+        ["from megatron_rl.cli import main"]
+        + [f"print({_SEPARATOR!r}); main(['plan', *{command.split()!r}, '--recipe-header', {command!r}])"
+           for command, _ in headers.values()])
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="2")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env,
+                            cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = [part.strip() for part in result.stdout.split(_SEPARATOR)[1:]]
+    for (name, (_, block)), fresh in zip(headers.items(), printed, strict=True):
+        assert fresh == block, f"{name}: its header is stale; regenerate it with megatron-rl plan --recipe-header"
+        assert "fits (" in block.split("# This recipe: ")[1], name

@@ -2,9 +2,11 @@
 the planner's estimate (megatron_rl/plan/activations.py). Run by test_activation_estimate.py and
 benchmarks/activation_memory.py in a process of its own (the runtime is process-wide).
 
-    python activation_worker.py OUT.json HIDDEN LAYERS TOKENS [RECOMPUTE]
+    python activation_worker.py OUT.json HIDDEN LAYERS TOKENS [RECOMPUTE [FAMILY]]
 
-The model is tiny-qwen3-moe's family (MoE, GQA) at the given width and depth, one process, fp32.
+The model is FAMILY's (qwen3-moe: MoE layers with GQA attention; deepseek-v3: multi-latent
+attention, a dense first layer, then MoE layers with a shared expert) at the given width and depth,
+one process, fp32.
 Measured:
   saved    bytes of the distinct storages the forward saved for the backward (autograd's
            saved-tensor hooks; parameters and their gradient buffers left out): what the
@@ -27,19 +29,23 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from peak_memory import PeakMemory  # noqa: E402
 
 
-def model_config(directory: Path, hidden: int, layers: int) -> Path:
+def model_config(directory: Path, hidden: int, layers: int, family: str = "qwen3-moe") -> Path:
     from megatron_rl.model.hf_config import load_hf_config
 
-    raw, _ = load_hf_config("tiny-qwen3-moe")
+    raw, _ = load_hf_config(f"tiny-{family}")
     raw.update(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=2 * hidden,
-               moe_intermediate_size=hidden // 2, head_dim=hidden // raw["num_attention_heads"],
-               vocab_size=8000, tie_word_embeddings=False)
+               moe_intermediate_size=hidden // 2, vocab_size=8000, tie_word_embeddings=False)
+    if family == "deepseek-v3":  # latent ranks and head widths grow with the model, as DeepSeek-V3's
+        raw.update(q_lora_rank=hidden // 2, kv_lora_rank=hidden // 2, qk_nope_head_dim=hidden // 8,
+                   qk_rope_head_dim=hidden // 16, v_head_dim=hidden // 8)
+    else:
+        raw.update(head_dim=hidden // raw["num_attention_heads"])
     raw.pop("mlp_only_layers", None)
     (directory / "config.json").write_text(json.dumps(raw))
     return directory
 
 
-def measure(out: Path, hidden: int, layers: int, tokens: int, recompute: str) -> dict:
+def measure(out: Path, hidden: int, layers: int, tokens: int, recompute: str, family: str = "qwen3-moe") -> dict:
     from megatron_rl.config import load_config
     from megatron_rl.model.packing import pack
     from megatron_rl.model.policy import Policy
@@ -47,9 +53,9 @@ def measure(out: Path, hidden: int, layers: int, tokens: int, recompute: str) ->
     from megatron_rl.plan.meta_model import layer_kinds
     from megatron_rl.runtime import start_runtime
 
-    directory = out.parent / f"model-{hidden}x{layers}"
+    directory = out.parent / f"model-{family}-{hidden}x{layers}"
     directory.mkdir(exist_ok=True)
-    model_config(directory, hidden, layers)
+    model_config(directory, hidden, layers, family)
     config = load_config(None, ["device=cpu", f"model.hf_config={directory}", "model.precision=fp32",
                                 f"model.recompute={recompute}", f"micro_batch_tokens={tokens}"])
     runtime = start_runtime(config)
@@ -89,7 +95,7 @@ def measure(out: Path, hidden: int, layers: int, tokens: int, recompute: str) ->
                          vocab_rows=policy.module.embedding.word_embeddings.weight.shape[0], attention="cpu")
     estimate = stage_bytes(arch, layer_kinds(arch), x, first=True, last=True)
     runtime.shutdown()
-    return {"hidden": hidden, "layers": layers, "tokens": batch.num_tokens, "recompute": recompute,
+    return {"family": family, "hidden": hidden, "layers": layers, "tokens": batch.num_tokens, "recompute": recompute,
             "parameters": sum(p.numel() for p in policy.module.parameters()),
             "saved_bytes": sum(saved.values()), "peak_bytes": peak_bytes, "peak_method": peak.method,
             "estimate_bytes": estimate}
@@ -99,4 +105,5 @@ if __name__ == "__main__":
     out = Path(sys.argv[1])
     hidden, layers, tokens = (int(v) for v in sys.argv[2:5])
     recompute = sys.argv[5] if len(sys.argv) > 5 else "none"
-    out.write_text(json.dumps(measure(out, hidden, layers, tokens, recompute)))
+    family = sys.argv[6] if len(sys.argv) > 6 else "qwen3-moe"
+    out.write_text(json.dumps(measure(out, hidden, layers, tokens, recompute, family)))

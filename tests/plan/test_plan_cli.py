@@ -36,7 +36,7 @@ def test_deepseek_v3_recipe_plans_from_its_shipped_architecture():
 
 def test_json_lists_only_layouts_preflight_accepts_and_the_numbers_add_up():
     result = plan("--config", "configs/qwen3_30b_a3b.yaml", "--gpus", "32", "--rollout-gpus", "16", "--json",
-                  "model.architecture=qwen3-30b-a3b", "model.hf_config=qwen3-30b-a3b")
+                  "model.architecture=qwen3-30b-a3b", "model.hf_config=qwen3-30b-a3b", "parallel.tp=2")
     assert result.returncode == 0, result.stdout + result.stderr
     plan_json = json.loads(result.stdout)
     layouts = plan_json["layouts"]
@@ -61,7 +61,7 @@ def test_json_lists_only_layouts_preflight_accepts_and_the_numbers_add_up():
 
 def test_a_layout_that_cannot_fit_names_its_largest_consumer_and_the_smallest_fix():
     result = plan("--config", "configs/qwen3_30b_a3b.yaml", "--gpus", "32", "--rollout-gpus", "16",
-                  "--hf-config", "qwen3-30b-a3b", "micro_batch_tokens=32768")
+                  "--hf-config", "qwen3-30b-a3b", "micro_batch_tokens=32768", "parallel.tp=2")
     out = result.stdout
     assert "The config's layout (tp2 pp1 ep8 etp1): does NOT fit" in out, out + result.stderr
     assert "the largest consumer is activations" in out
