@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import sys
 
 from megatron_rl.errors import ConfigError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(GiB|GB|G)?\s*$", re.IGNORECASE)
 
 
-def parse_memory(text: str) -> int:
+def parse_memory(text: str, flag: str = "--gpu-memory") -> int:
     """'80GiB' / '80GB' / '80' (GiB) -> bytes."""
     match = _SIZE.match(text)
     if not match:
-        raise ConfigError(f"--gpu-memory {text!r}: give a size such as 80GiB, 141GiB or 80GB")
+        raise ConfigError(f"{flag} {text!r}: give a size such as 80GiB, 141GiB or 80GB")
     value, unit = float(match.group(1)), (match.group(2) or "GiB").lower()
     return int(value * (1e9 if unit == "gb" else 1024**3))
 
@@ -41,7 +43,8 @@ def resolve_architecture(config, hf_config: str | None):
     if config.model.architecture:
         declared_raw, declared_source = load_hf_config(config.model.architecture)
         declared = parse_hf_config(declared_raw, declared_source)
-        if declared != arch:
+        # the same model downloaded in FP8 or BF16 differs only in its weights' format
+        if dataclasses.replace(declared, fp8_block=arch.fp8_block) != arch:
             raise ConfigError(f"model.architecture ({declared_source}) and model.hf_config ({source}) describe "
                               "different models; fix the recipe so both name the same one")
     return arch, source
@@ -57,16 +60,17 @@ def run(args, config) -> int:
         raise ConfigError("the planner plans GPU clusters: the config says device: cpu; use device=cuda (or auto)")
     if args.rollout_gpus and config.rollout.mode == "colocated":
         config = _with_rollout_mode(config, "server")  # --rollout-gpus: servers on GPUs of their own
+    rollout_memory = parse_memory(args.rollout_gpu_memory, "--rollout-gpu-memory") if args.rollout_gpu_memory else None
     cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu_memory=parse_memory(args.gpu_memory),
-                      rollout_gpu_memory=parse_memory(args.rollout_gpu_memory) if args.rollout_gpu_memory else None,
-                      rollout_gpus=args.rollout_gpus, colocated=config.rollout.mode == "colocated",
+                      rollout_gpu_memory=rollout_memory, rollout_gpus=args.rollout_gpus, colocated=config.rollout.mode == "colocated",
                       nvlink_gbs=args.nvlink_gbs, ib_gbs_per_node=args.ib_gbs_per_node).validate()
     plan = plan_layouts(config, arch, cluster)
     own = fix = None
     try:
         check_layout(config, arch, cluster.gpus)
     except ConfigError as exc:
-        print(f"megatron-rl plan: the config's own layout is not accepted on {cluster.gpus} GPUs: {exc}")
+        print(f"megatron-rl plan: the config's own layout is not accepted on {cluster.gpus} GPUs: {exc}",
+              file=sys.stderr)
     else:
         own = evaluate(config, arch, cluster)
         fix = None if own.fits else smallest_fix(config, arch, cluster, own)
@@ -80,6 +84,4 @@ def run(args, config) -> int:
 
 
 def _with_rollout_mode(config, mode: str):
-    import dataclasses
-
     return dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, mode=mode))

@@ -86,6 +86,8 @@ def planned_parallel_state(world: int, parallel, rank: int = 0):
     over torch's fake process group (no peers, no communication). Torn down on exit."""
     import torch.distributed as dist
     from megatron.core import parallel_state
+
+    from megatron_rl.runtime.distributed import megatron_parallel_sizes
     # The fake backend and its store come with torch (its own distributed tests and DTensor's
     # tooling use them); importing the module registers the "fake" backend.
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -95,14 +97,7 @@ def planned_parallel_state(world: int, parallel, rank: int = 0):
                           "that has not initialized torch.distributed (megatron-rl plan)")
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=parallel.tp,
-            pipeline_model_parallel_size=parallel.pp,
-            context_parallel_size=parallel.cp,
-            expert_model_parallel_size=parallel.ep,
-            expert_tensor_parallel_size=parallel.expert_tp,
-            create_gloo_process_groups=False,
-        )
+        parallel_state.initialize_model_parallel(**megatron_parallel_sizes(parallel), create_gloo_process_groups=False)
         yield
     finally:
         if parallel_state.model_parallel_is_initialized():

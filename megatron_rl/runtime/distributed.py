@@ -52,7 +52,12 @@ def init_model_parallel(parallel: ParallelConfig, world_size: int) -> None:
         raise ConfigError(
             "parallel.cp > 1 needs Transformer Engine attention (CUDA); it cannot run on CPU"
         )
-    parallel_state.initialize_model_parallel(
+    parallel_state.initialize_model_parallel(**megatron_parallel_sizes(parallel))
+
+
+def megatron_parallel_sizes(parallel: ParallelConfig) -> dict:
+    """The layout as Megatron-Core's initialize_model_parallel takes it."""
+    return dict(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
         context_parallel_size=parallel.cp,
