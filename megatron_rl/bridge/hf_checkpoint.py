@@ -53,10 +53,13 @@ def write_hf_checkpoint(
     buckets = export_hf_weights(module, arch, bucket_bytes=bucket_bytes, dtype=dtype)
     if fp8:
         buckets = quantize_fp8_blockwise(buckets, arch)
-    for number, bucket in enumerate(buckets):
-        file = f"part-stage{stage:03d}-{number:05d}.safetensors"
+    # One bucket alive at a time: with TP or EP > 1 its tensors are gathered copies, and the loop
+    # variable (or enumerate's cached result tuple) would keep it until the next one is assembled.
+    for bucket in buckets:
+        file = f"part-stage{stage:03d}-{len(parts):05d}.safetensors"
         save_file({name: tensor.contiguous() for name, tensor in bucket}, str(staging / file), metadata={"format": "pt"})
         parts.append((file, [name for name, _ in bucket], sum(t.numel() * t.element_size() for _, t in bucket)))
+        del bucket
     everyone = [parts]
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()

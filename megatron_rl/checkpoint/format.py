@@ -52,7 +52,7 @@ def save_megatron_checkpoint(module, raw_hf_config: dict, directory: Path, confi
     from megatron_rl.bridge.hf_checkpoint import copy_tokenizer_files
 
     directory = Path(directory)
-    dist_checkpointing.save(module.sharded_state_dict(), str(directory))
+    dist_checkpointing.save(module.sharded_state_dict(), str(directory), sharded_strategy=streaming_save_strategy())
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     (directory / "hf_config").mkdir()
@@ -68,6 +68,41 @@ def save_megatron_checkpoint(module, raw_hf_config: dict, directory: Path, confi
         **(extra or {}),
     }
     (directory / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
+
+
+def streaming_save_strategy():
+    """Megatron-Core's torch_dist save, written by torch.distributed.checkpoint's FileSystemWriter:
+    the same files (.distcp, .metadata), read by the same loader. Megatron-Core's own writer stages
+    every tensor before writing (it serves asynchronous saves), and copies each tensor that is a
+    view of a larger one: the two halves of every gated MLP's fc1 weight, about 60% of a MoE model,
+    were held twice at once. This writer copies such a view only while writing it, one at a time,
+    in this thread (one file per rank; a stop signal unwinds it like any other code)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+
+    class StreamingSave(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict, checkpoint_dir) -> None:
+            # What TorchDistSaveShardedStrategy.async_save does, with torch's synchronous writer.
+            state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+            try:
+                dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=dcp.FileSystemWriter(checkpoint_dir),
+                         planner=MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
+                                                  flatten_state_dict=False))
+            except CheckpointException as exc:
+                # torch's writer turns every rank's error into one CheckpointException, a stop signal
+                # (KeyboardInterrupt, tools/ranks.Interrupted) too: that one unwinds as itself.
+                stop = next((error for error, _ in exc.failures.values() if isinstance(error, KeyboardInterrupt)), None)
+                if stop is not None:
+                    raise stop from None
+                raise
+
+    return StreamingSave("torch_dist", 1)
 
 
 def is_megatron_checkpoint(path: str | Path) -> bool:
@@ -295,7 +330,7 @@ def load_megatron_weights(module, weights: Path) -> None:
 
     try:
         with torch.no_grad():
-            state = dist_checkpointing.load(module.sharded_state_dict(), str(weights))
+            state = dist_checkpointing.load(_merged_in_place(module.sharded_state_dict()), str(weights))
     except Exception as exc:
         raise ConfigError(_unloadable(weights, exc)) from exc
     # torch_dist stores no checksum: NaN/infinite weights are the damage that can be seen.
@@ -325,3 +360,37 @@ def write_run_tokenizer(config, directory: str | Path) -> Path:
     if not copy_tokenizer_files(source, directory):
         raise ConfigError(f"no tokenizer files in {source}: set checkpoint.init_from to a Hugging Face model directory")
     return Path(directory)
+
+
+def _merged_in_place(sharded_state_dict):
+    """`sharded_state_dict` with its tensor factories handing back the parameter itself when their
+    pieces were loaded into views of it. Megatron-Core saves a gated MLP's fc1 weight as two
+    halves and loads them into views of the parameter, then concatenates them into a new tensor
+    (torch.cat): a second copy of every such weight (about 60% of a MoE model) until
+    load_state_dict copies it back. Pieces that are not such views are merged as before."""
+    from functools import partial
+
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    for factory in nested_values(sharded_state_dict):
+        if isinstance(factory, ShardedTensorFactory):
+            factory.merge_fn = partial(_parameter_if_views, factory.merge_fn, factory.data)
+    return sharded_state_dict
+
+
+def _parameter_if_views(merge, parameter, pieces):
+    """`parameter` if the loaded `pieces` are, in order, consecutive row blocks of it (views that
+    torch.cat would put back together into it), else merge(pieces)."""
+    import torch
+
+    if not isinstance(pieces, list) or not pieces or not parameter.is_contiguous() or parameter.dim() == 0:
+        return merge(pieces)
+    storage, offset, rows = parameter.untyped_storage().data_ptr(), parameter.storage_offset(), 0
+    for piece in pieces:
+        if not (isinstance(piece, torch.Tensor) and piece.dim() == parameter.dim() and piece.is_contiguous()
+                and piece.dtype == parameter.dtype and piece.untyped_storage().data_ptr() == storage
+                and piece.storage_offset() == offset and piece.shape[1:] == parameter.shape[1:]):
+            return merge(pieces)
+        offset, rows = offset + piece.numel(), rows + piece.shape[0]
+    return parameter if rows == parameter.shape[0] else merge(pieces)

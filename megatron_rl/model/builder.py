@@ -354,16 +354,35 @@ def _define_router_gemm_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
-def _left_as_allocated(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
+def _tag_split_dims(module) -> None:
+    """What Megatron-Core's initialization does besides drawing the values, and skips with
+    perform_initialization=False: tag each tensor-parallel weight with the dimension it is split
+    along (`tensor_model_parallel`, `partition_dim`; the bridge reads them). The stride is left
+    at 1: nothing that loads or exports weights reads it."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    for layer in module.modules():
+        weight = getattr(layer, "weight", None)
+        if not isinstance(weight, torch.nn.Parameter) or hasattr(weight, "tensor_model_parallel"):
+            continue
+        if isinstance(layer, RowParallelLinear):
+            set_tensor_model_parallel_attributes(weight, True, 1, 1)
+        elif isinstance(layer, (ColumnParallelLinear, VocabParallelEmbedding)):
+            set_tensor_model_parallel_attributes(weight, True, 0, 1)
 
 
 def build_model(config: RunConfig, device: torch.device, *, initialize: bool = True) -> BuiltModel:
     """This rank's stage of the model described by config.model (parallel state must be up).
 
-    `initialize=False` leaves the weights as allocated (uninitialized), for callers that overwrite
-    every one of them (the conversion tools): on the CPU, Megatron draws each weight in fp32 and
-    casts it, which took most of a conversion's time and a transient fp32 copy of the largest weight."""
+    `initialize=False` leaves the weights uninitialized, for callers that load every one of them
+    (the conversion tools): on the CPU Megatron-Core draws each weight whole in fp32, casts and
+    splits it, which took a third of a conversion's time, with a transient fp32 copy of the
+    largest weight; only the tensor-parallel tags are kept (_tag_split_dims)."""
     from megatron_rl.model.hf_config import load_hf_config, parse_hf_config
 
     raw, where = load_hf_config(config.model.hf_config)
@@ -372,11 +391,10 @@ def build_model(config: RunConfig, device: torch.device, *, initialize: bool = T
     if arch.is_moe:
         _define_router_gemm_without_te()
     tconfig = transformer_config(arch, config, device, use_te)
-    if not initialize:
-        # Not perform_initialization=False: on the CPU that also skips tagging each weight with its
-        # tensor-parallel split (tensor_model_parallel, partition_dim), which the bridge reads.
-        tconfig.init_method = tconfig.output_layer_init_method = tconfig.embedding_init_method = _left_as_allocated
+    tconfig.perform_initialization = initialize
     module = build_gpt_model(arch, tconfig, config.model, use_te)
+    if not initialize:
+        _tag_split_dims(module)
     if device.type == "cuda":
         module = module.cuda(device)
     return BuiltModel(raw, arch, tconfig, module, use_te)

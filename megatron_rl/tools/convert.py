@@ -310,7 +310,7 @@ def hf_to_megatron(argv: list[str]) -> None:
 
     from megatron_rl.bridge import load_hf_weights
 
-    with model_on_this_rank(config) as (runtime, built):
+    with model_on_this_rank(config, initialize=False) as (runtime, built):
         load_hf_weights(built.module, built.arch, args.hf_dir)
         with written_atomically(output) as staging:
             save_megatron_checkpoint(built.module, built.raw_hf_config, staging, config,
@@ -349,12 +349,27 @@ def megatron_to_hf(argv: list[str]) -> None:
 
     from megatron_rl.bridge.hf_checkpoint import write_hf_checkpoint
 
-    with model_on_this_rank(config) as (runtime, built):
+    with model_on_this_rank(config, initialize=False) as (runtime, built):
         load_megatron_weights(built.module, weights_path(ckpt))
+        _parameters_at_precision(built.module, metadata["precision"])
         with written_atomically(output) as staging:
             write_hf_checkpoint(built.module, built.arch, built.raw_hf_config, staging, template_dir=template)
         if runtime.is_driver:
             print(f"wrote {args.out} ({built.arch.architecture})")
+
+
+def _parameters_at_precision(module, precision: str) -> None:
+    """Every parameter of a bf16 checkpoint's model in bf16. Megatron-Core's local layer spec (the
+    one conversions build, on the CPU) keeps the RMSNorm weights in fp32 whatever the precision,
+    so a bf16 Hugging Face checkpoint came back with fp32 norms (the same values, another dtype)
+    where `save_pretrained` writes bf16, as the trainer's own HF export does. Buffers keep their
+    dtype: the routers' expert bias is fp32 in transformers too."""
+    import torch
+
+    if precision == "bf16":
+        for param in module.parameters():
+            if param.dtype == torch.float32:
+                param.data = param.data.to(torch.bfloat16)
 
 
 COMMANDS = {"hf-to-megatron": hf_to_megatron, "megatron-to-hf": megatron_to_hf}

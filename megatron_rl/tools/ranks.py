@@ -26,6 +26,9 @@ class Interrupted(KeyboardInterrupt):
         self.number = number
         self.reported = reported  # the ranks said so already
 
+    def __reduce__(self):  # torch.distributed.checkpoint gathers every rank's error, pickled
+        return type(self), (self.number, self.reported)
+
 
 def layout_args(parser: argparse.ArgumentParser) -> None:
     for name in ("tp", "pp", "ep"):
@@ -139,13 +142,14 @@ def stop_helper_processes() -> None:
 
 
 @contextmanager
-def model_on_this_rank(config: RunConfig):
-    """(runtime, built model) for this rank; the runtime is shut down however the block ends."""
+def model_on_this_rank(config: RunConfig, *, initialize: bool = True):
+    """(runtime, built model) for this rank; the runtime is shut down however the block ends.
+    `initialize=False`: weights left uninitialized, for a caller that loads every one (build_model)."""
     from megatron_rl.model.builder import build_model
     from megatron_rl.runtime import start_runtime
 
     runtime = start_runtime(config)
     try:
-        yield runtime, build_model(config, runtime.device)
+        yield runtime, build_model(config, runtime.device, initialize=initialize)
     finally:
         runtime.shutdown()

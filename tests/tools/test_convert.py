@@ -133,8 +133,9 @@ def test_failed_conversion_leaves_no_partial_output(llama, tmp_path):
 
 HOOK = Path(__file__).parent / "pause_hook"  # sitecustomize.py: pauses a conversion at a known point
 TOKENIZER_COPY = "megatron_rl.bridge.hf_checkpoint:copy_tokenizer_files"  # rank 0, inside the staging dir
-# Megatron-Core's checkpoint writer starting its multiprocessing Manager (on the first save)
-MANAGER_START = "megatron.core.dist_checkpointing.strategies.filesystem_async:_get_write_results_queue"
+# torch.distributed.checkpoint's writer about to write the weight files (checkpoint/format.py's
+# streaming save; Megatron-Core's own writer, which started a multiprocessing Manager, is not used)
+WEIGHTS_WRITE = "torch.distributed.checkpoint.filesystem:_write_files_from_queue"
 
 
 def start_paused(name: str, args: list[str], pause: str, marker: Path, sleep: float) -> subprocess.Popen:
@@ -194,11 +195,10 @@ def test_sigterm_stops_every_rank_of_a_tp2_conversion(llama, tmp_path):
     assert_nothing_left(tmp_path, paused, ["paused"])
 
 
-# SIGINT 0.3 s into the start of the writer's Manager process (it takes seconds: the spawned
-# process imports torch), SIGTERM while the output is half written.
-@pytest.mark.parametrize("number, pause, sleep, delay", [(signal.SIGINT, MANAGER_START, 0, 0.3),
+# SIGINT as the weight files are about to be written, SIGTERM while the output is half written.
+@pytest.mark.parametrize("number, pause, sleep, delay", [(signal.SIGINT, WEIGHTS_WRITE, 120, 0.3),
                                                          (signal.SIGTERM, TOKENIZER_COPY, 120, 0)],
-                         ids=["SIGINT-while-the-writer-starts", "SIGTERM-while-writing"])
+                         ids=["SIGINT-while-writing-the-weights", "SIGTERM-while-writing"])
 def test_signal_stops_a_single_process_conversion(llama, tmp_path, number, pause, sleep, delay):
     process = start_paused("convert_hf_to_megatron.py", ["--hf-dir", str(llama), "--out", str(tmp_path / "out")],
                            pause, tmp_path / "paused", sleep)
@@ -254,9 +254,9 @@ def llama_mcore(llama, tmp_path_factory) -> Path:
 def test_damaged_distcp_is_named(llama_mcore, tmp_path, how):
     ckpt = tmp_path / "mcore"
     shutil.copytree(llama_mcore, ckpt)
-    damage(ckpt / "__0_1.distcp", how)
+    damage(ckpt / "__0_0.distcp", how)  # the weights of rank 0 (one file per rank)
     result = tool("convert_megatron_to_hf.py", "--ckpt", str(ckpt), "--out", str(tmp_path / "out"), check=False)
-    named = str(ckpt / "__0_1.distcp") if how == "truncate" else str(ckpt)
+    named = str(ckpt / "__0_0.distcp") if how == "truncate" else str(ckpt)
     assert_one_line_error(result, named, "re-convert it, or use another checkpoint")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mcore"]
 

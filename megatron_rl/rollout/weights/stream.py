@@ -39,12 +39,14 @@ def hf_weight_stream(
     if destination == "leaders":
         for bucket in export_hf_weights(module, arch, bucket_bytes=bucket_bytes, dtype=dtype, every_rank=False):
             yield from bucket
+            del bucket  # not held while the next bucket is assembled (one bucket at a time)
         return
     if pp == 1:
         # Stage 0's leader is global rank 0, and every rank holds the whole model's layers.
         every_rank = destination == "all"
         for bucket in export_hf_weights(module, arch, bucket_bytes=bucket_bytes, dtype=dtype, every_rank=every_rank):
             yield from bucket
+            del bucket
         return
     yield from _across_stages(module, arch, destination, bucket_bytes, dtype, ps.get_pipeline_model_parallel_rank(), pp)
 
