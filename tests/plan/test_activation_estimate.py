@@ -18,8 +18,8 @@ import pytest
 
 HERE = Path(__file__).parent
 REPO = HERE.parents[1]
-CASES = [(256, 2, "none", "qwen3-moe"), (512, 4, "none", "qwen3-moe"), (512, 4, "full", "qwen3-moe"),
-         (512, 4, "none", "deepseek-v3")]
+# Two sizes (256 x 2 layers, 512 x 4), both families, and recompute; the benchmark runs more.
+CASES = [(512, 4, "none", "qwen3-moe"), (512, 4, "full", "qwen3-moe"), (256, 2, "none", "deepseek-v3")]
 BOUND = {"none": 0.15, "full": 0.30}
 
 
