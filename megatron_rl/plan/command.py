@@ -62,7 +62,8 @@ def run(args, config) -> int:
         config = _with_rollout_mode(config, "server")  # --rollout-gpus: servers on GPUs of their own
     rollout_memory = parse_memory(args.rollout_gpu_memory, "--rollout-gpu-memory") if args.rollout_gpu_memory else None
     cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu_memory=parse_memory(args.gpu_memory),
-                      rollout_gpu_memory=rollout_memory, rollout_gpus=args.rollout_gpus, colocated=config.rollout.mode == "colocated",
+                      rollout_gpu_memory=rollout_memory, rollout_gpus=args.rollout_gpus,
+                      colocated=config.rollout.mode == "colocated",
                       nvlink_gbs=args.nvlink_gbs, ib_gbs_per_node=args.ib_gbs_per_node).validate()
     plan = plan_layouts(config, arch, cluster)
     own = fix = None

@@ -142,7 +142,8 @@ def _probe_cached(arch, config_key, tp: int, ep: int, etp: int) -> ProbeParamete
     kinds = layer_kinds(arch)
     probe_kinds = [kind for kind in ("dense", "moe") if kind in kinds]
     pattern = tuple(kind == "moe" for kind in probe_kinds)
-    probe_arch = dataclasses.replace(arch, num_layers=len(probe_kinds), moe_layer_pattern=pattern if arch.is_moe else arch.moe_layer_pattern)
+    probe_arch = dataclasses.replace(arch, num_layers=len(probe_kinds),
+                                     moe_layer_pattern=pattern if arch.is_moe else arch.moe_layer_pattern)
     world = math.lcm(tp, ep * etp)
     module = build_on_meta(probe_arch, config, world)
 

@@ -34,7 +34,8 @@ from megatron_rl.plan.state_bytes import RankState, stage_states
 
 GIB = 1024**3
 HEADROOM = 0.1  # of GPU memory, for what is not modelled: CUDA context, NCCL buffers, fragmentation
-RANKING = ("fits", f"at least {HEADROOM:.0%} of the GPU left", "fewer pipeline stages", "tensor parallel within a node, smaller", "expert group within a node",
+RANKING = ("fits", f"at least {HEADROOM:.0%} of the GPU left", "fewer pipeline stages",
+           "tensor parallel within a node, smaller", "expert group within a node",
            "shorter weight push", "more memory left")
 
 
@@ -125,7 +126,8 @@ class LayoutPlan:
         p = self.parallel
         if not self.fits:  # those whose engines fit, then the nearest to fitting
             return (1, not self.engine_fits, -self.left)
-        return (0, self.left < HEADROOM * self.gpu_memory, p.pp, p.tp > cluster.gpus_per_node, p.tp, p.ep * p.expert_tp > cluster.gpus_per_node,
+        return (0, self.left < HEADROOM * self.gpu_memory, p.pp, p.tp > cluster.gpus_per_node, p.tp,
+                p.ep * p.expert_tp > cluster.gpus_per_node,
                 round(self.push_seconds, 1), -self.left)
 
 
@@ -135,7 +137,8 @@ def _itemsize(config) -> int:
 
 def _export_bytes(params, config) -> int:
     """Bytes the engines receive for these (unsharded) parameters."""
-    engine = 4 if config.rollout.dtype == "float32" or (config.rollout.dtype == "auto" and config.model.precision == "fp32") else 2
+    fp32 = config.rollout.dtype == "float32" or (config.rollout.dtype == "auto" and config.model.precision == "fp32")
+    engine = 4 if fp32 else 2
     total = 0
     for p in params:
         if config.model.export_fp8 and p.matrix:
@@ -284,7 +287,8 @@ def smallest_fix(config, arch, cluster: Cluster, layout: LayoutPlan) -> str | No
         changes.append(("parallel.distributed_optimizer=true", dataclasses.replace(
             config, parallel=dataclasses.replace(p, distributed_optimizer=True))))
     if arch.is_moe:
-        changes.append((f"parallel.ep={p.ep * 2}", dataclasses.replace(config, parallel=dataclasses.replace(p, ep=p.ep * 2))))
+        changes.append((f"parallel.ep={p.ep * 2}",
+                        dataclasses.replace(config, parallel=dataclasses.replace(p, ep=p.ep * 2))))
     stages = _even_or_last_remainder(arch.num_layers, p.pp * 2)
     if stages is not False:
         changes.append((f"parallel.pp={p.pp * 2}" + (f" parallel.pp_last_stage_layers={stages}" if stages else ""),

@@ -1,6 +1,6 @@
 """The planner's activation estimate against real CPU steps at two model sizes (and with full
-recompute, and multi-latent attention with a shared expert: DeepSeek-V3's family): the peak resident memory of a micro-batch's forward + backward (activation_worker.py,
-glibc told to give every block of 64 KiB or more its own mapping, so that freed tensors leave the
+recompute, and multi-latent attention with a shared expert: DeepSeek-V3's family): the peak
+resident memory of a micro-batch's forward + backward (activation_worker.py, glibc told to give every block of 64 KiB or more its own mapping, so that freed tensors leave the
 resident set and the peak is live memory, not the allocator's cache). The estimate is for peak
 memory; measured here it is within 8% without recompute and 18% with it
 (benchmarks/results/activation_memory_cpu.md). The bounds leave room for machine noise and
