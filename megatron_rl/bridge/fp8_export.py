@@ -56,9 +56,14 @@ _LINEAR = re.compile(r"\.(linear_qkv|linear_proj|linear_fc1|linear_fc2|linear_q_
 Bucket = list[tuple[str, torch.Tensor]]
 
 
+def quantized_in_export(megatron_name: str) -> bool:
+    """Whether an FP8 export serves this Megatron parameter in block FP8 (a GEMM weight)."""
+    return _LINEAR.search(megatron_name) is not None
+
+
 def quantized_names(arch: ArchitectureSpec) -> frozenset[str]:
     """HF tensor names that an FP8 export quantizes (each gets a `<name>_scale_inv` beside it)."""
-    return frozenset(hf for megatron, hf_names, _ in expand(arch) if _LINEAR.search(megatron) for hf in hf_names)
+    return frozenset(hf for megatron, hf_names, _ in expand(arch) if quantized_in_export(megatron) for hf in hf_names)
 
 
 def modules_to_not_convert(arch: ArchitectureSpec) -> list[str]:

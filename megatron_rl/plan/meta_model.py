@@ -40,7 +40,7 @@ class ParamEntry:
     numel: int
     itemsize: int  # bytes per element of the parameter's dtype
     expert: bool  # expert-parallel (its gradients reduce over the expert-data-parallel group)
-    matrix: bool = False  # a 2-D linear weight other than a router's (served in FP8 with export_fp8)
+    fp8_served: bool = False  # a GEMM weight: served in block FP8 with model.export_fp8 (bridge/fp8_export.py)
     shared_embedding: bool = False  # tied embedding/output across pipeline stages: its own bucket
 
 
@@ -106,12 +106,14 @@ def planned_parallel_state(world: int, parallel, rank: int = 0):
 
 
 def _entries(module, prefix_of) -> dict[str, list[ParamEntry]]:
+    from megatron_rl.bridge.fp8_export import quantized_in_export
+
     pieces: dict[str, list[ParamEntry]] = {}
     for name, param in module.named_parameters():
         if not param.requires_grad:
             continue
         entry = ParamEntry(name, param.numel(), param.element_size(), expert=not getattr(param, "allreduce", True),
-                           matrix=param.dim() == 2 and ".router." not in name and name.startswith("decoder."))
+                           fp8_served=quantized_in_export(name))
         pieces.setdefault(prefix_of(name), []).append(entry)
     return pieces
 

@@ -141,7 +141,7 @@ def _export_bytes(params, config) -> int:
     engine = 4 if fp32 else 2
     total = 0
     for p in params:
-        if config.model.export_fp8 and p.matrix:
+        if config.model.export_fp8 and p.fp8_served:
             total += p.numel + 4 * math.ceil(p.numel / (128 * 128))  # e4m3 + one fp32 scale per 128x128 block
         else:
             total += p.numel * engine
