@@ -23,16 +23,19 @@ step left them, for the reference as for the steps):
                bridge.export_hf_weights (buckets of --bucket-mb, in bf16 as a bf16 engine is sent)
                and packs every bucket into the one uint8 payload the collective transport
                broadcasts (rollout/weights/group.py); no disk
-  tp1 / ep2    tools/convert_hf_to_megatron.py then tools/convert_megatron_to_hf.py, as a user runs
-               them (one process; --ep 2: two gloo ranks under torchrun, 1 thread each), then the
-               round trip compared with the original tensor by tensor, bit for bit
+  tp1 / ep2    tools/convert_hf_to_megatron.py (one process; --ep 2: two gloo ranks under torchrun,
+               1 thread each) then tools/convert_megatron_to_hf.py (always one process: it reads a
+               checkpoint saved at any layout), as a user runs them, then the round trip compared
+               with the original tensor by tensor, bit for bit. Both conversions build the model on
+               the meta device and pass the weights through one tensor or one bucket at a time
+               (megatron_rl/bridge/streamed.py)
 
 Throughput is the HF checkpoint's bytes over the wall time (a conversion's includes the
 interpreter's and Megatron-Core's start-up), and its ratio to the copy's. Peak memory of a step is
 per process (the largest over the ranks): VmHWM (peak RSS, which also counts the pages of files
 the process maps: safetensors are read through mmap) and the peak of RssAnon (what the process
 allocates), both read from /proc every 20 ms by this process; the report also gives RssAnon above
-the weights the process holds (the model, at EP2 one rank's share). The export's memory above the
+the weights the process holds (the import's live model; a conversion holds none). The export's memory above the
 live model is measured inside its process (benchmarks/peak_memory.py, sampled every 2 ms).
 A step whose process fails (e.g. killed for memory) is reported as failed and the run goes on;
 the exit status is 1 if any step failed or any round trip differs. This process sets its
@@ -408,8 +411,10 @@ def measure_size(size: str, work: Path, args, drop: bool) -> dict:
             info["round_trip"][layout] = {"bit_exact": None, "detail": "not run: a conversion failed"}
             continue
         try:
+            # One process whatever layout the checkpoint was saved at, with the TP1 step's threads.
             record(back_step, run_step([sys.executable, str(REPO / "tools/convert_megatron_to_hf.py"), "--ckpt",
-                                        str(ckpt), "--out", str(back), *flags], env, drop))
+                                        str(ckpt), "--out", str(back)],
+                                       dict(env, OMP_NUM_THREADS=str(args.threads)), drop))
         except StepFailed as exc:
             failed((back_step,), str(exc))
             info["round_trip"][layout] = {"bit_exact": None, "detail": "not run: a conversion failed"}
@@ -429,8 +434,8 @@ def measure_size(size: str, work: Path, args, drop: bool) -> dict:
 # ---- the report ---------------------------------------------------------------------------------
 
 LABELS = {"copy": "file copy (reference)", "import": "import HF -> live model", "export": "export stream (no disk)",
-          "tp1_to_torch_dist": "TP1 HF -> torch_dist", "tp1_to_hf": "TP1 torch_dist -> HF",
-          "ep2_to_torch_dist": "EP2 HF -> torch_dist", "ep2_to_hf": "EP2 torch_dist -> HF"}
+          "tp1_to_torch_dist": "TP1 HF -> torch_dist", "tp1_to_hf": "TP1-saved torch_dist -> HF",
+          "ep2_to_torch_dist": "EP2 HF -> torch_dist", "ep2_to_hf": "EP2-saved torch_dist -> HF"}
 
 
 def fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
@@ -451,11 +456,9 @@ def done(results: list[dict], step: str) -> list[dict]:
 
 
 def held(r: dict, step: str) -> int:
-    """Bytes of weights one process of `step` holds: the whole model, or at EP2 one rank's share
-    (the dense weights and half the experts); the copy holds none."""
-    if step == "copy":
-        return 0
-    return r["bytes"] - r["expert_bytes"] // 2 if step.startswith("ep2") else r["bytes"]
+    """Bytes of weights a process of `step` holds by design: the import builds the live model; the
+    conversions build it on the meta device and hold none (nor does the copy)."""
+    return r["bytes"] if step in ("import", "export") else 0
 
 
 def analyse(results: list[dict], bucket_mb: int) -> dict:
@@ -473,7 +476,12 @@ def analyse(results: list[dict], bucket_mb: int) -> dict:
                                    "met": r2 >= 0.98 if len(ran) >= 3 else None}
         if step != "copy":
             ratios = [r["steps"]["copy"]["wall_s"] / r["steps"][step]["wall_s"] for r in ran]
-            verdict["throughput"][step] = {"ratios": ratios, "met": min(ratios) >= 0.5}
+            # The rate on the bytes beyond the smallest size (the fits' slopes): what a fixed
+            # start-up does not weigh on. Reported beside the goal, not instead of it.
+            copy_slope = fit(gb, [r["steps"]["copy"]["wall_s"] for r in ran])[1]
+            marginal = copy_slope / b if len(ran) >= 2 and b > 0 else None
+            verdict["throughput"][step] = {"ratios": ratios, "met": min(ratios) >= 0.5, "marginal": marginal,
+                                           "met_at_largest": ratios[-1] >= 0.5}
         if step == "export":
             continue  # the import's process: the export's own memory is measured above the live model (below)
         peaks = [r["steps"][step]["peak_anon"] / MIB for r in ran]
@@ -502,7 +510,7 @@ def said(met) -> str:
 def markdown(results: list[dict], verdict: dict, meta: dict) -> str:
     lines = [f"# Scale: conversion and weight export as the model grows ({meta['machine']})", "",
              f"`{meta['command']}`; {meta['date']}; {meta['versions']}.", "",
-             f"Page cache: {meta['cache']}. Threads: {meta['threads']} (TP1 and the export), 1 per rank (EP2). "
+             f"Page cache: {meta['cache']}. Threads: {meta['threads']} (one process), 1 per rank (EP2 HF -> torch_dist). "
              f"Export buckets: {meta['bucket_mb']} MiB. Load average (1 min) at the start of the steps: "
              f"{meta['load']}.", "",
              "| size | parameters | bytes (bf16) | files | tensors | layers x experts | largest tensor |",
@@ -515,7 +523,8 @@ def markdown(results: list[dict], verdict: dict, meta: dict) -> str:
     lines += ["", "Per step: wall time (to the end of its writes), the checkpoint's bytes over it, the ratio to the "
               "copy's rate, and the peak per process (the largest over the ranks): VmHWM (peak RSS; it also counts "
               "the pages of mapped files) and RssAnon (allocated memory), and RssAnon above the weights the "
-              "process holds (the model; at EP2 one rank's share: the dense weights and half the experts).", "",
+              "process holds by design (the import's live model; the conversions build the model on the meta device "
+              "and hold none).", "",
               "| size | step | wall s | GB/s | x copy | peak RSS MiB | peak anon MiB | anon above the weights MiB |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
@@ -540,7 +549,10 @@ def markdown(results: list[dict], verdict: dict, meta: dict) -> str:
                      f"(s/GB per size: {each}): {said(v['met'])}")
     lines += ["", "**Throughput >= 0.5x the file copy:**", ""]
     for step, v in verdict["throughput"].items():
-        lines.append(f"- {LABELS[step]}: " + ", ".join(f"{x:.2f}x" for x in v["ratios"]) + f": {said(v['met'])}")
+        marginal = f"; per GB beyond the fixed start-up (the fits' slopes): {v['marginal']:.2f}x" \
+            if v.get("marginal") is not None else ""
+        lines.append(f"- {LABELS[step]}: " + ", ".join(f"{x:.2f}x" for x in v["ratios"]) + f": {said(v['met'])}"
+                     + (" (met at the largest size)" if not v["met"] and v.get("met_at_largest") else "") + marginal)
     lines += ["", "**Peak memory bounded by a constant** (peak anonymous memory per process and its growth per GB "
               "of checkpoint, met below 50 MiB/GB; then the same for the part above the weights the process holds):",
               ""]

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Megatron torch_dist checkpoint (written by megatron-rl) -> HF safetensors directory.
 
-    python tools/convert_megatron_to_hf.py --ckpt DIR --out DIR [--hf-template DIR] [--tp N ...] [--force]
+    python tools/convert_megatron_to_hf.py --ckpt DIR --out DIR [--hf-template DIR] [--bucket-mb 512] [--force]
 
 The result loads with transformers.AutoModelForCausalLM.from_pretrained. The checkpoint may have
-been saved at any layout; --tp/--pp/--ep choose the layout used to read it (default: one process).
-Same as `megatron-rl convert megatron-to-hf ...`.
+been saved at any layout; it is read in one process, --bucket-mb MiB of weights at a time, so the
+memory needed does not grow with the model. Same as `megatron-rl convert megatron-to-hf ...`.
 """
 
 import sys

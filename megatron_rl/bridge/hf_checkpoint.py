@@ -75,6 +75,13 @@ def write_hf_checkpoint(
         total += size
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    write_hf_config(raw_config, arch, staging, template_dir=template_dir, dtype=dtype, fp8=fp8)
+
+
+def write_hf_config(raw_config: dict, arch: ArchitectureSpec, staging: Path, *, template_dir: str | Path | None,
+                    dtype: torch.dtype | None = None, fp8: bool = False) -> None:
+    """config.json (the keys transformers needs made explicit, the dtype when it changes, FP8's
+    quantization_config or none) and the tokenizer files of `template_dir`, beside the weights."""
     config = with_implied_keys(raw_config, arch)
     if dtype is not None:
         # transformers 5 writes "dtype", 4.x "torch_dtype": keep the spelling the config uses.

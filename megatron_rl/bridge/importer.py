@@ -120,22 +120,65 @@ def non_finite(tensor: torch.Tensor) -> bool:
 
 
 def load_hf_weights(module, arch: ArchitectureSpec, hf_dir: str | Path) -> None:
-    table = {name: (hf, layout) for name, hf, layout in expand(arch)}
-    located = checkpoint_index(hf_dir)
-    plans = []
-    needed: set[str] = set()
-    with ExitStack() as stack:
-        handles: dict[Path, object] = {}
+    """Every parameter of this rank's (built) model from the HF checkpoint. Collective."""
+    with HfWeights(module, arch, hf_dir) as weights, torch.no_grad():
+        error = None
+        for placement in weights.placements:
+            try:
+                placement.param.copy_(weights.read(placement))
+            except CheckpointUnreadable as exc:
+                error = str(exc)
+                break
+        # The values are only seen while reading, each rank its own slices: agree before returning.
+        error = first_error(error)
+        if error:
+            raise CheckpointUnreadable(error)
 
-        def tensor_slice(name: str):
-            file = located[name]
-            if file not in handles:
-                handles[file] = stack.enter_context(open_safetensors(file))
-            return handles[file].get_slice(name)
 
+class HfWeights:
+    """The HF checkpoint's values of this rank's parameters, one parameter at a time.
+
+    Entering it is collective: every rank checks the names and full shapes it needs against the
+    checkpoint's metadata, and the union of all ranks' needs is compared with the checkpoint's
+    contents (CheckpointMismatch, naming the tensor, on every rank together). Nothing is read
+    then: `read(placement)` reads that parameter's slices and returns its value, in the
+    parameter's dtype and shape, and works as well on a model built on the meta device (the
+    streamed conversion, bridge/streamed.py, reads each parameter only while writing it). A
+    value that is NaN or infinite raises CheckpointUnreadable naming the file, on that rank only.
+    """
+
+    def __init__(self, module, arch: ArchitectureSpec, hf_dir: str | Path):
+        self.module, self.arch, self.hf_dir = module, arch, hf_dir
+        self.placements: list[Placement] = []
+        self._plans: dict[str, tuple] = {}  # global name -> (hf names, layout, slices, scales)
+        self._handles: dict[Path, object] = {}
+        self._stack = ExitStack()
+
+    def __enter__(self) -> "HfWeights":
+        self._located = checkpoint_index(self.hf_dir)
+        try:
+            self._plan()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def _tensor_slice(self, name: str):
+        file = self._located[name]
+        if file not in self._handles:
+            self._handles[file] = self._stack.enter_context(open_safetensors(file))
+        return self._handles[file].get_slice(name)
+
+    def _plan(self) -> None:
+        arch, located = self.arch, self._located
+        table = {name: (hf, layout) for name, hf, layout in expand(arch)}
+        needed: set[str] = set()
         error = None
         try:
-            for placement in placements(module):
+            for placement in placements(self.module):
                 if placement.global_name in table:
                     hf_names, layout = table[placement.global_name]
                 elif arch.tie_word_embeddings and placement.global_name == TIED_OUTPUT:
@@ -145,30 +188,30 @@ def load_hf_weights(module, arch: ArchitectureSpec, hf_dir: str | Path) -> None:
                 missing = [n for n in hf_names if n not in located]
                 if missing:
                     raise CheckpointMismatch(
-                        f"{hf_dir}: tensor {missing[0]} is missing (needed for {placement.global_name})"
+                        f"{self.hf_dir}: tensor {missing[0]} is missing (needed for {placement.global_name})"
                     )
-                slices = _slices(placement, hf_names, layout, arch, tensor_slice)
-                scales = [_scale_name(name, arch, located, tensor_slice, hf_dir) for name in hf_names]
+                slices = _slices(placement, hf_names, layout, arch, self._tensor_slice)
+                scales = [_scale_name(name, arch, located, self._tensor_slice, self.hf_dir) for name in hf_names]
                 needed.update(hf_names)
                 needed.update(scale for scale in scales if scale)
-                plans.append((placement, hf_names, layout, slices, scales))
+                self.placements.append(placement)
+                self._plans[placement.global_name] = (hf_names, layout, slices, scales)
         except CheckpointMismatch as exc:
             error = str(exc)
         # Every rank learns every rank's verdict, so all raise together instead of some waiting.
-        _check_all_ranks(located, needed, error, hf_dir, arch)
-        error = None
-        with torch.no_grad():
-            for placement, hf_names, layout, slices, scales in plans:
-                pieces = [_read(name, index, scale, arch, tensor_slice) for name, index, scale in zip(hf_names, slices, scales)]
-                error = error or _non_finite_piece(hf_names, pieces, located, scales)
-                value = merge(layout, pieces, arch)
-                if layout == "vocab":
-                    value = _pad_rows(value, placement.param.shape[0])
-                placement.param.copy_(value.to(placement.param.dtype))
-        # The values are only seen while copying, each rank its own slices: agree before returning.
-        error = first_error(error)
+        _check_all_ranks(located, needed, error, self.hf_dir, arch)
+
+    def read(self, placement: Placement) -> torch.Tensor:
+        hf_names, layout, slices, scales = self._plans[placement.global_name]
+        pieces = [_read(name, index, scale, self.arch, self._tensor_slice)
+                  for name, index, scale in zip(hf_names, slices, scales)]
+        error = _non_finite_piece(hf_names, pieces, self._located, scales)
         if error:
             raise CheckpointUnreadable(error)
+        value = merge(layout, pieces, self.arch)
+        if layout == "vocab":
+            value = _pad_rows(value, placement.param.shape[0])
+        return value.to(placement.param.dtype)
 
 
 def _non_finite_piece(hf_names, pieces, located: dict, scales) -> str | None:

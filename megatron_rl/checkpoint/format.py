@@ -24,6 +24,7 @@ A checkpoint can be named in any of these forms (`resolve_checkpoint`):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -42,17 +43,23 @@ REDOWNLOAD_OR_CONVERT = "download or convert the model again"  # a damaged Huggi
 
 
 def save_megatron_checkpoint(module, raw_hf_config: dict, directory: Path, config: RunConfig, *,
-                             tokenizer_dir: str | Path | None, source: str, extra: dict | None = None) -> None:
+                             tokenizer_dir: str | Path | None, source: str, extra: dict | None = None,
+                             values=None, checksums: dict | None = None) -> None:
     """Collective: the model's weights as torch_dist files in `directory` (empty, e.g. an
     AtomicDirectory's staging), then, on global rank 0, hf_config/ (config.json and the tokenizer
-    files found in `tokenizer_dir`) and megatron_rl.json. `extra`: more fields for megatron_rl.json."""
+    files found in `tokenizer_dir`) and megatron_rl.json. `extra`: more fields for megatron_rl.json.
+    `values`: for a model built on the meta device, what gives each meta tensor its values while
+    it is written (bridge/streamed.py: MetaValues); the model itself never holds them.
+    `checksums`: receives this rank's .distcp files with their size and CRC-32, taken while
+    writing them (store.write_manifest's `known`: no second read for the manifest)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
     from megatron_rl.bridge.hf_checkpoint import copy_tokenizer_files
 
     directory = Path(directory)
-    dist_checkpointing.save(module.sharded_state_dict(), str(directory), sharded_strategy=streaming_save_strategy())
+    dist_checkpointing.save(module.sharded_state_dict(), str(directory),
+                            sharded_strategy=streaming_save_strategy(values, checksums))
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     (directory / "hf_config").mkdir()
@@ -70,13 +77,19 @@ def save_megatron_checkpoint(module, raw_hf_config: dict, directory: Path, confi
     (directory / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
 
 
-def streaming_save_strategy():
+def streaming_save_strategy(values=None, checksums: dict | None = None):
     """Megatron-Core's torch_dist save, written by torch.distributed.checkpoint's FileSystemWriter:
     the same files (.distcp, .metadata), read by the same loader. Megatron-Core's own writer stages
     every tensor before writing (it serves asynchronous saves), and copies each tensor that is a
     view of a larger one: the two halves of every gated MLP's fc1 weight, about 60% of a MoE model,
     were held twice at once. This writer copies such a view only while writing it, one at a time,
-    in this thread (one file per rank; a stop signal unwinds it like any other code)."""
+    in this thread (one file per rank; a stop signal unwinds it like any other code).
+
+    `values`: a callable that gives each tensor of a model built on the meta device its real value
+    (called once per tensor, in write order, just before it is written), so such a model is
+    saved holding one tensor at a time. An error it raises that is a ConfigError (a NaN weight in
+    the source) reaches every rank as itself. `checksums`: see save_megatron_checkpoint."""
+    import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from megatron.core.dist_checkpointing.strategies.torch import (
@@ -86,23 +99,89 @@ def streaming_save_strategy():
         mcore_to_pyt_state_dict,
     )
 
+    class ValuesOnDemand(MCoreSavePlanner):
+        def resolve_data(self, write_item):
+            data = super().resolve_data(write_item)
+            # Every tensor, not only meta ones: a model built on the meta device still creates
+            # some buffers on the CPU (the routers' expert bias, zeros) that must not be saved as such.
+            return values(data) if values is not None and isinstance(data, torch.Tensor) else data
+
     class StreamingSave(TorchDistSaveShardedStrategy):
         def save(self, sharded_state_dict, checkpoint_dir) -> None:
             # What TorchDistSaveShardedStrategy.async_save does, with torch's synchronous writer.
             state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
             try:
-                dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=dcp.FileSystemWriter(checkpoint_dir),
-                         planner=MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
-                                                  flatten_state_dict=False))
+                writer = dcp.FileSystemWriter(checkpoint_dir)
+                if checksums is not None:
+                    writer.fs = _checksumming_file_system(checksums)
+                with _without_record_checksums():
+                    dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=writer,
+                             planner=ValuesOnDemand(dedup_replicated_tensors=not self.keep_only_main_replica,
+                                                    flatten_state_dict=False))
             except CheckpointException as exc:
                 # torch's writer turns every rank's error into one CheckpointException, a stop signal
-                # (KeyboardInterrupt, tools/ranks.Interrupted) too: that one unwinds as itself.
-                stop = next((error for error, _ in exc.failures.values() if isinstance(error, KeyboardInterrupt)), None)
-                if stop is not None:
-                    raise stop from None
+                # (KeyboardInterrupt, tools/ranks.Interrupted) too: that one unwinds as itself, and
+                # so does a ConfigError that `values` raised on any rank.
+                errors = [error for error, _ in exc.failures.values()]
+                reraise = next((e for e in errors if isinstance(e, KeyboardInterrupt)), None) or next(
+                    (e for e in errors if isinstance(e, ConfigError)), None)
+                if reraise is not None:
+                    raise reraise from None
                 raise
 
     return StreamingSave("torch_dist", 1)
+
+
+def _checksumming_file_system(checksums: dict):
+    """torch's checkpoint file system, whose .distcp streams take their CRC-32 and size as they are
+    written, into `checksums` (file name -> {"bytes", "crc32"}) once each file is closed."""
+    import zlib
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class Checksummed:
+        def __init__(self, stream):
+            self._stream, self.crc, self.bytes = stream, 0, 0
+
+        def write(self, data) -> int:
+            written = self._stream.write(data)
+            self.crc = zlib.crc32(data, self.crc)
+            self.bytes += memoryview(data).nbytes
+            return written
+
+        def __getattr__(self, name):  # tell, flush, fileno (for fsync), ...: the file's own
+            return getattr(self._stream, name)
+
+    class ChecksummingFileSystem(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path, mode):
+            with super().create_stream(path, mode) as stream:
+                if mode != "wb" or not str(path).endswith(".distcp"):
+                    yield stream
+                    return
+                checksummed = Checksummed(stream)
+                yield checksummed
+            checksums[Path(path).name] = {"bytes": checksummed.bytes, "crc32": f"{checksummed.crc & 0xFFFFFFFF:08x}"}
+
+    return ChecksummingFileSystem()
+
+
+@contextlib.contextmanager
+def _without_record_checksums():
+    """torch.save (which torch's checkpoint writer calls once per tensor) without its CRC-32 of
+    every zip record: computing it made torch.save write in small pieces, 1.05 GB/s instead of
+    4.3 GB/s on this project's CPU machines (measured on 512 MiB tensors), the slowest part of a
+    conversion. torch.load reads such records the same; the MANIFEST.json that every conversion
+    and training checkpoint carries holds each file's CRC-32. torch's setting is process-wide:
+    restored when the block ends."""
+    import torch
+
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
 
 
 def is_megatron_checkpoint(path: str | Path) -> bool:
@@ -243,7 +322,7 @@ def load_initial_weights(policy, source: str | Path) -> None:
         try:
             policy.load_model(str(weights))  # refreshes the optimizer's main weights too
         except Exception as exc:
-            raise ConfigError(_unloadable(weights, exc)) from exc
+            raise ConfigError(unloadable(weights, exc)) from exc
     else:
         from megatron_rl.bridge import load_hf_weights
 
@@ -303,7 +382,7 @@ def _first_line(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:300] + "..."
 
 
-def _unloadable(weights: Path, exc: BaseException) -> str:
+def unloadable(weights: Path, exc: BaseException) -> str:
     """One line for an exception of the torch_dist loader, naming the .distcp file if it says which."""
     text = "\n".join(str(e) for e in _chain(exc))
     file = re.search(r"[\w.-]+\.distcp", text)
@@ -332,7 +411,7 @@ def load_megatron_weights(module, weights: Path) -> None:
         with torch.no_grad():
             state = dist_checkpointing.load(_merged_in_place(module.sharded_state_dict()), str(weights))
     except Exception as exc:
-        raise ConfigError(_unloadable(weights, exc)) from exc
+        raise ConfigError(unloadable(weights, exc)) from exc
     # torch_dist stores no checksum: NaN/infinite weights are the damage that can be seen.
     bad = next((name for name, value in state.items() if isinstance(value, torch.Tensor) and non_finite(value)), None)
     error = first_error(f"tensor {bad} in {weights} holds NaN or infinite values: a file is corrupt or "

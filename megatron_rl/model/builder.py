@@ -13,6 +13,7 @@ FP8 recipes are checked against the machine in model/fp8.py before anything is b
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 
@@ -354,7 +355,7 @@ def _define_router_gemm_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
-def _tag_split_dims(module) -> None:
+def tag_split_dims(module) -> None:
     """What Megatron-Core's initialization does besides drawing the values, and skips with
     perform_initialization=False: tag each tensor-parallel weight with the dimension it is split
     along (`tensor_model_parallel`, `partition_dim`; the bridge reads them). The stride is left
@@ -376,13 +377,15 @@ def _tag_split_dims(module) -> None:
             set_tensor_model_parallel_attributes(weight, True, 0, 1)
 
 
-def build_model(config: RunConfig, device: torch.device, *, initialize: bool = True) -> BuiltModel:
+def build_model(config: RunConfig, device: torch.device, *, initialize: bool = True, meta: bool = False) -> BuiltModel:
     """This rank's stage of the model described by config.model (parallel state must be up).
 
     `initialize=False` leaves the weights uninitialized, for callers that load every one of them
     (the conversion tools): on the CPU Megatron-Core draws each weight whole in fp32, casts and
     splits it, which took a third of a conversion's time, with a transient fp32 copy of the
-    largest weight; only the tensor-parallel tags are kept (_tag_split_dims)."""
+    largest weight; only the tensor-parallel tags are kept (tag_split_dims). `meta=True`: every
+    weight on the meta device (shapes, dtypes and checkpoint keys, no memory), for the streamed
+    conversion that reads each one only while writing it (bridge/streamed.py)."""
     from megatron_rl.model.hf_config import load_hf_config, parse_hf_config
 
     raw, where = load_hf_config(config.model.hf_config)
@@ -391,10 +394,11 @@ def build_model(config: RunConfig, device: torch.device, *, initialize: bool = T
     if arch.is_moe:
         _define_router_gemm_without_te()
     tconfig = transformer_config(arch, config, device, use_te)
-    tconfig.perform_initialization = initialize
-    module = build_gpt_model(arch, tconfig, config.model, use_te)
-    if not initialize:
-        _tag_split_dims(module)
+    tconfig.perform_initialization = initialize and not meta
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        module = build_gpt_model(arch, tconfig, config.model, use_te)
+    if not initialize or meta:
+        tag_split_dims(module)
     if device.type == "cuda":
         module = module.cuda(device)
     return BuiltModel(raw, arch, tconfig, module, use_te)

@@ -6,15 +6,23 @@ Everything that can be checked without processes is checked first, the output lo
 any input file is read: the output does not exist (unless --force), its parent is a writable
 directory, and its filesystem has room for the output (estimated from the input's sizes). Then
 the input: it exists, describes a supported architecture, agrees with its MANIFEST.json (when it
-has one: the input's checksums); the layout fits the model. A conversion that needs more than one
-rank re-launches itself under torchrun. Output appears atomically: a failure leaves no partial
-directory (nor the parent directories the run created), and so does SIGINT/SIGTERM (forwarded to
-every rank; each stops, removes the staging directory and exits nonzero). A disk that fills up
-during the write anyway is named as such, with the free space, not as the writer's own error.
+has one: the input's checksums); the layout fits the model. hf-to-megatron at a layout of more
+than one rank re-launches itself under torchrun (each rank writes its own shards);
+megatron-to-hf always runs in one process, whatever layout the checkpoint was saved at.
+
+Neither builds the model's weights: the model is built on the meta device and each weight passes
+through while it is written, one tensor (hf-to-megatron) or one bucket of --bucket-mb
+(megatron-to-hf) at a time (bridge/streamed.py), so memory does not grow with the model.
+
+Output appears atomically: a failure leaves no partial directory (nor the parent directories the
+run created), and so does SIGINT/SIGTERM (forwarded to every rank; each stops, removes the staging
+directory and exits nonzero). A disk that fills up during the write anyway is named as such, with
+the free space, not as the writer's own error.
 
 Every output carries a MANIFEST.json, the one training checkpoints carry (each file's size and
 CRC-32; checkpoint/store.py), so a damaged file is named when the output is read: by the other
-conversion, `checkpoint.init_from`, `verify-hf`.
+conversion, `checkpoint.init_from`, `verify-hf`. Both directions take each weight file's CRC-32
+while writing it, so the manifest reads no file again.
 """
 
 from __future__ import annotations
@@ -35,10 +43,10 @@ from megatron_rl.checkpoint.format import (
     _chain,
     check_intact,
     check_weight_files,
-    load_megatron_weights,
     read_metadata,
     resolve_checkpoint,
     save_megatron_checkpoint,
+    unloadable,
     weights_path,
 )
 from megatron_rl.config import RunConfig
@@ -81,12 +89,22 @@ def hf_to_megatron_parser() -> argparse.ArgumentParser:
 
 
 def megatron_to_hf_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Megatron torch_dist checkpoint -> HF safetensors directory")
+    parser = argparse.ArgumentParser(description="Megatron torch_dist checkpoint -> HF safetensors directory "
+                                     "(one process, whatever layout the checkpoint was saved at)")
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--hf-template", default=None, help="copy tokenizer files from here (default: the checkpoint's)")
-    layout_args(parser)
+    parser.add_argument("--force", action="store_true", help="replace an existing output directory")
+    parser.add_argument("--bucket-mb", type=int, default=512,
+                        help="weights read at a time, in MiB (the conversion's memory is about this plus the "
+                             "largest tensor, whatever the model's size)")
+    # Layouts were once needed here; say so instead of argparse's "unrecognized arguments".
+    for flag in LAYOUT_FLAGS:
+        parser.add_argument(flag, dest=f"layout_{flag[2:].replace('-', '_')}", default=None, help=argparse.SUPPRESS)
     return parser
+
+
+LAYOUT_FLAGS = ("--tp", "--pp", "--ep", "--etp", "--pp-first-stage-layers", "--pp-last-stage-layers")
 
 
 def _precision_of(raw: dict) -> str:
@@ -216,19 +234,34 @@ def _tokenizer_bytes(directory: str | Path) -> int:
 def written_atomically(output: Output):
     """Collective. AtomicDirectory for a conversion's output, sealed with a MANIFEST.json (on
     global rank 0, once every rank's files are written: the writers gather before returning).
+    Yields (staging directory, checksums): files the block enters there with their size and
+    CRC-32, taken while writing, are not read again for the manifest.
     A failed write removes what this run created: the staging directory (AtomicDirectory) and
     the parent directories it made; nothing that existed before. A disk filling up is named."""
     try:
         with AtomicDirectory(output.path, force=output.force) as staging, _disk_full_named(output):
-            yield staging
+            checksums: dict[str, dict] = {}
+            yield staging, checksums
+            everyone = _gathered(checksums)
             if _global_rank() == 0:
                 from megatron_rl.checkpoint.store import write_manifest
 
-                write_manifest(staging)
+                write_manifest(staging, known={name: entry for part in everyone for name, entry in part.items()})
     except BaseException:
         if _global_rank() == 0:
             _remove_created_parents(output)
         raise
+
+
+def _gathered(value) -> list:
+    """Collective: every rank's `value` (a list of one in a single process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [value]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone
 
 
 def _global_rank() -> int:
@@ -308,13 +341,17 @@ def hf_to_megatron(argv: list[str]) -> None:
     _preflight(config, args, "hf-to-megatron", argv, check_input=check_input,
                env={VERIFIED_ENV: str(Path(args.hf_dir).resolve())})
 
-    from megatron_rl.bridge import load_hf_weights
+    from megatron_rl.bridge.importer import HfWeights
+    from megatron_rl.bridge.streamed import MetaValues
 
-    with model_on_this_rank(config, initialize=False) as (runtime, built):
-        load_hf_weights(built.module, built.arch, args.hf_dir)
-        with written_atomically(output) as staging:
-            save_megatron_checkpoint(built.module, built.raw_hf_config, staging, config,
-                                     tokenizer_dir=args.hf_dir, source=str(Path(args.hf_dir).resolve()))
+    # The model on the meta device: each weight is read from the safetensors files only while the
+    # writer writes it (bridge/streamed.py), so memory does not grow with the model.
+    with model_on_this_rank(config, meta=True) as (runtime, built):
+        with HfWeights(built.module, built.arch, args.hf_dir) as source, \
+                written_atomically(output) as (staging, checksums):
+            save_megatron_checkpoint(built.module, built.raw_hf_config, staging, config, tokenizer_dir=args.hf_dir,
+                                     source=str(Path(args.hf_dir).resolve()),
+                                     values=MetaValues(built.module, source.read), checksums=checksums)
         if runtime.is_driver:
             print(f"wrote {args.out} ({built.arch.architecture}, tp={args.tp} pp={args.pp} ep={args.ep})")
 
@@ -336,6 +373,12 @@ def _resolved_for_conversion(given: str) -> Path:
 
 def megatron_to_hf(argv: list[str]) -> None:
     args = megatron_to_hf_parser().parse_args(argv)
+    given = [flag for flag in LAYOUT_FLAGS if getattr(args, f"layout_{flag[2:].replace('-', '_')}") is not None]
+    if given:
+        raise ConfigError(f"{given[0]} is not needed: megatron-to-hf reads a checkpoint saved at any layout in one "
+                          "process (torch_dist stores every tensor whole); drop the layout flags")
+    if args.bucket_mb < 1:
+        raise ConfigError(f"--bucket-mb must be at least 1 (MiB of weights read at a time), not {args.bucket_mb}")
     ckpt = _resolved_for_conversion(args.ckpt)
     output = check_output_location(args.out, args.force)
     metadata = read_metadata(ckpt)
@@ -343,33 +386,29 @@ def megatron_to_hf(argv: list[str]) -> None:
     template = args.hf_template or hf_config
     check_free_space(output, megatron_to_hf_bytes(ckpt, template))
     _verify_once(ckpt)  # the input's checksums: after the output checks, it reads every file
-    config = hf_model_config(hf_config, args, metadata["precision"], [f"model.padded_vocab_size={metadata['padded_vocab_size']}"])
-    _preflight(config, args, "megatron-to-hf", argv, check_input=lambda: check_weight_files(weights_path(ckpt)),
-               env={VERIFIED_ENV: str(ckpt.resolve())})
+    one_process = argparse.Namespace(tp=1, pp=1, ep=1, etp=None)
+    config = hf_model_config(hf_config, one_process, metadata["precision"],
+                             [f"model.padded_vocab_size={metadata['padded_vocab_size']}"])
+    validate_layout(config)
+    check_weight_files(weights_path(ckpt))
 
-    from megatron_rl.bridge.hf_checkpoint import write_hf_checkpoint
+    from megatron_rl.bridge.hf_checkpoint import write_hf_config
+    from megatron_rl.bridge.streamed import TorchDistUnreadable, write_hf_from_torch_dist
 
-    with model_on_this_rank(config, initialize=False) as (runtime, built):
-        load_megatron_weights(built.module, weights_path(ckpt))
-        _parameters_at_precision(built.module, metadata["precision"])
-        with written_atomically(output) as staging:
-            write_hf_checkpoint(built.module, built.arch, built.raw_hf_config, staging, template_dir=template)
-        if runtime.is_driver:
-            print(f"wrote {args.out} ({built.arch.architecture})")
-
-
-def _parameters_at_precision(module, precision: str) -> None:
-    """Every parameter of a bf16 checkpoint's model in bf16. Megatron-Core's local layer spec (the
-    one conversions build, on the CPU) keeps the RMSNorm weights in fp32 whatever the precision,
-    so a bf16 Hugging Face checkpoint came back with fp32 norms (the same values, another dtype)
-    where `save_pretrained` writes bf16, as the trainer's own HF export does. Buffers keep their
-    dtype: the routers' expert bias is fp32 in transformers too."""
-    import torch
-
-    if precision == "bf16":
-        for param in module.parameters():
-            if param.dtype == torch.float32:
-                param.data = param.data.to(torch.bfloat16)
+    # The whole model on the meta device names every torch_dist key; the weights pass through one
+    # bucket at a time (bridge/streamed.py), so memory does not grow with the model.
+    weights = weights_path(ckpt)
+    with model_on_this_rank(config, meta=True) as (runtime, built):
+        with written_atomically(output) as (staging, checksums):
+            try:
+                checksums.update(write_hf_from_torch_dist(built.module, built.arch, weights, staging,
+                                                          precision=metadata["precision"],
+                                                          bucket_bytes=args.bucket_mb << 20))
+            except TorchDistUnreadable as exc:
+                raise ConfigError(unloadable(weights, exc.__cause__) if exc.__cause__ is not None
+                                  else f"{weights}: {exc}; {USE_ANOTHER}") from exc
+            write_hf_config(built.raw_hf_config, built.arch, staging, template_dir=template)
+        print(f"wrote {args.out} ({built.arch.architecture})")
 
 
 COMMANDS = {"hf-to-megatron": hf_to_megatron, "megatron-to-hf": megatron_to_hf}

@@ -142,14 +142,15 @@ def stop_helper_processes() -> None:
 
 
 @contextmanager
-def model_on_this_rank(config: RunConfig, *, initialize: bool = True):
+def model_on_this_rank(config: RunConfig, *, initialize: bool = True, meta: bool = False):
     """(runtime, built model) for this rank; the runtime is shut down however the block ends.
-    `initialize=False`: weights left uninitialized, for a caller that loads every one (build_model)."""
+    `initialize=False`: weights left uninitialized, for a caller that loads every one (build_model);
+    `meta=True`: the model on the meta device, for the streamed conversions (bridge/streamed.py)."""
     from megatron_rl.model.builder import build_model
     from megatron_rl.runtime import start_runtime
 
     runtime = start_runtime(config)
     try:
-        yield runtime, build_model(config, runtime.device, initialize=initialize)
+        yield runtime, build_model(config, runtime.device, initialize=initialize, meta=meta)
     finally:
         runtime.shutdown()

@@ -289,7 +289,7 @@ def limited_before(module, writer: str):
 
 
 WRITERS = {"hf-to-megatron": (convert, "save_megatron_checkpoint"),
-           "megatron-to-hf": ("megatron_rl.bridge.hf_checkpoint", "write_hf_checkpoint")}
+           "megatron-to-hf": ("megatron_rl.bridge.streamed", "write_hf_from_torch_dist")}
 
 
 def writer_of(direction: str):
