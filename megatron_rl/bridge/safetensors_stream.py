@@ -14,14 +14,15 @@ written first and the values streamed after it: the writer holds one tensor.
     out.index()        # the weight map of model.safetensors.index.json
     out.checksums      # {file: {"bytes", "crc32"}}: MANIFEST.json's entries, no second read
 
-The files follow the format the library reads (tests/bridge/test_streamed.py reads them with
-`safetensors.safe_open`): the header padded with spaces to a multiple of 8 bytes, no gaps
-between tensors, and a "__metadata__" of {"format": "pt"} as `save_file` writes for PyTorch.
+The files follow the format the library reads (tests/bridge/test_safetensors_stream.py reads
+them with `safetensors.safe_open`): the header padded with spaces to a multiple of 8 bytes, no
+gaps between tensors, and a "__metadata__" of {"format": "pt"} as `save_file` writes for PyTorch.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import zlib
@@ -49,10 +50,7 @@ class PlannedFile:
 
 
 def _nbytes(dtype: torch.dtype, shape) -> int:
-    count = 1
-    for n in shape:
-        count *= n
-    return count * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def plan_files(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], file_bytes: int) -> list[PlannedFile]:

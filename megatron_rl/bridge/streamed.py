@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megatron_rl.bridge.importer import TIED_OUTPUT, non_finite
+from megatron_rl.bridge.importer import non_finite
 from megatron_rl.bridge.layouts import split
 from megatron_rl.bridge.mappings import expand
 from megatron_rl.bridge.placement import Placement, placements
@@ -148,10 +148,7 @@ def _parameters(module, arch: ArchitectureSpec) -> list[_Parameter]:
     table = {name: (hf, layout) for name, hf, layout in expand(arch)}
     out = []
     for placement in placements(module):
-        if placement.global_name not in table:
-            if arch.tie_word_embeddings and placement.global_name == TIED_OUTPUT:
-                sharded.pop(storage_key(placement.param), None)
-                continue  # the tied output at PP > 1 is a copy of the embedding, exported once
+        if placement.global_name not in table:  # (a tied model at PP1 has no output layer of its own)
             raise ConfigError(f"Megatron parameter {placement.global_name} has no HF mapping for {arch.architecture}")
         hf_names, layout = table[placement.global_name]
         out.append(_Parameter(placement, hf_names, layout, sharded.pop(storage_key(placement.param), [])))
@@ -207,15 +204,12 @@ def _load(bucket: list[_Parameter], reader) -> list[torch.Tensor]:
         with torch.no_grad():
             dcp.load({}, storage_reader=reader, planner=_ChunkReads(chunks), no_dist=True)
     except (Exception, CheckpointException) as exc:  # torch's CheckpointException is a BaseException
-        # The planner's own verdicts (a missing or mis-shaped tensor) come back wrapped by torch; a
-        # stop signal (KeyboardInterrupt) unwinds as itself.
-        failures = getattr(exc, "failures", {}) or {}
-        stop = next((error for error, _ in failures.values() if isinstance(error, KeyboardInterrupt)), None)
-        if stop is not None:
-            raise stop from None
-        mine = next((error for error, _ in failures.values() if isinstance(error, ConfigError)), None)
-        if isinstance(exc, ConfigError) or mine is not None:
-            raise TorchDistUnreadable(str(mine or exc)) from None
+        # The planner's own verdicts (a missing or mis-shaped tensor) come back wrapped by torch.
+        inner = failure_to_reraise(exc) or (exc if isinstance(exc, ConfigError) else None)
+        if isinstance(inner, KeyboardInterrupt):
+            raise inner from None
+        if inner is not None:
+            raise TorchDistUnreadable(str(inner)) from None
         raise TorchDistUnreadable(str(exc)) from exc  # the caller says which file, and what to do
     del chunks
     for item, value in zip(bucket, values):
@@ -224,6 +218,15 @@ def _load(bucket: list[_Parameter], reader) -> list[torch.Tensor]:
             raise TorchDistUnreadable(f"tensor {item.sharded[0].key} holds NaN or infinite values: a file is "
                                       "corrupt or the model diverged")
     return values
+
+
+def failure_to_reraise(exc: BaseException) -> BaseException | None:
+    """Of the errors torch's checkpoint code gathers from every rank into one CheckpointException
+    (`failures`: rank -> (error, traceback)), the one that must unwind as itself: a stop signal
+    (KeyboardInterrupt, tools/ranks.Interrupted) first, else a ConfigError; None otherwise."""
+    errors = [error for error, _ in (getattr(exc, "failures", None) or {}).values()]
+    return next((e for e in errors if isinstance(e, KeyboardInterrupt)), None) or next(
+        (e for e in errors if isinstance(e, ConfigError)), None)
 
 
 class TorchDistUnreadable(Exception):

@@ -99,6 +99,8 @@ def streaming_save_strategy(values=None, checksums: dict | None = None):
         mcore_to_pyt_state_dict,
     )
 
+    from megatron_rl.bridge.streamed import failure_to_reraise
+
     class ValuesOnDemand(MCoreSavePlanner):
         def resolve_data(self, write_item):
             data = super().resolve_data(write_item)
@@ -122,9 +124,7 @@ def streaming_save_strategy(values=None, checksums: dict | None = None):
                 # torch's writer turns every rank's error into one CheckpointException, a stop signal
                 # (KeyboardInterrupt, tools/ranks.Interrupted) too: that one unwinds as itself, and
                 # so does a ConfigError that `values` raised on any rank.
-                errors = [error for error, _ in exc.failures.values()]
-                reraise = next((e for e in errors if isinstance(e, KeyboardInterrupt)), None) or next(
-                    (e for e in errors if isinstance(e, ConfigError)), None)
+                reraise = failure_to_reraise(exc)
                 if reraise is not None:
                     raise reraise from None
                 raise

@@ -99,12 +99,16 @@ def megatron_to_hf_parser() -> argparse.ArgumentParser:
                         help="weights read at a time, in MiB (the conversion's memory is about this plus the "
                              "largest tensor, whatever the model's size)")
     # Layouts were once needed here; say so instead of argparse's "unrecognized arguments".
-    for flag in LAYOUT_FLAGS:
-        parser.add_argument(flag, dest=f"layout_{flag[2:].replace('-', '_')}", default=None, help=argparse.SUPPRESS)
+    for flag in ("--tp", "--pp", "--ep", "--etp", "--pp-first-stage-layers", "--pp-last-stage-layers"):
+        parser.add_argument(flag, dest="layout_flag", action=_NameTheFlag, help=argparse.SUPPRESS)
     return parser
 
 
-LAYOUT_FLAGS = ("--tp", "--pp", "--ep", "--etp", "--pp-first-stage-layers", "--pp-last-stage-layers")
+class _NameTheFlag(argparse.Action):
+    """Records which of the refused flags was given (its value is not needed)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        namespace.layout_flag = option_string
 
 
 def _precision_of(raw: dict) -> str:
@@ -373,10 +377,9 @@ def _resolved_for_conversion(given: str) -> Path:
 
 def megatron_to_hf(argv: list[str]) -> None:
     args = megatron_to_hf_parser().parse_args(argv)
-    given = [flag for flag in LAYOUT_FLAGS if getattr(args, f"layout_{flag[2:].replace('-', '_')}") is not None]
-    if given:
-        raise ConfigError(f"{given[0]} is not needed: megatron-to-hf reads a checkpoint saved at any layout in one "
-                          "process (torch_dist stores every tensor whole); drop the layout flags")
+    if args.layout_flag:
+        raise ConfigError(f"{args.layout_flag} is not needed: megatron-to-hf reads a checkpoint saved at any layout "
+                          "in one process (torch_dist stores every tensor whole); drop the layout flags")
     if args.bucket_mb < 1:
         raise ConfigError(f"--bucket-mb must be at least 1 (MiB of weights read at a time), not {args.bucket_mb}")
     ckpt = _resolved_for_conversion(args.ckpt)

@@ -269,6 +269,20 @@ def test_damaged_distcp_is_named(llama_mcore, tmp_path, how):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mcore"]
 
 
+def test_checkpoint_that_does_not_match_its_config_is_named(llama_mcore, tmp_path):
+    """megatron-to-hf reads the checkpoint by the keys and shapes of the model its hf_config/
+    describes: a config edited after the conversion (here a wider MLP) is refused by tensor and
+    shapes, in one line, and nothing is written."""
+    ckpt = tmp_path / "mcore"
+    shutil.copytree(llama_mcore, ckpt)
+    (ckpt / "MANIFEST.json").unlink()  # else the checksum of the edited config.json is what fails
+    config = json.loads((ckpt / "hf_config" / "config.json").read_text())
+    (ckpt / "hf_config" / "config.json").write_text(json.dumps(dict(config, intermediate_size=2 * config["intermediate_size"])))
+    result = tool("convert_megatron_to_hf.py", "--ckpt", str(ckpt), "--out", str(tmp_path / "out"), check=False)
+    assert_one_line_error(result, str(ckpt), "linear_fc1.weight has shape", "re-convert it, or use another checkpoint")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mcore"]
+
+
 def test_run_directory_converts_its_latest_step(llama, llama_mcore, tmp_path):
     """A training run as the trainer lays it out: weights in step_*/weights/ (megatron_rl.json's
     weights_dir), `latest` naming the newest step. The older step is broken: it must not be read."""
