@@ -9,11 +9,13 @@ to its goal (a missed goal prints `GOAL MISSED`; the exit code stays 0, it is a 
    of benchmarks/rollout.py), one process per model:
    - ours: `Policy` built from the run config, one RL step's data shaped exactly as the trainer
      shapes it (32 synthetic-task prompts x 8 samples, responses of <= 6 seeded random tokens,
-     some ending at EOS, rewards, DAPO advantages), packed with the trainer's own functions into
-     updates_per_rollout=2 mini-batches. Timed as the trainer runs them: the old-logprob pass
-     (`policy.logprobs` over all micro-batches, MoE routes recorded, logprobs stored on the
-     trajectories) and one update (normalizer + loss closure + `policy.train_step`, routes
-     compared), with the CPU compatibility layer active as in every CPU run.
+     some ending at EOS, rewards, DAPO advantages), packed by the trainer's `pack_step` into
+     updates_per_rollout=2 mini-batches. Timed are the functions the trainer calls
+     (megatron_rl/train/update.py), under the trainer's RoutingReplay: the old-logprob pass
+     (`store_step_logprobs`: `policy.logprobs` over all micro-batches, MoE routes recorded,
+     logprobs stored on the trajectories) and one update (`run_update`: normalizer + loss
+     closure + `policy.train_step`, routes compared), with the CPU compatibility layer active
+     as in every CPU run.
    - reference: the SAME model in transformers (`AutoModelForCausalLM.from_pretrained` of the
      weights our bridge exports, fp32, the library's default attention and experts kernels) on
      the SAME tokens as right-padded batches with an attention mask (one batch per mini-batch, as
@@ -93,14 +95,12 @@ def make_step(config, recipe, tokenizer, seed: int):
     """One RL step's trajectories, as `SyncCollector.take` (train/collect.py) produces them (all groups kept)."""
     import torch
 
-    from megatron_rl.data import ALPHABET, PromptSampler, encode_prompt, load_datasets
+    from megatron_rl.data import ALPHABET, build_sampler, encode_prompt, load_datasets
     from megatron_rl.train.experience import Trajectory, group_advantages
 
     rl = config.rl
     train_set, _ = load_datasets(config.data)
-    sampler = PromptSampler(len(train_set), rl.prompts_per_step,
-                            seed=config.data.seed if config.data.seed is not None else config.seed,
-                            shuffle=config.data.shuffle)
+    sampler = build_sampler(config.data, len(train_set), rl.prompts_per_step, config.seed)
     records = train_set.select(sampler.next_batch())
     generator = torch.Generator().manual_seed(seed)
     ordinary = tokenizer.convert_tokens_to_ids(list(ALPHABET))
@@ -154,51 +154,44 @@ def count_torch_calls(fn) -> int:
 
 
 class Ours:
-    """The trainer's own old-logprob pass and update (megatron_rl/train/trainer.py), on fixed data."""
+    """The trainer's old-logprob pass and update on a fixed step: the functions Trainer.rl_step
+    calls (megatron_rl/train/update.py), under the routing the run's rl.routing_replay gives."""
 
     def __init__(self, config, runtime, policy, recipe, groups):
-        from megatron_rl.train.experience import minibatches, my_groups, pack_minibatch
-        from megatron_rl.model.routing import RouterTrace
+        from megatron_rl.train.experience import pack_step
+        from megatron_rl.train.routing_replay import RoutingReplay
+        from megatron_rl.train.update import LossSettings
 
-        self.config, self.runtime, self.policy, self.recipe = config, runtime, policy, recipe
-        self.routing = RouterTrace.attach()
-        mine = my_groups(groups, runtime.dp_rank, runtime.dp_size)
-        self.per_update = minibatches(mine, config.rl.updates_per_rollout)
-        self.packed = [pack_minibatch(t, config.micro_batch_tokens, policy.pad_to_multiple) for t in self.per_update]
+        self.policy, self.runtime = policy, runtime
+        self.loss = LossSettings.for_run(config, recipe)
+        if self.loss.old_from_forward:
+            raise SystemExit("step_overhead.py times the old-logprob pass: it needs rl.updates_per_rollout >= 2")
+        self.experience = pack_step(groups, dp_rank=runtime.dp_rank, dp_size=runtime.dp_size,
+                                    updates=config.rl.updates_per_rollout, token_budget=config.micro_batch_tokens,
+                                    pad_to_multiple=policy.pad_to_multiple)
+        self.routing = RoutingReplay.attach(config.rl.routing_replay, policy, runtime)
+        self.routing.begin_step(self.experience.packed, self.experience.minibatches, recompute_old=True)
+        self.updates = list(self.experience.updates())  # (offset, micro-batches, trajectories) per update
 
     def old_logprobs(self) -> None:
-        from megatron_rl.train.experience import store_logprobs
+        from megatron_rl.train.update import store_step_logprobs
 
-        flat = [batch for batches in self.packed for batch in batches]
-        if self.routing is not None:
-            self.routing.start("record")
-        outputs = self.policy.logprobs(flat, with_entropy=False, routing=self.routing)
-        if self.routing is not None:
-            self.routing.stop()
-        position = 0
-        for batches, trajs in zip(self.packed, self.per_update):
-            store_logprobs(outputs[position: position + len(batches)], batches, trajs, "old_logprobs")
-            position += len(batches)
+        with self.routing.old_forward() as trace:
+            store_step_logprobs(self.policy, self.experience, "old_logprobs", trace)
 
     def update(self, index: int):
-        from megatron_rl.train.experience import make_loss_fn, response_masks, step_normalizer
+        from megatron_rl.train.update import run_update
 
-        batches, trajs = self.packed[index], self.per_update[index]
-        normalizer = step_normalizer(response_masks(batches, trajs, self.recipe), self.recipe,
-                                     self.policy.dp_group, self.runtime.device)
-        loss_fn = make_loss_fn(trajs, self.recipe, normalizer, old_from_forward=False, use_ref=False)
-        if self.routing is not None:
-            self.routing.start("compare", offset=sum(len(p) for p in self.packed[:index]))
-        result = self.policy.train_step(batches, loss_fn, routing=self.routing)
-        if self.routing is not None:
-            self.routing.stop()
-        return result
+        offset, batches, trajectories = self.updates[index]
+        # The first RL step's updates start from policy version 0 (only asynchronous runs read it).
+        return run_update(self.policy, self.runtime, batches, trajectories, self.loss, self.routing, offset=offset,
+                          policy_version=0)
 
     def new_logprobs(self):
         """Logprobs of every response token under the current weights (no routing)."""
         import torch
 
-        flat = [batch for batches in self.packed for batch in batches]
+        flat = self.experience.micro_batches()
         outputs = self.policy.logprobs(flat, with_entropy=False)
         values = []
         for batch, output in zip(flat, outputs):
@@ -208,11 +201,11 @@ class Ours:
     def stored_old(self, index: int):
         import torch
 
-        return torch.cat([t.old_logprobs for t in self.per_update[index]])
+        return torch.cat([t.old_logprobs for t in self.experience.minibatches[index]])
 
     def tokens(self) -> tuple[int, int]:
-        packed = sum(b.num_tokens for batches in self.packed for b in batches)
-        real = sum(len(t.prompt_ids) + t.length for trajs in self.per_update for t in trajs)
+        packed = sum(b.num_tokens for b in self.experience.micro_batches())
+        real = sum(len(t.prompt_ids) + t.length for trajs in self.experience.minibatches for t in trajs)
         return packed, real
 
 
@@ -234,7 +227,7 @@ class Reference:
         self.experts = getattr(model.config, "_experts_implementation", None)
         opt = config.optimizer
         self.clip = opt.clip_grad
-        loss = recipe_for(config.rl).loss
+        loss = recipe_for(config.rl, config.response_budget).loss
         self.eps_low, self.eps_high = loss.eps_low, loss.eps_high
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2),
                                           eps=opt.adam_eps, weight_decay=opt.weight_decay)
@@ -356,24 +349,25 @@ def _measure(name: str, work: Path, args) -> None:
     config = load_config(None, overrides)
     runtime = start_runtime(config)
     policy = Policy(config, runtime, total_steps=config.rl.steps * config.rl.updates_per_rollout)
-    recipe = recipe_for(config.rl)
+    recipe = recipe_for(config.rl, config.response_budget)
     groups = make_step(config, recipe, build_char_tokenizer(), seed=config.seed)
     ours = Ours(config, runtime, policy, recipe, groups)
     updates = config.rl.updates_per_rollout
     export_to_hf(policy, work / "hf")
     with plain_torch():
-        reference = Reference(work / "hf", config, ours.per_update)
+        reference = Reference(work / "hf", config, ours.experience.minibatches)
 
     params = sum(p.numel() for p in reference.model.parameters())
     packed_tokens, real_tokens = ours.tokens()
-    responses = sum(t.length for trajs in ours.per_update for t in trajs)
+    responses = sum(t.length for trajs in ours.experience.minibatches for t in trajs)
+    micro_batches = len(ours.experience.micro_batches())
     arch = policy.arch
     print(f"[{name}] {MODEL_TITLE[name]}: {arch.num_layers} layers, hidden {arch.hidden_size}, "
           f"{arch.num_experts} experts top-{arch.moe_top_k}, vocab {arch.vocab_size}; {params / 1e6:.2f} M parameters; "
           f"{torch.get_num_threads()} torch threads", flush=True)
     print(f"[{name}] step: {len(groups)} prompts x {config.rl.group_size} samples, {responses} response tokens, "
           f"{updates} updates; ours packed {packed_tokens} tokens ({real_tokens} real) in "
-          f"{sum(len(p) for p in ours.packed)} micro-batches; reference right-padded {reference.tokens()} tokens "
+          f"{micro_batches} micro-batches; reference right-padded {reference.tokens()} tokens "
           f"(attention {reference.attention}, experts {reference.experts})", flush=True)
 
     # ---- agreement guard ------------------------------------------------------------------------
@@ -407,7 +401,7 @@ def _measure(name: str, work: Path, args) -> None:
         "model": name, "parameters": params, "threads": torch.get_num_threads(), "prompts": len(groups),
         "group_size": config.rl.group_size, "updates": updates, "response_tokens": responses,
         "packed_tokens": packed_tokens, "real_tokens": real_tokens, "reference_tokens": reference.tokens(),
-        "micro_batches": sum(len(p) for p in ours.packed), "attention": reference.attention,
+        "micro_batches": micro_batches, "attention": reference.attention,
         "experts": reference.experts, "arch": f"{arch.num_layers} layers, hidden {arch.hidden_size}, "
         f"{arch.num_experts} experts top-{arch.moe_top_k}, vocab {arch.vocab_size}",
         "agreement": {"old_logprob_max_diff": old_diff, "loss_ours": loss_ours, "loss_ref": loss_ref,
@@ -457,7 +451,7 @@ def _measure(name: str, work: Path, args) -> None:
     print(f"[{name}] per update (median / min of {len(times['ours_update'])}): ours {s['ours_update']['median'] * 1e3:.1f} / "
           f"{s['ours_update']['min'] * 1e3:.1f} ms, reference {s['ref_update']['median'] * 1e3:.1f} / "
           f"{s['ref_update']['min'] * 1e3:.1f} ms", flush=True)
-    print(f"[{name}] per old-logprob pass ({sum(len(p) for p in ours.packed)} micro-batches / {updates} padded batches, "
+    print(f"[{name}] per old-logprob pass ({micro_batches} micro-batches / {updates} padded batches, "
           f"median / min of {len(times['ours_logprobs'])}): ours {s['ours_logprobs']['median'] * 1e3:.1f} / "
           f"{s['ours_logprobs']['min'] * 1e3:.1f} ms, reference {s['ref_logprobs']['median'] * 1e3:.1f} / "
           f"{s['ref_logprobs']['min'] * 1e3:.1f} ms", flush=True)
@@ -679,7 +673,7 @@ def profile_updates(ours, reference, updates: int, rounds: int) -> dict:
                             - values["Megatron schedule (forward_backward_no_pipelining)"], 0.0)
 
     mode = [(nc, tt, ct) for (path, _, fn), (_, nc, tt, ct, _) in stats.items()
-            if fn == "__torch_function__" and "cpu_compat" in path]
+            if fn == "__torch_function__" and "runtime/cpu/megatron_patches" in path]
     mode_calls = sum(m[0] for m in mode) / count
     mode_own = sum(m[1] for m in mode) / count
     collectives = [(nc, ct) for (path, _, fn), (_, nc, _, ct, _) in stats.items()

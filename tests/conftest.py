@@ -22,6 +22,9 @@ import re
 
 import pytest
 
+# How the suite is spread over pytest-xdist workers.
+pytest_plugins = ["_support.scheduling"]
+
 HARDWARE_REASON = re.compile(r"\b(needs?|requires?)\b[^.;:]*\b(GPU|CUDA|AMX)\b", re.IGNORECASE)
 
 

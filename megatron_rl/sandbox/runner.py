@@ -331,8 +331,10 @@ def _supervise(process, stdin: bytes, limits: SandboxLimits, start=None) -> _End
     timed_out = threading.Event()
     timer = threading.Timer(limits.wall_seconds, lambda: (timed_out.set(), _kill(process)))
     timer.daemon = True
-    timer.start()
+    # The clock starts before the timer, so that a call killed at the wall limit never reports
+    # less than the limit (on a loaded machine the timer's thread can start late).
     started = time.perf_counter()
+    timer.start()
     if start is not None:
         start()
     _feed(process, stdin)

@@ -3,14 +3,15 @@
 The driver (global rank 0) scores what the engine generated; every rank then holds the same
 `StepRollout` and takes its own groups (whole groups, balanced by token count over the
 data-parallel ranks). Per-sample quantities live on `Trajectory`; per-token tensors are rebuilt
-per micro-batch from them, so a mini-batch can be packed once and used for the old-logprob
-forward and the training forward.
+per micro-batch from them, so a mini-batch can be packed once (`pack_step` -> `PackedStep`) and
+used for the old-logprob forward and the training forward (update.py runs them).
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -202,6 +203,35 @@ def pack_minibatch(trajectories: list[Trajectory], token_budget: int, pad_to_mul
         return [filler]
     sequences = [t.prompt_ids + t.response_ids for t in trajectories]
     return pack_by_token_budget(sequences, [len(t.prompt_ids) for t in trajectories], token_budget, pad_to_multiple)
+
+
+@dataclass
+class PackedStep:
+    """This rank's share of one step, packed once for every forward over it: the trajectories of
+    each update (mini-batch) and their token-budget micro-batches."""
+
+    minibatches: list[list[Trajectory]]
+    packed: list[list[PackedBatch]]  # per update, its micro-batches
+
+    def updates(self) -> Iterator[tuple[int, list[PackedBatch], list[Trajectory]]]:
+        """Per update: the index of its first micro-batch in the step (a forward over the whole
+        step records routes and returns outputs in this order), its micro-batches, its trajectories."""
+        offset = 0
+        for batches, trajectories in zip(self.packed, self.minibatches):
+            yield offset, batches, trajectories
+            offset += len(batches)
+
+    def micro_batches(self) -> list[PackedBatch]:
+        """Every update's micro-batches, in order."""
+        return [batch for batches in self.packed for batch in batches]
+
+
+def pack_step(groups: list[list[Trajectory]], *, dp_rank: int, dp_size: int, updates: int, token_budget: int,
+              pad_to_multiple: int) -> PackedStep:
+    """This rank's groups (my_groups) in `updates` mini-batches (minibatches), each packed into
+    token-budget micro-batches (pack_minibatch)."""
+    per_update = minibatches(my_groups(groups, dp_rank, dp_size), updates)
+    return PackedStep(per_update, [pack_minibatch(t, token_budget, pad_to_multiple) for t in per_update])
 
 
 def response_masks(batches: list[PackedBatch], trajectories: list[Trajectory], recipe: Recipe) -> list[torch.Tensor]:

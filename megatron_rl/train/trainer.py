@@ -5,8 +5,8 @@
                      engines, rewards, dynamic sampling (collect.py; async_rollout.py runs it
                      ahead of the trainer when rl.max_staleness >= 1)
         advantages, packed token-budget micro-batches of this rank's groups      (experience.py)
-        old / reference logprobs, MoE routes as rl.routing_replay says       (routing_replay.py)
-        optimizer updates                                                           (train)
+        old / reference logprobs, MoE routes as rl.routing_replay says (update.py, routing_replay.py)
+        optimizer updates                                                       (update.py)
         weights   -> rollout engines                                                (sync)
         metrics, held-out evaluation (evaluate.py), checkpoint (checkpoint/manager.py)
 
@@ -23,7 +23,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_rl.algorithms import reduce_metrics
 from megatron_rl.algorithms.from_config import recipe_for
 from megatron_rl.checkpoint.manager import CheckpointManager
 from megatron_rl.config import RunConfig, to_dict
@@ -39,22 +38,13 @@ from megatron_rl.train.async_rollout import AsyncCollector
 from megatron_rl.train.collect import SyncCollector
 from megatron_rl.train.evaluate import evaluate
 from megatron_rl.train.generation import Generation
-from megatron_rl.train.experience import (
-    expand_segments,
-    group_advantages,
-    make_loss_fn,
-    minibatches,
-    my_groups,
-    pack_minibatch,
-    response_masks,
-    step_normalizer,
-    store_logprobs,
-)
+from megatron_rl.train.experience import PackedStep, expand_segments, group_advantages, pack_step
 from megatron_rl.train.preflight import preflight
 from megatron_rl.train.reward_failures import check_reward_failures
 from megatron_rl.train.routing_replay import RoutingReplay
 from megatron_rl.train.scoring import GroupScorer
 from megatron_rl.train.stop_signals import StopSignals
+from megatron_rl.train.update import LossSettings, run_updates, store_step_logprobs
 from megatron_rl.train.update_guard import UpdateGuard
 from megatron_rl.train.warm_start import warm_start
 
@@ -85,7 +75,7 @@ class Trainer:
         self.config, self.runtime = config, runtime
         self.out = Path(config.output_dir)
         self.recipe = recipe_for(config.rl, config.response_budget)
-        self.use_kl = self.recipe.loss.kl_coef > 0
+        self.loss_settings = LossSettings.for_run(config, self.recipe)
         self.train_set, self.heldout = datasets
         # uniform, or the Olmo 3 success-rate curriculum (data.sampler); it learns from every scored group
         self.sampler = build_sampler(config.data, len(self.train_set), config.rl.prompts_per_step, config.seed)
@@ -184,25 +174,25 @@ class Trainer:
         tick = time.perf_counter()
         group_advantages(rollout.groups, self.recipe)
         expand_segments(rollout.groups)
-        mine = my_groups(rollout.groups, self.runtime.dp_rank, self.runtime.dp_size)
-        per_update = minibatches(mine, rl.updates_per_rollout)
-        packed = [pack_minibatch(t, self.config.micro_batch_tokens, self.policy.pad_to_multiple) for t in per_update]
+        experience = pack_step(rollout.groups, dp_rank=self.runtime.dp_rank, dp_size=self.runtime.dp_size,
+                               updates=rl.updates_per_rollout, token_budget=self.config.micro_batch_tokens,
+                               pad_to_multiple=self.policy.pad_to_multiple)
         # With one update per rollout the old policy IS the updated one: the loss takes its
         # logprobs from the update's own forward (ratio exactly 1, no extra pass).
-        recompute_old = rl.updates_per_rollout > 1
-        self.routing.begin_step(packed, per_update, recompute_old=recompute_old)
+        recompute_old = not self.loss_settings.old_from_forward
+        self.routing.begin_step(experience.packed, experience.minibatches, recompute_old=recompute_old)
         if recompute_old:
             with self.routing.old_forward() as trace:
-                self._store_logprobs(packed, per_update, "old_logprobs", trace)
-        if self.use_kl:
+                store_step_logprobs(self.policy, experience, "old_logprobs", trace)
+        if self.loss_settings.use_ref:
             # The reference: the policy at the start of RL (restored on resume), swapped in for its forward.
             reference = self.checkpoints.reference_weights()
             with self.routing.reference_forward() as trace, reference.swapped_in(self.policy.module):
-                self._store_logprobs(packed, per_update, "ref_logprobs", trace)
+                store_step_logprobs(self.policy, experience, "ref_logprobs", trace)
         timings["time/logprobs_s"] = time.perf_counter() - tick
 
         tick = time.perf_counter()
-        metrics.update(self._train(packed, per_update, old_from_forward=not recompute_old, step=step))
+        metrics.update(self._train(experience, step))
         timings["time/train_s"] = time.perf_counter() - tick
 
         tick = time.perf_counter()
@@ -215,46 +205,15 @@ class Trainer:
     def evaluate(self) -> dict:
         return evaluate(self.heldout, self.config.rl, self.config.seed, self.generation, self.scorer)
 
-    # ---- logprobs and training --------------------------------------------------------------
+    # ---- training ---------------------------------------------------------------------------
 
-    def _store_logprobs(self, packed, per_update, attribute: str, routing) -> None:
-        """One forward over every update's micro-batches; the response logprobs stored on the
-        trajectories as `attribute`. They exist on the last pipeline stage only, which is where
-        the loss that reads them runs."""
-        outputs = self.policy.logprobs([batch for batches in packed for batch in batches], with_entropy=False,
-                                       routing=routing)
-        if self.runtime.is_last_stage:
-            position = 0
-            for batches, trajectories in zip(packed, per_update):
-                store_logprobs(outputs[position: position + len(batches)], batches, trajectories, attribute)
-                position += len(batches)
-
-    def _train(self, packed, per_update, *, old_from_forward: bool, step: int) -> dict:
-        """The step's optimizer updates. They start from policy version step - 1 (the staleness of
-        an asynchronous sample's tokens is measured against it). A non-finite update stops the run
-        here, before the step's checkpoint and weight push (update_guard.py)."""
-        policy_version = step - 1
-        results, micro_metrics, offset = [], [], 0
-        for update, (batches, trajectories) in enumerate(zip(packed, per_update)):
-            normalizer = step_normalizer(response_masks(batches, trajectories, self.recipe), self.recipe,
-                                         self.policy.dp_group, self.runtime.device)
-            loss_fn = make_loss_fn(trajectories, self.recipe, normalizer, old_from_forward=old_from_forward,
-                                   use_ref=self.use_kl, policy_version=policy_version,
-                                   max_staleness=self.config.rl.max_staleness,
-                                   max_turns=self.config.rollout.max_turns if self.config.rollout.multi_turn else 0)
-            with self.routing.update(offset) as trace:
-                result = self.policy.train_step(batches, loss_fn, routing=trace)
-            self.update_guard.check(step, update, result)
-            offset += len(batches)
-            results.append(result)
-            micro_metrics.extend(result.metrics)
-        metrics = reduce_metrics(micro_metrics, group=self.policy.dp_group) if self.runtime.is_last_stage else {}
-        metrics = self.runtime.from_last_stage(metrics)
-        metrics.update({"train/loss": sum(r.loss for r in results), "train/grad_norm": results[-1].grad_norm,
-                        "train/lr": self.policy.learning_rate, "train/updates": len(results),
-                        "train/skipped_updates": sum(not r.updated for r in results)})
-        metrics.update(self.routing.drift_metrics())
-        return metrics
+    def _train(self, experience: PackedStep, step: int) -> dict:
+        """The step's optimizer updates and their metrics (update.py). They start from policy
+        version step - 1 (the staleness of an asynchronous sample's tokens is measured against it).
+        A non-finite update stops the run here, before the step's checkpoint and weight push
+        (update_guard.py)."""
+        return run_updates(self.policy, self.runtime, experience, self.loss_settings, self.routing,
+                           policy_version=step - 1, check=functools.partial(self.update_guard.check, step))
 
     # ---- weights, checkpoints, the end -------------------------------------------------------
 

@@ -20,16 +20,16 @@ from pathlib import Path
 
 import pytest
 
+from _support.processes import REPO, child_env, cli_command
+
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
 
 from run_records import metrics  # noqa: E402
-from test_train_loop import environment  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
-REPO = Path(__file__).resolve().parents[2]
 # dr_grpo: no dynamic sampling, so the few steps train on every group whatever the rewards
 # every demonstration calls the tool, so 40 warm-start steps make a model that calls it
 SHORT = ["rl.recipe=dr_grpo", "rl.steps=2", "rl.prompts_per_step=4", "rl.group_size=4", "warm_start.steps=40",
@@ -41,9 +41,9 @@ SHORT = ["rl.recipe=dr_grpo", "rl.steps=2", "rl.prompts_per_step=4", "rl.group_s
 def train(out: Path, *overrides: str):
     import subprocess
 
-    command = [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(REPO / "configs/tiny_agent.yaml"),
-               "--output-dir", str(out), *SHORT, *overrides]
-    result = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=900)
+    command = cli_command("train", "--config", str(REPO / "configs/tiny_agent.yaml"), "--output-dir", str(out),
+                          *SHORT, *overrides)
+    result = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     return metrics(out)
 

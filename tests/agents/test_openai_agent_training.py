@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from _support.processes import REPO, child_env, cli_command
+
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
@@ -29,17 +31,14 @@ from test_agent_training import SHORT  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def test_openai_client_agent_trains_on_the_engines_exact_tokens(tmp_path):
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(REPO / "configs/tiny_agent.yaml"),
-               "--output-dir", str(out), *SHORT, "warm_start.steps=0",
-               "rollout.agent=openai_test_agents:extends_then_rewrites",
-               "rl.routing_replay=rollout"]
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests" / "agents")]))
+    command = cli_command("train", "--config", str(REPO / "configs/tiny_agent.yaml"), "--output-dir", str(out),
+                          *SHORT, "warm_start.steps=0",
+                          "rollout.agent=openai_test_agents:extends_then_rewrites",
+                          "rl.routing_replay=rollout")
+    env = child_env(PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests" / "agents")]))
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     steps = metrics(out)

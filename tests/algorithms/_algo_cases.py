@@ -9,7 +9,6 @@ checks the vectorized implementation rather than restating it.
 from __future__ import annotations
 
 import math
-import socket
 
 import torch
 
@@ -196,9 +195,3 @@ def max_rel_err(a, b):
         return float("inf")
     scale = max(b.abs().max().item(), 1e-30)
     return (a - b).abs().max().item() / scale
-
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

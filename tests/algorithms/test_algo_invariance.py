@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from _algo_cases import (config_cases, free_port, grads_of, loss_inputs, make_step, max_rel_err,
-                         oracle_loss, split_rows)
+from _algo_cases import (config_cases, grads_of, loss_inputs, make_step, max_rel_err, oracle_loss,
+                         split_rows)
+from _support.processes import free_port
 from megatron_rl.algorithms import compute_step_normalizer, policy_loss, reduce_metrics
 
 pytestmark = pytest.mark.multiprocess

@@ -2,17 +2,19 @@
 verifies each and prints the blocked-time ratio. Only that it runs and what it prints are checked,
 not the timings."""
 
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+import pytest
+
+from _support.processes import REPO, child_env
+
+pytestmark = pytest.mark.subprocess  # runs a child process (pyproject's marks; scripts/test.sh --quick)
 
 
 def test_quick_run_saves_both_ways_and_prints_the_ratio():
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="2")
+    env = child_env(OMP_NUM_THREADS="2")
     result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "checkpoint.py"), "--quick", "--saves", "1"],
                             capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"

@@ -5,12 +5,14 @@ import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from _support.processes import REPO
+
+pytestmark = pytest.mark.subprocess  # runs a child process (pyproject's marks; scripts/test.sh --quick)
+
 SCRIPT = REPO / "benchmarks" / "fp8_moe.py"
 
 

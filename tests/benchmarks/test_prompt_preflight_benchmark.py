@@ -3,18 +3,21 @@ the run's reader, runs preflight's length check and a plain tokenizer call over 
 checks both find the same overlong prompts and prints the rates and the ratio. Only that it runs
 and what it prints are checked here, not the timings."""
 
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+import pytest
+
+from _support.processes import REPO, child_env
+
+pytestmark = pytest.mark.subprocess  # runs a child process (pyproject's marks; scripts/test.sh --quick)
+
 NUMBER = r"\d[\d,]*(?:\.\d+)?"
 
 
 def test_small_run_prints_rates_and_the_ratio():
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="2")
+    env = child_env(OMP_NUM_THREADS="2")
     result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "prompt_preflight.py"), "--prompts", "2000"],
                             capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"

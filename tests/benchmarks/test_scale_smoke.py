@@ -5,20 +5,18 @@ JSON, plot) is written. Only the pipeline is checked, never the timings; the wor
 be gone afterwards."""
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from _support.processes import REPO, child_env
 
 pytestmark = pytest.mark.multiprocess
 
 
 def test_small_run_round_trips_bit_exact_and_reports(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="2")
+    env = child_env(OMP_NUM_THREADS="2")
     work, out = tmp_path / "work", tmp_path / "results" / "scale"
     result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "scale.py"), "--sizes", "small",
                              "--work", str(work), "--out", str(out), "--no-drop-caches"],

@@ -5,20 +5,19 @@ benchmark (about 2 hours) is not part of the suite, and the other effects run th
 with other settings (each would add about a minute to a suite near its time limit)."""
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from _support.processes import REPO, child_env
+
 EFFECTS = ("length",)
 
 
 @pytest.mark.engine
 def test_the_length_effect_runs_and_reports(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="2")
+    env = child_env(OMP_NUM_THREADS="2")
     results = tmp_path / "results"
     for effect in EFFECTS:
         result = subprocess.run([sys.executable, str(REPO / "benchmarks/seed_effects.py"), effect, "--smoke",

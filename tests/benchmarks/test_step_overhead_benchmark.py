@@ -6,14 +6,18 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+import pytest
+
+from _support.processes import REPO, child_env
+
+pytestmark = pytest.mark.subprocess  # runs a child process (pyproject's marks; scripts/test.sh --quick)
+
 SCRIPT = REPO / "benchmarks" / "step_overhead.py"
 
 
 def test_quick_run_checks_agreement_and_prints_ratios():
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    env = child_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--skip-large", "--skip-startup", "--skip-train"],
         capture_output=True, text=True, timeout=240, env=env, cwd=REPO,

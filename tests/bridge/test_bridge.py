@@ -20,13 +20,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from _support.processes import REPO, child_env, torchrun_command
 from megatron_rl.model.hf_config import load_hf_config
-from megatron_rl.runtime.distributed import free_port
 
 pytestmark = pytest.mark.multiprocess
 
 WORKER = Path(__file__).with_name("bridge_worker.py")
-REPO = WORKER.parents[2]
 LOGIT_TOL = 1e-4
 VOCAB = 500  # not a multiple of 128: Megatron pads to 512, the bridge must trim and pad
 
@@ -110,11 +109,10 @@ def read_checkpoint(directory: Path) -> dict[str, torch.Tensor]:
 
 def run_worker(mode: str, hf_dir: Path, out: Path, nproc: int, overrides: list[str], check: bool = True):
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               f"--master-port={free_port()}", str(WORKER), mode, "--hf", str(hf_dir), "--out", str(out)]
+    command = torchrun_command(WORKER, nproc, mode, "--hf", str(hf_dir), "--out", str(out))
     for item in overrides:
         command += ["--override", item]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = child_env()
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     if check and result.returncode != 0:
         raise AssertionError(f"{mode} {overrides} failed:\n{result.stderr[-6000:]}")

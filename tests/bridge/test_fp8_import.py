@@ -19,7 +19,6 @@ so the fp32 model must hold exactly the float64 product rounded once to fp32.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,13 +27,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from _support.processes import child_env, torchrun_command
 from megatron_rl.bridge.fp8_export import dequantize_blockwise, fp8_quantization_config
 from megatron_rl.model.hf_config import parse_hf_config
-from megatron_rl.runtime.distributed import free_port
 
 HERE = Path(__file__).parent
 WORKER = HERE / "fp8_import_worker.py"
-REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 from test_bridge import family_configs, make_hf_model  # noqa: E402
 
@@ -61,13 +59,12 @@ def read_checkpoint(directory: Path) -> dict[str, torch.Tensor]:
 
 def run_worker(model_dir: Path, out: Path, steps: list[str], overrides: list[str]) -> subprocess.CompletedProcess:
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-               str(WORKER), "--model", str(model_dir), "--out", str(out)]
+    command = torchrun_command(WORKER, 2, "--model", str(model_dir), "--out", str(out))
     for step in steps:
         command += ["--step", step]
     for item in overrides:
         command += ["--override", item]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = child_env()
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-6000:]
     return result

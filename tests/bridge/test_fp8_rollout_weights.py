@@ -11,7 +11,6 @@ skips exactly the modules left unquantized). The config checks need no model.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,13 +19,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from _support.processes import child_env
 from megatron_rl.bridge.fp8_export import fp8_quantization_config, quantized_names, with_quantization_config
 from megatron_rl.config import load_config
 from megatron_rl.errors import ConfigError
 from megatron_rl.model.hf_config import load_hf_config, parse_hf_config
 
+pytestmark = pytest.mark.subprocess  # runs a child process (pyproject's marks; scripts/test.sh --quick)
+
 WORKER = Path(__file__).with_name("fp8_rollout_worker.py")
-REPO = WORKER.parents[2]
 E4M3_MAX = 448.0
 
 
@@ -43,7 +44,7 @@ def exported(tmp_path_factory):
     work = tmp_path_factory.mktemp("fp8_rollout")
     (work / "model").mkdir()
     (work / "model" / "config.json").write_text(json.dumps(hf_config()))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = child_env()
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
         env.pop(key, None)  # a world of one, whatever launched pytest
     result = subprocess.run([sys.executable, str(WORKER), "--model", str(work / "model"), "--out", str(work)],

@@ -13,26 +13,23 @@ The layouts include expert-TP = 2, where TE tags linear_fc2 with the wrong split
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from _support.processes import child_env, torchrun_command
 from megatron_rl.bridge.fp8_export import dequantize_blockwise, fp8_quantization_config, quantized_names
 from megatron_rl.bridge.layouts import split
 from megatron_rl.bridge.mappings import expand
 from megatron_rl.bridge.placement import canonical_name, tp_split_dim
 from megatron_rl.model.hf_config import load_hf_config, parse_hf_config
-from megatron_rl.runtime.distributed import free_port
 
 pytestmark = pytest.mark.multiprocess
 
 WORKER = Path(__file__).with_name("grouped_worker.py")
-REPO = WORKER.parents[2]
 
 
 def hf_config() -> dict:
@@ -107,11 +104,10 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_grouped_layout_exports_and_imports_like_the_local_layout(hf_dir, tmp_path, layout):
     nproc, overrides = LAYOUTS[layout]
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-               str(WORKER), "--hf", str(hf_dir), "--out", str(tmp_path)]
+    command = torchrun_command(WORKER, nproc, "--hf", str(hf_dir), "--out", str(tmp_path))
     for item in overrides:
         command += ["--override", item]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = child_env()
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-6000:]
 

@@ -35,7 +35,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_rl.runtime.distributed import free_port
+from _support.processes import REPO, child_env, torchrun_command
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_bridge import MOE, family_configs, make_hf_model  # noqa: E402
@@ -43,7 +43,6 @@ from test_bridge import MOE, family_configs, make_hf_model  # noqa: E402
 pytestmark = pytest.mark.multiprocess
 
 WORKER = Path(__file__).with_name("matrix_worker.py")
-REPO = WORKER.parents[2]
 LOGIT_TOL = 1e-4
 STEP_TOL = 1e-5
 # After the first update, at TP: Adam divides each update by sqrt(v) + eps, so where a gradient
@@ -103,13 +102,12 @@ def models(tmp_path_factory) -> dict[str, Path]:
 def run_layout(out: Path, models: dict[str, Path], nproc: int, overrides: list[str], cells: list[str],
                *extra: str) -> float:
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               f"--master-port={free_port()}", str(WORKER), "--out", str(out), *extra]
+    command = torchrun_command(WORKER, nproc, "--out", str(out), *extra)
     for cell in cells:
         command += ["--model", f"{cell}={models[cell]}"]
     for item in overrides:
         command += ["--override", item]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}{os.pathsep}{WORKER.parent}")
+    env = child_env(PYTHONPATH=f"{REPO}{os.pathsep}{WORKER.parent}")
     start = time.perf_counter()
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     seconds = time.perf_counter() - start

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -23,16 +22,15 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from megatron_rl.runtime.distributed import free_port
+from _support.processes import REPO, child_env, torchrun_command
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_bridge import family_configs, make_hf_model, read_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
-REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("streamed_worker.py")
-ENV = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+ENV = child_env()
 
 
 def tool(name: str, *args: str) -> None:
@@ -50,9 +48,9 @@ def test_streamed_save_is_the_live_save_and_loads_at_another_layout(tmp_path):
     live, export = tmp_path / "live", tmp_path / "export.pt"
     live.mkdir()
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-         str(WORKER), "--hf", str(hf), "--streamed", str(other), "--live-out", str(live), "--export", str(export),
-         "--tp", "2", "--ep", "2", "--etp", "1"], env=ENV, capture_output=True, text=True, timeout=600)
+        torchrun_command(WORKER, 2, "--hf", str(hf), "--streamed", str(other), "--live-out", str(live),
+                         "--export", str(export), "--tp", "2", "--ep", "2", "--etp", "1"),
+        env=ENV, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-5000:]
 
     files = sorted(path.name for path in live.glob("*.distcp"))

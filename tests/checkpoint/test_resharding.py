@@ -12,18 +12,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from megatron_rl.runtime.distributed import free_port
+from _support.processes import REPO, child_env, torchrun_command
 
 pytestmark = pytest.mark.multiprocess
 
 WORKER = Path(__file__).with_name("reshard_worker.py")
-REPO = WORKER.parents[2]
 REL_TOL = 1e-5
 
 LAYOUTS = {
@@ -41,12 +39,11 @@ LAYOUTS = {
 def run(mode: str, layout: str, root: Path, ckpt: Path, out: Path, *extra: str, weights: str = "weights") -> dict:
     nproc, overrides = LAYOUTS[layout]
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               f"--master-port={free_port()}", str(WORKER), mode, "--ckpt", str(ckpt),
-               "--weights", str(root / weights), "--out", str(out), *extra]
+    command = torchrun_command(WORKER, nproc, mode, "--ckpt", str(ckpt), "--weights", str(root / weights),
+                               "--out", str(out), *extra)
     for item in overrides:
         command += ["--override", item]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}{os.pathsep}{WORKER.parent}")
+    env = child_env(PYTHONPATH=f"{REPO}{os.pathsep}{WORKER.parent}")
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{mode} at {layout} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return json.loads((out / f"{mode}.json").read_text())

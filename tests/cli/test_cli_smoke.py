@@ -2,13 +2,13 @@
 
 import sys
 import types
-from pathlib import Path
 
 import pytest
 
+from _support.processes import REPO
 from megatron_rl import cli
 
-REPO = Path(__file__).parents[2]
+pytestmark = pytest.mark.subprocess  # runs a child process (pyproject's marks; scripts/test.sh --quick)
 
 
 @pytest.fixture

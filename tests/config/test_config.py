@@ -1,9 +1,8 @@
 """The config tree: loading, overrides, and errors that name the file and key."""
 
-from pathlib import Path
-
 import pytest
 
+from _support.processes import REPO
 from megatron_rl.config import ParallelConfig, load_config
 
 from megatron_rl.errors import ConfigError
@@ -73,7 +72,7 @@ def test_expert_count_must_divide():
         ParallelConfig(ep=2).validate_for_model("parallel", num_experts=None)
 
 
-RECIPES = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
+RECIPES = sorted((REPO / "configs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)

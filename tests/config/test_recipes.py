@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from _support.processes import REPO, child_env
 from megatron_rl.config import load_config
 from megatron_rl.model.hf_config import load_hf_config, parse_hf_config
 from megatron_rl.train.preflight import check_layout_and_paths
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = REPO / "configs"
 
 def published(preset: str) -> dict:
     """A published model's config.json, as shipped with the package (megatron_rl/model/presets/)."""
@@ -76,7 +77,6 @@ def test_deepseek_v3_recipe_reads_the_published_model_fp8_or_bf16(tmp_path, monk
 
 # ---- rollout: the transport, the servers' layout, and the launch scripts in launch/ ---------------
 
-REPO = CONFIGS.parent
 LAUNCH = REPO / "launch"
 GPUS_PER_NODE = 8  # the large recipes' nodes: 8 H100/H200
 
@@ -170,11 +170,11 @@ def planned_header(text: str) -> tuple[str, str] | None:
 _SEPARATOR = "==== next recipe ===="
 
 
+@pytest.mark.subprocess  # the planner over every recipe, in a child process
 def test_recipe_headers_are_the_planners_tables_for_their_clusters():
     """Re-run the command each GPU recipe's header names (one process for all of them: the planner's
     imports are most of its time): the table must be what the planner says today, the recipe's
     own layout must fit, and the cluster must be the one the recipe states."""
-    import os
     import subprocess
     import sys
 
@@ -189,7 +189,7 @@ def test_recipe_headers_are_the_planners_tables_for_their_clusters():
         ["from megatron_rl.cli import main"]
         + [f"print({_SEPARATOR!r}); main(['plan', *{command.split()!r}, '--recipe-header', {command!r}])"
            for command, _ in headers.values()])
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="2")
+    env = child_env(OMP_NUM_THREADS="2")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env,
                             cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]

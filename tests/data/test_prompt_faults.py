@@ -10,13 +10,12 @@ and no engine started: everything here happens before that.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from _support.processes import REPO, child_env, cli_command
 from megatron_rl.config import load_config
 from megatron_rl.data import DataConfig, encode_prompt, load_datasets, write_char_tokenizer
 from megatron_rl.errors import ConfigError
@@ -24,7 +23,8 @@ from megatron_rl.model.hf_config import load_hf_config
 from megatron_rl.rollout.engine_model import load_engine_tokenizer
 from megatron_rl.train.preflight import preflight
 
-REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.subprocess  # runs a child process (pyproject's marks; scripts/test.sh --quick)
+
 # rollout.max_model_len - rl.max_response_tokens: the longest prompt the engine can take and answer.
 MAX_MODEL_LEN, MAX_RESPONSE = 64, 6
 LIMIT = MAX_MODEL_LEN - MAX_RESPONSE
@@ -158,10 +158,9 @@ def test_non_utf8_line_is_refused_naming_file_line_and_offset(tmp_path):
 def test_non_utf8_line_exits_2_through_the_cli(tmp_path):
     path, _ = non_utf8_file(tmp_path)
     result = subprocess.run(
-        [sys.executable, "-m", "megatron_rl.cli", "train", f"output_dir={tmp_path / 'run'}", f"data.train={path}",
-         "logging.wandb_mode=disabled"],
+        cli_command("train", f"output_dir={tmp_path / 'run'}", f"data.train={path}", "logging.wandb_mode=disabled"),
         capture_output=True, text=True, timeout=300, cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"),
+        env=child_env(),
     )
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-4000:]
     assert f"megatron-rl: configuration error: {path} line 2: not valid UTF-8" in result.stderr, result.stderr

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from _support.processes import REPO
 from megatron_rl.config import load_config
 
 from megatron_rl.errors import ConfigError
@@ -28,7 +29,7 @@ from megatron_rl.launch.slurm import SlurmOptions, prepare
 from megatron_rl.rollout.engine_model import engine_config, write_engine_model_dir
 from megatron_rl.rollout.factory import server_args
 
-REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.subprocess  # runs a child process (pyproject's marks; scripts/test.sh --quick)
 
 
 class Launched(Exception):

@@ -21,16 +21,16 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from _support.processes import REPO, cli_command
+
 pytestmark = pytest.mark.slurm
 
-REPO = Path(__file__).resolve().parents[2]
 SHORT = ["rl.prompts_per_step=8", "rl.group_size=4", "rl.max_response_tokens=6", "warm_start.steps=20",
          "data.num_heldout=16", "rl.eval_every=0", "checkpoint.every_steps=2", "logging.wandb_mode=disabled"]
 
@@ -43,8 +43,8 @@ LONG = 20
 
 def cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     environment = dict(env or os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "megatron_rl.cli", *args], env=environment, capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO)
+    return subprocess.run(cli_command(*args), env=environment, capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO)
 
 
 # ---- without SLURM ------------------------------------------------------------------------------

@@ -72,6 +72,7 @@ def test_cpu_layer_refuses_a_cuda_machine_mocked(monkeypatch):
     assert not cpu_compat.is_active()
 
 
+@pytest.mark.subprocess  # a fresh interpreter
 def test_moe_router_runs_without_transformer_engine_on_any_device():
     """Megatron-Core 0.16.1's router names `te_general_gemm`, defined only when Transformer Engine
     imports: every MoE forward raised NameError on an H200 without TE (the CPU layer repaired it

@@ -11,30 +11,26 @@ starting bias.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from megatron_rl.runtime.distributed import free_port
+from _support.processes import child_env, torchrun_command
 
 pytestmark = pytest.mark.multiprocess
 
 WORKER = Path(__file__).with_name("expert_bias_worker.py")
-REPO = WORKER.parents[2]
 RATE = 0.01
 
 
 def run(tmp_path: Path, nproc: int, overrides: list[str]) -> list[dict]:
     out = tmp_path / "result"
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-               str(WORKER), "tiny-deepseek-v3", str(out)]
+    command = torchrun_command(WORKER, nproc, "tiny-deepseek-v3", str(out))
     for item in overrides:
         command += ["--override", item]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = child_env()
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-5000:]
     return [json.loads((tmp_path / f"result.rank{r}.json").read_text()) for r in range(nproc)]

@@ -4,21 +4,18 @@ vocab padding, temperature, real 2-rank tensor parallelism over gloo, input vali
 from __future__ import annotations
 
 import datetime
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _support.processes import REPO, free_port
 from megatron_rl.model.logprobs import naive_logprobs_entropy, vocab_parallel_logprobs_entropy
 
 pytestmark = pytest.mark.multiprocess
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -276,23 +273,17 @@ def _tp_worker(rank, world, port):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 def test_tensor_parallel_two_ranks_matches_single_process():
     # One spawn for all TP cases: process start-up dominates the cost.
-    mp.spawn(_tp_worker, args=(2, _free_port()), nprocs=2, join=True)
+    mp.spawn(_tp_worker, args=(2, free_port()), nprocs=2, join=True)
 
 
 # ----------------------------------------------------------------------------- benchmark smoke
 def test_benchmark_quick_runs():
     proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmarks" / "logprobs.py"), "--quick"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        [sys.executable, str(REPO / "benchmarks" / "logprobs.py"), "--quick"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ratio ours/naive" in proc.stdout, proc.stdout

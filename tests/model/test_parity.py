@@ -11,20 +11,17 @@ own torch_dist checkpoints for the weights and for gathering gradients (see pari
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from megatron_rl.runtime.distributed import free_port
+from _support.processes import child_env, torchrun_command
 
 pytestmark = pytest.mark.multiprocess
 
 WORKER = Path(__file__).with_name("parity_worker.py")
-REPO = WORKER.parents[2]
 
 FP32_TOL = 1e-5
 # bf16 (TP2 x EP2 x ETP2 vs one process, both bf16, same weights), measured on the tiny MoE:
@@ -52,18 +49,14 @@ LAYOUTS = {
 def run_worker(out: Path, weights: Path, nproc: int, overrides: list[str], reference: bool = False,
                recipe: str | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    command = [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-        str(WORKER), "--out", str(out), "--weights", str(weights),
-    ]
+    command = torchrun_command(WORKER, nproc, "--out", str(out), "--weights", str(weights))
     for item in overrides:
         command += ["--override", item]
     if reference:
         command.append("--reference")
     if recipe:
         command += ["--recipe", recipe]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = child_env()
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     if result.returncode != 0:
         raise AssertionError(f"worker failed ({' '.join(overrides)}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")

@@ -11,15 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from _support.processes import REPO, child_env, cli_command
 from megatron_rl.model.hf_config import load_hf_config
 
+pytestmark = pytest.mark.subprocess  # runs a child process (pyproject's marks; scripts/test.sh --quick)
+
 WORKER = Path(__file__).with_name("policy_worker.py")
-REPO = WORKER.parents[2]
 
 
 def run_worker(mode: str, hf_config: str, tmp_path: Path) -> dict:
     out = tmp_path / f"{mode}.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="2")
+    env = child_env(OMP_NUM_THREADS="2")
     result = subprocess.run([sys.executable, str(WORKER), mode, hf_config, str(out)],
                             env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-5000:]
@@ -60,10 +62,9 @@ def test_parameter_count_matches_transformers(tmp_path, family):
 
 
 def test_cli_smoke_run(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="2")
+    env = child_env(OMP_NUM_THREADS="2")
     result = subprocess.run(
-        [sys.executable, "-m", "megatron_rl.cli", "smoke", "--steps", "2", "--output-dir", str(tmp_path / "run"),
-         "optimizer.lr=1e-3"],
+        cli_command("smoke", "--steps", "2", "--output-dir", str(tmp_path / "run"), "optimizer.lr=1e-3"),
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-5000:]
@@ -75,7 +76,7 @@ def test_cli_smoke_run(tmp_path):
 
 def test_cli_reports_config_errors_before_work(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    result = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", "parallel.tp=3"],
+    result = subprocess.run(cli_command("train", "parallel.tp=3"),
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "configuration error" in result.stderr

@@ -4,14 +4,13 @@ brings them back (megatron_rl/observability/console.py). Real runs: vLLM engine,
 import os
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from _support.processes import REPO, cli_command
+
 pytestmark = pytest.mark.engine
 
-REPO = Path(__file__).resolve().parents[2]
 # What the dependencies printed before the console was quieted (Triton, c10's NUMA notice, vLLM's
 # FutureWarnings, Megatron-Core's Apex and RerunStateMachine lines, torch UserWarnings).
 NOISE = re.compile(r"Warning|WARNING|Triton|NUMA|RerunStateMachine|Apex|deprecated", re.IGNORECASE)
@@ -20,8 +19,7 @@ NOISE = re.compile(r"Warning|WARNING|Triton|NUMA|RerunStateMachine|Apex|deprecat
 def _run(args, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("TORCH_LOGS", "TORCH_CPP_LOG_LEVEL", "PYTHONWARNINGS")}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="2")
-    result = subprocess.run([sys.executable, "-m", "megatron_rl.cli", *args], env=env, capture_output=True, text=True,
-                            timeout=600, cwd=tmp_path)
+    result = subprocess.run(cli_command(*args), env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-5000:]
     return result.stdout + result.stderr
 

@@ -9,22 +9,24 @@ fail a missing term: leaving out the logits' gradient alone is 23% of the smalle
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from _support.processes import child_env
+
+pytestmark = pytest.mark.subprocess  # runs a child process (pyproject's marks; scripts/test.sh --quick)
+
 HERE = Path(__file__).parent
-REPO = HERE.parents[1]
 # Two sizes (256 x 2 layers, 512 x 4), both families, and recompute; the benchmark runs more.
 CASES = [(512, 4, "none", "qwen3-moe"), (512, 4, "full", "qwen3-moe"), (256, 2, "none", "deepseek-v3")]
 BOUND = {"none": 0.15, "full": 0.30}
 
 
 def run_step(out: Path, hidden: int, layers: int, recompute: str, family: str = "qwen3-moe", tokens: int = 2048) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=str(REPO), MALLOC_MMAP_THRESHOLD_="65536")
+    env = child_env(OMP_NUM_THREADS="2", MALLOC_MMAP_THRESHOLD_="65536")
     path = out / f"act-{family}-{hidden}-{layers}-{recompute}.json"
     result = subprocess.run([sys.executable, str(HERE / "activation_worker.py"), str(path), str(hidden), str(layers),
                              str(tokens), recompute, family], env=env, capture_output=True, text=True, timeout=600)

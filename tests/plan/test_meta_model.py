@@ -6,17 +6,22 @@ embedding flags) and tiny DeepSeek-V3 at TP2 x EP2."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from _support.processes import child_env
+
+pytestmark = pytest.mark.subprocess  # runs a child process (pyproject's marks; scripts/test.sh --quick)
 
 HERE = Path(__file__).parent
 
 
 def test_composed_stages_equal_whole_stages_built_on_meta(tmp_path):
     out = tmp_path / "compose.json"
-    env = dict(os.environ, PYTHONPATH=str(HERE.parents[1]), OMP_NUM_THREADS="2")
+    env = child_env(OMP_NUM_THREADS="2")
     result = subprocess.run([sys.executable, str(HERE / "plan_worker.py"), "compose", str(out)], env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

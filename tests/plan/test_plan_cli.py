@@ -6,19 +6,19 @@ by name."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+import pytest
+
+from _support.processes import REPO, child_env, cli_command
+
+pytestmark = pytest.mark.subprocess  # runs a child process (pyproject's marks; scripts/test.sh --quick)
 
 
 def plan(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="2")
-    return subprocess.run([sys.executable, "-m", "megatron_rl.cli", "plan", *args], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=REPO)
+    env = child_env(OMP_NUM_THREADS="2")
+    return subprocess.run(cli_command("plan", *args), capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
 
 
 def test_deepseek_v3_recipe_plans_from_its_shipped_architecture():

@@ -13,19 +13,17 @@ optimizer off: full fp32 copies)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from megatron_rl.runtime.distributed import free_port
+from _support.processes import child_env, torchrun_command
 
 pytestmark = pytest.mark.multiprocess
 
 HERE = Path(__file__).parent
-REPO = HERE.parents[1]
 BF16 = ["model.precision=bf16"]
 CASES = {
     "tp2": ("tiny-deepseek-v3", 2, ["parallel.tp=2", "parallel.distributed_optimizer=false", *BF16]),
@@ -36,14 +34,9 @@ CASES = {
 FIELDS = ("params", "grads", "main_params", "moments")
 
 
-def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-
-
 def measured(out: Path, model: str, world: int, overrides: list[str]) -> dict[int, dict]:
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-               f"--master-port={free_port()}", str(HERE / "state_worker.py"), str(out), model, *overrides]
-    result = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=600)
+    command = torchrun_command(HERE / "state_worker.py", world, str(out), model, *overrides)
+    result = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return {r: json.loads((out / f"{model}-rank{r}.json").read_text()) for r in range(world)}
 
@@ -51,7 +44,7 @@ def measured(out: Path, model: str, world: int, overrides: list[str]) -> dict[in
 def predicted(out: Path, model: str, world: int, overrides: list[str]) -> dict[int, dict]:
     path = out / "predicted.json"
     result = subprocess.run([sys.executable, str(HERE / "plan_worker.py"), "predict", str(path), model, str(world),
-                             *overrides], env=_env(), capture_output=True, text=True, timeout=300)
+                             *overrides], env=child_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return {int(rank): value for rank, value in json.loads(path.read_text()).items()}
 

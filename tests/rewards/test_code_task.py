@@ -9,18 +9,17 @@ harness of configs/tiny_code.yaml, the real sandbox, the scorer's worker process
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import yaml
 
+from _support.processes import REPO
 from megatron_rl.data.tokenizer import ALPHABET
 from megatron_rl.errors import ConfigError
 from megatron_rl.rewards import resolve_reward
 from megatron_rl.rewards.scoring import RewardInput, RewardScorer, RewardTerm
 from megatron_rl.rewards.synthetic import make_task, verify_synthetic
 
-REPO = Path(__file__).resolve().parents[2]
 RECIPE = yaml.safe_load((REPO / "configs/tiny_code.yaml").read_text())
 TASK = RECIPE["data"]["synthetic"]             # the recipe's task settings
 TERM = RECIPE["rewards"]["terms"][0]           # the recipe's code_tests term (its harness)

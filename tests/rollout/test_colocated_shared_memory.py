@@ -16,16 +16,15 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
+from _support.processes import child_env, cli_command
 from megatron_rl.runtime.cpu.vllm_shm import stale_segments
 
-REPO = Path(__file__).resolve().parents[2]
 SHM = Path("/dev/shm")
 SHORT = ["parallel.ep=2", "parallel.etp=1", "rl.prompts_per_step=4", "rl.group_size=2", "rl.updates_per_rollout=1",
          "rl.max_response_tokens=4", "warm_start.steps=0", "data.num_heldout=4", "rl.eval_every=0",
@@ -50,10 +49,10 @@ def test_stale_segments_are_the_unmapped_old_ones(tmp_path):
 
 
 def launch(out: Path) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    return subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "launch", "local", "--nproc-per-node", "2",
-                             "--output-dir", str(out), *SHORT, "rl.steps=2"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    env = child_env()
+    return subprocess.Popen(cli_command("launch", "local", "--nproc-per-node", "2", "--output-dir", str(out), *SHORT,
+                                        "rl.steps=2"), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
 
 
 def wait_for_first_metrics(process: subprocess.Popen, out: Path, timeout_s: float = 600) -> None:

@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_rl.runtime.launch_env import free_port
+from _support.processes import free_port
 from megatron_rl.rollout import EngineError, EnginePool, SamplingParams
 from megatron_rl.rollout.protocol import EngineDied, EngineUnavailable
 from megatron_rl.rollout.engines.vllm_server import VllmServerEngine

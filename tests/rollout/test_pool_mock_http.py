@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from megatron_rl.runtime.launch_env import free_port
+from _support.processes import free_port
 from megatron_rl.rollout import EnginePool, EngineTimeout, EngineUnavailable, SamplingParams
 from megatron_rl.rollout.engines.vllm_server import VllmServerEngine
 

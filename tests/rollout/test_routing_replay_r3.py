@@ -18,20 +18,18 @@ and training forwards on the engine's routes; the setting's spellings and refusa
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from _support.processes import REPO, child_env, cli_command, torchrun_command
 from megatron_rl.config import load_config
 
 from megatron_rl.errors import ConfigError
-from megatron_rl.runtime.distributed import free_port
 
 WORKER = Path(__file__).with_name("r3_worker.py")
-REPO = WORKER.parents[2]
 sys.path.insert(0, str(REPO / "tests" / "bridge"))
 from test_bridge import family_configs, make_hf_model  # noqa: E402
 from vocab_tokenizer import write_tokenizer  # noqa: E402
@@ -43,10 +41,6 @@ def needs_vllm() -> None:
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
 
 
-def environment() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-
-
 def test_r3_replays_the_engines_routes(tmp_path):
     needs_vllm()
     hf = tmp_path / "hf"
@@ -54,9 +48,8 @@ def test_r3_replays_the_engines_routes(tmp_path):
     make_hf_model(raw, hf)
     write_tokenizer(hf, raw["vocab_size"])
     out = tmp_path / "report.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={free_port()}",
-               str(WORKER), "--hf", str(hf), "--out", str(out)]
-    result = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=900)
+    command = torchrun_command(WORKER, 1, "--hf", str(hf), "--out", str(out))
+    result = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-6000:]
     report = json.loads(out.read_text())
 
@@ -86,11 +79,11 @@ def test_train_runs_with_rollout_routing_replay(tmp_path):
     forward) and a KL reference forward, all on the engine's routes."""
     needs_vllm()
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "megatron_rl.cli", "train", "--output-dir", str(out), "rl.routing_replay=rollout",
-               "rl.recipe=grpo", "rl.steps=1", "rl.prompts_per_step=4", "rl.group_size=4", "warm_start.steps=0",
-               "data.num_heldout=2", "rl.eval_every=0", "checkpoint.every_steps=0", "checkpoint.export_hf=false",
-               "logging.wandb_mode=disabled"]
-    result = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=900)
+    command = cli_command("train", "--output-dir", str(out), "rl.routing_replay=rollout", "rl.recipe=grpo",
+                          "rl.steps=1", "rl.prompts_per_step=4", "rl.group_size=4", "warm_start.steps=0",
+                          "data.num_heldout=2", "rl.eval_every=0", "checkpoint.every_steps=0",
+                          "checkpoint.export_hf=false", "logging.wandb_mode=disabled")
+    result = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
     step = next(record for record in records if record["step"] == 1)

@@ -15,7 +15,6 @@ import datetime
 import json
 import multiprocessing
 import random
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _support.processes import free_port
 from megatron_rl.rollout.protocol import EngineError, EngineTimeout, EngineUnavailable, RolloutEngine, SamplingParams
 from megatron_rl.rollout.engines.sglang import SglangServerEngine
 
@@ -34,12 +34,6 @@ LAYERS, TOP_K = 2, 2  # shape of the fake routed experts
 def fake_logprob(token: int) -> float:
     """The fake model's logprob of a token, so a test can check each logprob belongs to its token."""
     return -((token % 7) + 1) / 10
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _weight_group_peer(conn, address: str, port: int, rank: int, world_size: int, group_name: str, backend: str):

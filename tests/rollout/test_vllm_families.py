@@ -16,19 +16,19 @@ fail after a push without `repack_cpu_moe` (off by 0.2-0.75); neither raises an 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from _support.processes import child_env
+
 pytestmark = pytest.mark.engine
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
 
 WORKER = Path(__file__).with_name("families_worker.py")
-REPO = WORKER.parents[2]
 SYNC_TOL = 1e-4
 STALE_MIN = 1e-3
 FAMILIES = ["deepseek_v3", "glm4_moe"]
@@ -39,7 +39,7 @@ def report(request, tmp_path_factory) -> dict:
     family = request.param
     root = tmp_path_factory.mktemp(family)
     out = root / "report.json"
-    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=str(REPO))
+    env = child_env(OMP_NUM_THREADS="2")
     result = subprocess.run([sys.executable, str(WORKER), "--family", family, "--root", str(root), "--out", str(out)],
                             env=env, capture_output=True, text=True, timeout=600)
     if result.returncode != 0:

@@ -15,19 +15,17 @@ on one process: tests/train/test_model_families.py and tests/rollout/test_vllm_f
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from megatron_rl.runtime.distributed import free_port
+from _support.processes import REPO, child_env, torchrun_command
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
 
 WORKER = Path(__file__).with_name("sync_worker.py")
-REPO = WORKER.parents[2]
 sys.path.insert(0, str(REPO / "tests" / "bridge"))
 from test_bridge import family_configs, make_hf_model  # noqa: E402
 from vocab_tokenizer import write_tokenizer  # noqa: E402
@@ -62,12 +60,11 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 def run_sync(hf_dir: Path, out_dir: Path, mode: str, nproc: int, overrides: list[str]) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               f"--master-port={free_port()}", str(WORKER), "--hf", str(hf_dir),
-               "--out", str(out_dir / "report.json"), "--mode", mode]
+    command = torchrun_command(WORKER, nproc, "--hf", str(hf_dir), "--out", str(out_dir / "report.json"),
+                               "--mode", mode)
     for item in overrides:
         command += ["--override", item]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = child_env()
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     if result.returncode != 0:
         log = out_dir / "vllm-server.log"
@@ -128,7 +125,7 @@ def test_rollout_benchmark_quick_runs(tmp_path):
     """benchmarks/rollout.py --quick must keep working (it is not part of the suite otherwise), and
     its two generate paths must produce the same tokens (the script checks that itself)."""
     out = tmp_path / "bench.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = child_env()
     result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "rollout.py"), "--quick", "--rounds", "2",
                              "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]

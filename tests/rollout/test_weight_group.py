@@ -16,7 +16,7 @@ import traceback
 import pytest
 import torch
 
-from megatron_rl.runtime.launch_env import free_port
+from _support.processes import free_port
 from megatron_rl.rollout.weights.group import (
     GroupSpec,
     TensorMeta,

@@ -17,10 +17,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from _support.processes import REPO, child_env, cli_command
 from megatron_rl.errors import ConfigError
 from megatron_rl.runtime.cpu.vllm_kernels import (
     CpuFeatures,
@@ -30,7 +30,6 @@ from megatron_rl.runtime.cpu.vllm_kernels import (
     refuse_unrunnable,
 )
 
-REPO = Path(__file__).parents[2]
 AMX = CpuFeatures(model="Intel Xeon (AMX)", amx_tile=True, avx512=True, avx512_bf16=True)
 ZEN3 = CpuFeatures(model="AMD EPYC (Zen 3)", amx_tile=False, avx512=False, avx512_bf16=False)
 DEEPSEEK = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
@@ -89,8 +88,8 @@ def test_verbose_start_up_line_names_cpu_features_and_kernels(tmp_path):
     """The line comes before any model is built: a run whose data file is missing still shows it."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     result = subprocess.run(
-        [sys.executable, "-m", "megatron_rl.cli", "train", "--verbose", "model.hf_config=tiny-deepseek-v3",
-         f"output_dir={tmp_path / 'run'}", f"data.train={tmp_path / 'missing.jsonl'}"],
+        cli_command("train", "--verbose", "model.hf_config=tiny-deepseek-v3", f"output_dir={tmp_path / 'run'}",
+                    f"data.train={tmp_path / 'missing.jsonl'}"),
         env=env, capture_output=True, text=True, timeout=300)
     line = next((l for l in result.stdout.splitlines() if l.startswith("megatron-rl: cpu: ")), None)
     assert line, result.stdout[-2000:] + result.stderr[-2000:]
@@ -109,7 +108,7 @@ def test_on_amx_cpus_an_fp32_mla_engine_starts_and_matches_transformers(tmp_path
     """Runs the DeepSeek-V3 engine check (tests/rollout/families_worker.py) on this AMX machine."""
     worker = REPO / "tests" / "rollout" / "families_worker.py"
     out = tmp_path / "report.json"
-    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=str(REPO))
+    env = child_env(OMP_NUM_THREADS="2")
     result = subprocess.run([sys.executable, str(worker), "--family", "deepseek_v3", "--root", str(tmp_path),
                              "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-6000:]

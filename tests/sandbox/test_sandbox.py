@@ -12,10 +12,10 @@ import subprocess
 import sys
 import tempfile
 import threading
-from pathlib import Path
 
 import pytest
 
+from _support.processes import REPO
 from megatron_rl.sandbox import Sandbox, SandboxLimits
 
 LIMITS = SandboxLimits(wall_seconds=4, cpu_seconds=2, memory_mb=256, processes=16, output_bytes=4096, file_mb=4)
@@ -235,7 +235,7 @@ def test_a_machine_without_user_namespaces_refuses_unless_opted_out_and_the_opt_
     command = ["unshare", "--user", "--map-root-user", "sh", "-c",
                'echo 0 > /proc/sys/user/max_user_namespaces && exec "$0" -c "$1"', sys.executable, REFUSING_MACHINE]
     run = subprocess.run(command, capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])))
+                         env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
     assert lines[0].startswith("refused: cannot sandbox model-written code on this machine: the kernel refused"), lines

@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-REPO = Path(__file__).parents[2]
+from _support.processes import REPO, child_env, cli_command
+
 sys.path.insert(0, str(REPO / "tests" / "bridge"))
 from test_bridge import family_configs, hf_logits, make_hf_model, read_checkpoint  # noqa: E402
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.multiprocess
 
 
 def tool(name: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = child_env()
     result = subprocess.run([sys.executable, str(REPO / "tools" / name), *args], env=env,
                             capture_output=True, text=True, timeout=600)
     if check and result.returncode != 0:
@@ -94,8 +95,8 @@ def test_sigmoid_router_families_round_trip_through_ep2(tmp_path, family, layout
 
 def test_cli_wrapper(llama, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    result = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "convert", "hf-to-megatron",
-                             "--hf-dir", str(llama), "--out", str(tmp_path / "mcore")],
+    result = subprocess.run(cli_command("convert", "hf-to-megatron", "--hf-dir", str(llama),
+                                        "--out", str(tmp_path / "mcore")),
                             env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "mcore" / "metadata.json").is_file()
@@ -147,8 +148,8 @@ WEIGHTS_WRITE = "torch.distributed.checkpoint.filesystem:_write_files_from_queue
 
 
 def start_paused(name: str, args: list[str], pause: str, marker: Path, sleep: float) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=f"{HOOK}{os.pathsep}{REPO}", OMP_NUM_THREADS="1",
-               CONVERT_TEST_PAUSE=pause, CONVERT_TEST_MARKER=str(marker), CONVERT_TEST_SLEEP=str(sleep))
+    env = child_env(PYTHONPATH=f"{HOOK}{os.pathsep}{REPO}",
+                    CONVERT_TEST_PAUSE=pause, CONVERT_TEST_MARKER=str(marker), CONVERT_TEST_SLEEP=str(sleep))
     return subprocess.Popen([sys.executable, str(REPO / "tools" / name), *args], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 

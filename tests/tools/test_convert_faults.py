@@ -44,6 +44,8 @@ import megatron_rl.bridge.hf_checkpoint  # noqa: E402,F401
 import megatron_rl.model.builder  # noqa: E402,F401
 import megatron_rl.runtime  # noqa: E402,F401
 
+pytestmark = pytest.mark.subprocess  # runs a child process (pyproject's marks; scripts/test.sh --quick)
+
 CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
 MS_RDONLY, MS_REC, MS_PRIVATE = 0x1, 0x4000, 0x40000
 LEFT_FREE = 64 << 10  # what the filler leaves of the tmpfs: the first weight file does not fit

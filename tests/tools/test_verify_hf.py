@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).parents[2]
+from _support.processes import REPO, child_env, cli_command, torchrun_command
+
 sys.path.insert(0, str(REPO / "tests" / "bridge"))
 from test_bridge import VOCAB, family_configs, make_hf_model  # noqa: E402
 
@@ -64,20 +65,13 @@ if os.environ.get("VERIFY_HF_TEST_EPS"):
 def verify(*args: str, torchrun: int = 0, env: dict[str, str] | None = None,
            pythonpath: str | None = None) -> subprocess.CompletedProcess:
     """`python -m megatron_rl.cli verify-hf ARGS`, or under `torchrun --nproc-per-node=N` when given."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={torchrun}",
-                f"--master-port={_free_port()}"] if torchrun else [sys.executable]
-    environment = dict(os.environ, PYTHONPATH=pythonpath or str(REPO), OMP_NUM_THREADS="1", **(env or {}))
+    command = (torchrun_command("megatron_rl.cli", torchrun, "verify-hf", *args, module=True) if torchrun
+               else cli_command("verify-hf", *args))
+    environment = child_env(PYTHONPATH=pythonpath or str(REPO), **(env or {}))
     for name in ("RANK", "WORLD_SIZE", "MEGATRON_RL_VERBOSE", "MEGATRON_RL_VERIFY_REPORT"):
         if name not in (env or {}):
             environment.pop(name, None)
-    return subprocess.run([*launcher, "-m", "megatron_rl.cli", "verify-hf", *args], env=environment,
-                          capture_output=True, text=True, timeout=600)
-
-
-def _free_port() -> int:
-    from megatron_rl.runtime.launch_env import free_port
-
-    return free_port()
+    return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
 
 
 def verdict(result: subprocess.CompletedProcess) -> tuple[float, int, str]:

@@ -12,6 +12,7 @@ by about 1e30 and their norm leaves float32.
 import sys
 
 import megatron_rl.train.trainer as trainer
+import megatron_rl.train.update as update
 from megatron_rl.cli import main
 
 current = {"step": 0}
@@ -20,7 +21,7 @@ current = {"step": 0}
 def inject(fault: str) -> None:
     kind, step = fault.split("=")
     step = int(step)
-    make_loss_fn, optimizer_step = trainer.make_loss_fn, trainer.Policy.optimizer_step
+    make_loss_fn, optimizer_step = update.make_loss_fn, trainer.Policy.optimizer_step
 
     def loss_fn_for_step(*args, policy_version, **kwargs):
         current["step"] = policy_version + 1
@@ -43,7 +44,7 @@ def inject(fault: str) -> None:
             lr = 1e30
         return optimizer_step(self, loss, lr=lr)
 
-    trainer.make_loss_fn = loss_fn_for_step
+    update.make_loss_fn = loss_fn_for_step
     trainer.Policy.optimizer_step = blowing_step
 
 

@@ -14,7 +14,6 @@ One short training run (module fixture) is the subject:
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -23,13 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from _support.processes import REPO, child_env, torchrun_command
+
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
 
 from run_records import comparable, metrics  # noqa: E402
 
 pytestmark = [pytest.mark.engine, pytest.mark.multiprocess]
 
-REPO = Path(__file__).resolve().parents[2]
 # An easy task (sums of numbers up to 12) and a longer warm start so that the trained policy's accuracy is far from a
 # fresh one's and "the same accuracy" means something.
 SHORT = ["rl.steps=5", "rl.prompts_per_step=8", "rl.group_size=4", "rl.max_response_tokens=6",
@@ -37,12 +37,8 @@ SHORT = ["rl.steps=5", "rl.prompts_per_step=8", "rl.group_size=4", "rl.max_respo
          "checkpoint.every_steps=2", "logging.wandb_mode=disabled"]
 
 
-def environment() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-
-
 def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, *args], env=environment(), capture_output=True, text=True, timeout=900)
+    result = subprocess.run([sys.executable, *args], env=child_env(), capture_output=True, text=True, timeout=900)
     if check:
         assert result.returncode == 0, f"{' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result
@@ -63,9 +59,24 @@ def safetensors_of(directory: Path) -> dict[str, torch.Tensor]:
 
 # The trained run's warm start: long enough that the policy it ends with is far from a fresh one
 # whatever the CPU's kernels. With SHORT's 150 steps, on an AMD EPYC without AVX-512 (Zen 3) the
-# held-out accuracy after RL was 2/12, below the 0.2 the tests below need (its evaluations read
+# held-out accuracy after RL was 2/12, too close to a fresh policy's 0 (its evaluations read
 # 3/12, 4/12, 3/12, 2/12: RL's steps on 12 prompts move it by a prompt or two); with 250, 5/12.
 TRAINED = ["warm_start.steps=250"]
+
+
+# "Learned" is measured against a paired control, never an absolute figure that depends on the
+# CPU's kernels: the trained policy answers at least two more of the 12 held-out prompts than the
+# untrained one does on the same prompts.
+LEARNED_MARGIN = 2 / 12
+
+
+@pytest.fixture(scope="module")
+def untrained_accuracy(tmp_path_factory) -> float:
+    """The control: the same held-out prompts, evaluated by a fresh policy (no warm start, no
+    RL step before the evaluation at step 0)."""
+    out = tmp_path_factory.mktemp("lifecycle") / "fresh"
+    train(out, "warm_start.steps=0", "rl.steps=1")
+    return metrics(out)[0]["eval/accuracy"]
 
 
 @pytest.fixture(scope="module")
@@ -103,19 +114,19 @@ def test_trained_checkpoint_converts_bit_exact_and_loads_in_transformers(trained
 
 
 @pytest.mark.parametrize("source", ["hf_model", "checkpoints/step_000005"])
-def test_new_run_from_the_trained_policy_measures_its_accuracy(trained, tmp_path, source):
+def test_new_run_from_the_trained_policy_measures_its_accuracy(trained, untrained_accuracy, tmp_path, source):
     reported = metrics(trained)[5]
-    assert 0.2 < reported["eval/accuracy"], reported  # far from the untrained policy's 0 (below)
+    # Far from the untrained policy's accuracy, so that measuring the same value means something.
+    assert reported["eval/accuracy"] >= untrained_accuracy + LEARNED_MARGIN, (reported, untrained_accuracy)
     train(tmp_path / "again", "warm_start.steps=0", "rl.steps=1", f"checkpoint.init_from={trained / source}")
     measured = metrics(tmp_path / "again")[0]
     for key in ("eval/accuracy", "eval/reward_mean", "eval/length_mean"):
         assert measured[key] == reported[key], (key, measured, reported)
 
 
-def test_untrained_policy_has_another_accuracy(trained, tmp_path):
+def test_untrained_policy_has_another_accuracy(trained, untrained_accuracy):
     """The control for the test above: without the trained weights the accuracy differs."""
-    train(tmp_path / "fresh", "warm_start.steps=0", "rl.steps=1")
-    assert metrics(tmp_path / "fresh")[0]["eval/accuracy"] != metrics(trained)[5]["eval/accuracy"]
+    assert untrained_accuracy != metrics(trained)[5]["eval/accuracy"]
 
 
 def test_vllm_serves_the_exported_model_as_transformers_does(trained, tmp_path):
@@ -186,17 +197,15 @@ def test_tp2_ep2_checkpoint_resumes_on_one_process_and_converts(tmp_path):
     """Written by 2 processes at TP2 x EP2 with a 300-token vocabulary (Megatron pads it to 512
     rows at TP2, to 384 at TP1): resumed on 1 process, KL reference included, then converted."""
     from megatron_rl.model.hf_config import load_hf_config
-    from megatron_rl.runtime.distributed import free_port
 
     raw, _ = load_hf_config("tiny-qwen3-moe")
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(dict(raw, vocab_size=300)))
     out = tmp_path / "run"
     common = ["rl.steps=3", "warm_start.steps=4", "rl.recipe=grpo", f"model.hf_config={tmp_path / 'model'}"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-               "-m", "megatron_rl.cli", "train", "--output-dir", str(out), *SHORT, *common,
-               "parallel.tp=2", "parallel.ep=2", "parallel.etp=1"]
-    result = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=900)
+    command = torchrun_command("megatron_rl.cli", 2, "train", "--output-dir", str(out), *SHORT, *common,
+                               "parallel.tp=2", "parallel.ep=2", "parallel.etp=1", module=True)
+    result = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     step2 = out / "checkpoints" / "step_000002"
     state = json.loads((step2 / "trainer_state.json").read_text())

@@ -19,16 +19,16 @@ from pathlib import Path
 import pytest
 import yaml
 
+from _support.processes import REPO, child_env, cli_command
+
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from run_records import metrics  # noqa: E402
-from test_train_loop import environment  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
-REPO = Path(__file__).resolve().parents[2]
 # dr_grpo: no dynamic sampling, so each step scores exactly 8 prompts x 4 samples. 150 warm-start
 # steps (~30 s) on the general expressions only bring the held-out pass rate to about 0.2: some
 # samples pass, some fail (the recipe's lookup demonstrations would need a longer warm start).
@@ -50,9 +50,8 @@ def recipe_with_controls(path: Path) -> Path:
 
 def test_code_task_rewards_come_from_running_the_expressions(tmp_path):
     config = recipe_with_controls(tmp_path / "tiny_code.yaml")
-    command = [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(config),
-               "--output-dir", str(tmp_path / "run"), *SHORT]
-    result = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=900)
+    command = cli_command("train", "--config", str(config), "--output-dir", str(tmp_path / "run"), *SHORT)
+    result = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     steps = metrics(tmp_path / "run")
     assert 0 < steps[0]["eval/accuracy"] < 1 and steps[0]["eval/prompts"] == 32, steps[0]

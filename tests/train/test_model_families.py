@@ -12,12 +12,11 @@ which vLLM needs to route with the bias: the trainer's engine directory must add
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
+from _support.processes import child_env, cli_command
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
 
@@ -25,7 +24,6 @@ from run_records import metrics  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
-REPO = Path(__file__).resolve().parents[2]
 RUN = ["rl.steps=3", "rl.prompts_per_step=8", "rl.group_size=4", "rl.max_response_tokens=6",
        "warm_start.steps=80", "data.synthetic.max_operand=3", "data.num_heldout=2", "rl.eval_every=0", "checkpoint.every_steps=0",
        "logging.wandb_mode=disabled", "model.moe_router_bias_update_rate=0.05", "optimizer.lr=3e-3"]
@@ -36,10 +34,8 @@ RUN = ["rl.steps=3", "rl.prompts_per_step=8", "rl.group_size=4", "rl.max_respons
 @pytest.mark.parametrize("preset", ["tiny-deepseek-v3"])
 def test_rl_steps_with_engine_parity(tmp_path, preset):
     out = tmp_path / preset
-    command = [sys.executable, "-m", "megatron_rl.cli", "train", "--output-dir", str(out),
-               f"model.hf_config={preset}", *RUN]
-    result = subprocess.run(command, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)),
-                            capture_output=True, text=True, timeout=900)
+    command = cli_command("train", "--output-dir", str(out), f"model.hf_config={preset}", *RUN)
+    result = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     steps = {step: record for step, record in metrics(out).items() if step >= 1}  # step 0: the eval before RL
     assert sorted(steps) == [1, 2, 3]

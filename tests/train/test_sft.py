@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -23,9 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from _support.processes import REPO, child_env, cli_command, torchrun_command
+
 pytestmark = [pytest.mark.engine, pytest.mark.multiprocess]
 
-REPO = Path(__file__).resolve().parents[2]
 # The data and warm-start settings both the sft command and the in-train warm start use.
 WARM = ["warm_start.steps=25", "warm_start.batch_size=32"]
 DATA = ["data.num_heldout=16"]
@@ -34,18 +34,9 @@ RL = ["rl.steps=1", "rl.prompts_per_step=8", "rl.group_size=4", "rl.eval_every=0
 TEXT = "12+7=19"  # a prompt of the synthetic add task and its answer, in the character tokenizer
 
 
-def environment() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-
-
 def cli(*args: str, torchrun: int = 0, check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:
-    launcher = [sys.executable]
-    if torchrun:
-        from megatron_rl.runtime.launch_env import free_port
-
-        launcher += ["-m", "torch.distributed.run", f"--nproc-per-node={torchrun}", f"--master-port={free_port()}"]
-    command = [*launcher, "-m", "megatron_rl.cli", *args]
-    result = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=timeout)
+    command = torchrun_command("megatron_rl.cli", torchrun, *args, module=True) if torchrun else cli_command(*args)
+    result = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=timeout)
     if check:
         assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result
@@ -102,7 +93,7 @@ runtime.shutdown()
 
 def megatron_logits(checkpoint: Path, tokens: list[int], out: Path) -> torch.Tensor:
     result = subprocess.run([sys.executable, "-c", MEGATRON_LOGITS, str(checkpoint), json.dumps(tokens), str(out)],
-                            env=environment(), capture_output=True, text=True, timeout=600)
+                            env=child_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-5000:]
     return torch.load(out)
 
@@ -110,7 +101,7 @@ def megatron_logits(checkpoint: Path, tokens: list[int], out: Path) -> torch.Ten
 def convert_to_hf(checkpoint: Path, out: Path) -> None:
     result = subprocess.run([sys.executable, str(REPO / "tools" / "convert_megatron_to_hf.py"),
                              "--ckpt", str(checkpoint), "--out", str(out)],
-                            env=environment(), capture_output=True, text=True, timeout=600)
+                            env=child_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-5000:]
 
 

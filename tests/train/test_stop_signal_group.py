@@ -31,9 +31,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from _support.processes import REPO, child_env, cli_command
 from megatron_rl.train.stop_signals import block_stop_signals
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
 # No warm start: nothing here depends on what the policy knows.
 OVERRIDES = {"rl.steps": str(STEPS), "warm_start.steps": "0", "logging.wandb_mode": "offline"}
@@ -59,8 +59,8 @@ def command(out: Path) -> list[str]:
     from test_train_loop import SHORT  # imported here: it skips without vLLM
 
     short = [item for item in SHORT if item.split("=", 1)[0] not in OVERRIDES]
-    return [sys.executable, "-m", "megatron_rl.cli", "launch", "local", "--nproc-per-node", "1",
-            "--output-dir", str(out), *short, *(f"{key}={value}" for key, value in OVERRIDES.items())]
+    return cli_command("launch", "local", "--nproc-per-node", "1", "--output-dir", str(out), *short,
+                       *(f"{key}={value}" for key, value in OVERRIDES.items()))
 
 
 def signal_every_process(root: psutil.Process, number: int) -> list[str]:
@@ -83,9 +83,7 @@ def signal_every_process(root: psutil.Process, number: int) -> list[str]:
 def run_signalled_after_step(out: Path, step: int, timeout: float = 600) -> tuple[int, str, list[str]]:
     """Starts the run in its own session and signals all of it once `step`'s console line is
     printed; (exit code, output, what was signalled)."""
-    from test_train_loop import environment
-
-    process = subprocess.Popen(command(out), env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    process = subprocess.Popen(command(out), env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)
     lines: list[str] = []
     seen = threading.Event()

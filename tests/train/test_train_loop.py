@@ -12,7 +12,6 @@ the built-in synthetic task, checkpoints on disk, run through the `megatron-rl t
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -22,13 +21,14 @@ from pathlib import Path
 
 import pytest
 
+from _support.processes import REPO, child_env, cli_command
+
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
 
 from run_records import comparable, metrics  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
-REPO = Path(__file__).resolve().parents[2]
 # Small enough for CI: 30 warm-start steps, then 5 RL steps of 8 prompts x 4 samples.
 SHORT = ["rl.steps=5", "rl.prompts_per_step=8", "rl.group_size=4", "rl.max_response_tokens=6",
          "warm_start.steps=30", "data.num_heldout=16", "rl.eval_every=2", "checkpoint.every_steps=2",
@@ -36,23 +36,19 @@ SHORT = ["rl.steps=5", "rl.prompts_per_step=8", "rl.group_size=4", "rl.max_respo
 
 
 def command(out: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "megatron_rl.cli", "train", "--output-dir", str(out), *SHORT, *overrides]
-
-
-def environment() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    return cli_command("train", "--output-dir", str(out), *SHORT, *overrides)
 
 
 def run(out: Path, *overrides: str, config: Path | None = None) -> subprocess.CompletedProcess:
     cmd = command(out, *overrides) + (["--config", str(config)] if config else [])
-    result = subprocess.run(cmd, env=environment(), capture_output=True, text=True, timeout=900)
+    result = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"{' '.join(cmd)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result
 
 
 def stop_with_sigterm(out: Path, *overrides: str, after_step: int) -> str:
     """Start a run and send it SIGTERM once it has logged `after_step`; its output (it must exit 0)."""
-    process = subprocess.Popen(command(out, *overrides), env=environment(), stdout=subprocess.PIPE,
+    process = subprocess.Popen(command(out, *overrides), env=child_env(), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and process.poll() is None:
@@ -162,7 +158,7 @@ def run_with_route_probe(out: Path, *overrides: str) -> tuple[dict, dict]:
     """(step 1's metrics, {mode: [routes used that differ from the recorded ones, routes used]})."""
     counts = out.parent / f"{out.name}_routes.json"
     cmd = [sys.executable, "-c", ROUTE_PROBE, *command(out, *overrides)[3:]]
-    result = subprocess.run(cmd, env=dict(environment(), ROUTES_USED=str(counts)), capture_output=True,
+    result = subprocess.run(cmd, env=child_env(ROUTES_USED=str(counts)), capture_output=True,
                             text=True, timeout=900)
     assert result.returncode == 0, f"{' '.join(cmd[3:])} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return metrics(out)[1], json.loads(counts.read_text())
@@ -207,8 +203,8 @@ def test_routing_replay_and_drift_metric(tmp_path):
 ])
 def test_bad_config_fails_in_under_a_second(tmp_path, override, expected):
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", "--output-dir", str(tmp_path), override],
-                            env=environment(), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(cli_command("train", "--output-dir", str(tmp_path), override),
+                            env=child_env(), capture_output=True, text=True, timeout=60)
     elapsed = time.perf_counter() - started
     assert result.returncode == 2
     assert expected in result.stderr, result.stderr

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from _support.processes import REPO, child_env
+
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
 
 pytestmark = pytest.mark.engine
 
-REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).parent
 # No warm start (nothing here depends on what the policy knows): each run is mostly start-up.
 SHORT = ["rl.steps=4", "rl.prompts_per_step=4", "rl.group_size=4", "rl.max_response_tokens=4",
@@ -31,7 +32,7 @@ SHORT = ["rl.steps=4", "rl.prompts_per_step=4", "rl.group_size=4", "rl.max_respo
 
 def train_with(out: Path, *faults: str, overrides=(), config: Path | None = None) -> subprocess.CompletedProcess:
     """`megatron-rl train` with `faults` injected (injected_divergence.py)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}{os.pathsep}{HERE}")
+    env = child_env(PYTHONPATH=f"{REPO}{os.pathsep}{HERE}")
     command = [sys.executable, str(HERE / "injected_divergence.py"), *faults, "--", "train",
                *(["--config", str(config)] if config else []), "--output-dir", str(out), *SHORT, *overrides]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)

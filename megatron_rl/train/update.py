@@ -1,0 +1,110 @@
+"""The training half of one RL step, as plain functions: the logprob forwards that store old /
+reference logprobs on the trajectories, and the optimizer updates over the packed mini-batches.
+
+    experience = pack_step(groups, ...)                                        (experience.py)
+    routing.begin_step(experience.packed, experience.minibatches, ...)     (routing_replay.py)
+    with routing.old_forward() as trace:
+        store_step_logprobs(policy, experience, "old_logprobs", trace)   # "ref_logprobs": KL
+    metrics = run_updates(policy, runtime, experience, LossSettings.for_run(config, recipe),
+                          routing, policy_version=..., check=...)
+
+`Trainer.rl_step` (trainer.py) runs them, and benchmarks/step_overhead.py times the very same
+functions on a fixed step (`run_update`, one mini-batch at a time), so that its figures measure
+the code a run executes rather than a copy of it. Nothing is kept between calls: the policy, the
+routing and the step's batches come in as arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from megatron_rl.algorithms import Recipe, reduce_metrics
+from megatron_rl.config import RunConfig
+from megatron_rl.model.packing import PackedBatch
+from megatron_rl.train.experience import (
+    PackedStep,
+    Trajectory,
+    make_loss_fn,
+    response_masks,
+    step_normalizer,
+    store_logprobs,
+)
+from megatron_rl.train.routing_replay import RoutingReplay
+
+if TYPE_CHECKING:
+    from megatron_rl.model.policy import Policy, StepResult
+    from megatron_rl.runtime import Runtime
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """What make_loss_fn needs besides an update's trajectories and normalizer: the same for
+    every update of a run."""
+
+    recipe: Recipe
+    # One update per rollout: the old policy IS the updated one, so the loss takes the old
+    # logprobs from the update's own forward (ratio exactly 1) and no old-logprob pass runs.
+    old_from_forward: bool
+    use_ref: bool  # KL: the trajectories hold ref_logprobs
+    max_staleness: int = 0  # asynchronous RL: mismatch metrics per token staleness
+    max_turns: int = 0  # multi-turn runs: mismatch metrics per model turn
+
+    @classmethod
+    def for_run(cls, config: RunConfig, recipe: Recipe) -> LossSettings:
+        rollout = config.rollout
+        return cls(recipe, old_from_forward=config.rl.updates_per_rollout == 1, use_ref=recipe.loss.kl_coef > 0,
+                   max_staleness=config.rl.max_staleness, max_turns=rollout.max_turns if rollout.multi_turn else 0)
+
+
+def store_step_logprobs(policy: Policy, experience: PackedStep, attribute: str, routing) -> None:
+    """One forward over every update's micro-batches; the response logprobs stored on the
+    trajectories as `attribute` ("old_logprobs", "ref_logprobs"). `routing`: the RouterTrace
+    that RoutingReplay.old_forward / reference_forward yielded (None: the model routes by
+    itself). The logprobs exist on the last pipeline stage only, which is where the loss that
+    reads them runs."""
+    outputs = policy.logprobs(experience.micro_batches(), with_entropy=False, routing=routing)
+    if not policy.is_last_stage:
+        return
+    for offset, batches, trajectories in experience.updates():
+        store_logprobs(outputs[offset: offset + len(batches)], batches, trajectories, attribute)
+
+
+def run_update(policy: Policy, runtime: Runtime, batches: list[PackedBatch], trajectories: list[Trajectory],
+               loss: LossSettings, routing: RoutingReplay, *, offset: int, policy_version: int) -> StepResult:
+    """One optimizer update on one mini-batch: its loss normalizer (collective over the DP
+    ranks: every rank's share of the mini-batch counts), its loss closure, and Policy.train_step
+    under the routing the run's rl.routing_replay asks for. `offset`: the index of the update's
+    first micro-batch in the step, where its recorded routes start."""
+    recipe = loss.recipe
+    normalizer = step_normalizer(response_masks(batches, trajectories, recipe), recipe, policy.dp_group,
+                                 runtime.device)
+    loss_fn = make_loss_fn(trajectories, recipe, normalizer, old_from_forward=loss.old_from_forward,
+                        use_ref=loss.use_ref, policy_version=policy_version, max_staleness=loss.max_staleness,
+                        max_turns=loss.max_turns)
+    with routing.update(offset) as trace:
+        return policy.train_step(batches, loss_fn, routing=trace)
+
+
+def run_updates(policy: Policy, runtime: Runtime, experience: PackedStep, loss: LossSettings,
+                routing: RoutingReplay, *, policy_version: int, check: Callable[[int, StepResult], None]) -> dict:
+    """The step's optimizer updates, one per mini-batch, and their metrics: the loss's terms
+    reduced over DP on the last stage and brought to the driver, the updates' totals, the routing
+    drift (collective under R3). `policy_version`: the version the updates start from (the
+    staleness of an asynchronous sample's tokens is measured against it). `check(update,
+    result)` sees each update's result before the next runs (the trainer's UpdateGuard, which
+    raises to stop the run before a bad update reaches a checkpoint or an engine)."""
+    results, micro_metrics = [], []
+    for update, (offset, batches, trajectories) in enumerate(experience.updates()):
+        result = run_update(policy, runtime, batches, trajectories, loss, routing, offset=offset,
+                            policy_version=policy_version)
+        check(update, result)
+        results.append(result)
+        micro_metrics.extend(result.metrics)
+    metrics = reduce_metrics(micro_metrics, group=policy.dp_group) if runtime.is_last_stage else {}
+    metrics = runtime.from_last_stage(metrics)
+    metrics.update({"train/loss": sum(r.loss for r in results), "train/grad_norm": results[-1].grad_norm,
+                    "train/lr": policy.learning_rate, "train/updates": len(results),
+                    "train/skipped_updates": sum(not r.updated for r in results)})
+    metrics.update(routing.drift_metrics())
+    return metrics
