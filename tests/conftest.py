@@ -22,6 +22,8 @@ import re
 
 import pytest
 
+from _support.rank_pool import RankPools
+
 # How the suite is spread over pytest-xdist workers.
 pytest_plugins = ["_support.scheduling"]
 
@@ -99,3 +101,12 @@ def tiny_vllm_server(tmp_path_factory):
                                      max_model_len=1024, seed=0)
     yield server.url, root / "model"
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def rank_pools(tmp_path_factory):
+    """torchrun rank pools that run the tests' worker scripts job after job: one start-up per
+    world size per test run instead of one per case (tests/_support/rank_pool.py)."""
+    pools = RankPools(tmp_path_factory.mktemp("rank-pools"))
+    yield pools
+    pools.stop()

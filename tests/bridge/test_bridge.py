@@ -20,7 +20,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from _support.processes import REPO, child_env, torchrun_command
+from _support.processes import REPO
+from _support.rank_pool import RankPools
 from megatron_rl.model.hf_config import load_hf_config
 
 pytestmark = pytest.mark.multiprocess
@@ -107,13 +108,13 @@ def read_checkpoint(directory: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def run_worker(mode: str, hf_dir: Path, out: Path, nproc: int, overrides: list[str], check: bool = True):
+def run_worker(ranks: RankPools, mode: str, hf_dir: Path, out: Path, nproc: int, overrides: list[str],
+               check: bool = True):
     out.mkdir(parents=True, exist_ok=True)
-    command = torchrun_command(WORKER, nproc, mode, "--hf", str(hf_dir), "--out", str(out))
+    args = [mode, "--hf", str(hf_dir), "--out", str(out)]
     for item in overrides:
-        command += ["--override", item]
-    env = child_env()
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        args += ["--override", item]
+    result = ranks.run(WORKER, nproc, *args)
     if check and result.returncode != 0:
         raise AssertionError(f"{mode} {overrides} failed:\n{result.stderr[-6000:]}")
     return result
@@ -144,13 +145,13 @@ CASES = [("qwen3", "pp2"), ("deepseek_v3", "pp2"), ("mixtral", "ep2"), ("qwen3_m
 
 
 @pytest.mark.parametrize("family, layout", CASES, ids=[f"{f}-{l}" for f, l in CASES])
-def test_round_trip_is_bit_exact_and_logits_match(models, tmp_path, family, layout):
+def test_round_trip_is_bit_exact_and_logits_match(models, rank_pools, tmp_path, family, layout):
     nproc, overrides = LAYOUTS[layout]
     if layout == "tp2" and family in MOE:
         overrides = overrides + ["parallel.etp=2"]
     if layout == "pp2" and family in UNEVEN:
         overrides = overrides + ["parallel.pp_first_stage_layers=1"]  # 3 layers: 1 + 2
-    run_worker("roundtrip", models[family], tmp_path, nproc, overrides)
+    run_worker(rank_pools, "roundtrip", models[family], tmp_path, nproc, overrides)
 
     original, exported = read_checkpoint(models[family]), read_checkpoint(tmp_path / "hf")
     assert sorted(exported) == sorted(original)
@@ -171,9 +172,9 @@ def test_round_trip_is_bit_exact_and_logits_match(models, tmp_path, family, layo
 
 
 @pytest.mark.parametrize("family, layout", [("qwen3_moe", "ep2"), ("llama", "tp2"), ("qwen3", "tp1")])
-def test_exported_weights_after_training_reproduce_megatron_logits(models, tmp_path, family, layout):
+def test_exported_weights_after_training_reproduce_megatron_logits(models, rank_pools, tmp_path, family, layout):
     nproc, overrides = LAYOUTS[layout]
-    run_worker("train", models[family], tmp_path, nproc, overrides)
+    run_worker(rank_pools, "train", models[family], tmp_path, nproc, overrides)
     from bridge_worker import TOKENS
 
     trained = hf_logits(tmp_path / "hf", TOKENS)
@@ -207,9 +208,9 @@ def _edited_copy(source: Path, target: Path, edit) -> Path:
     ],
     ids=["missing", "extra", "shape"],
 )
-def test_bad_checkpoints_are_refused_by_name(models, tmp_path, edit, message):
+def test_bad_checkpoints_are_refused_by_name(models, rank_pools, tmp_path, edit, message):
     bad = _edited_copy(models["llama"], tmp_path / "bad", edit)
-    result = run_worker("roundtrip", bad, tmp_path / "out", 2, ["parallel.tp=2"], check=False)
+    result = run_worker(rank_pools, "roundtrip", bad, tmp_path / "out", 2, ["parallel.tp=2"], check=False)
     assert result.returncode != 0
     assert message in result.stderr
     assert not (tmp_path / "out" / "hf").exists()

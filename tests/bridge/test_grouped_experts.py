@@ -13,14 +13,12 @@ The layouts include expert-TP = 2, where TE tags linear_fc2 with the wrong split
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from _support.processes import child_env, torchrun_command
 from megatron_rl.bridge.fp8_export import dequantize_blockwise, fp8_quantization_config, quantized_names
 from megatron_rl.bridge.layouts import split
 from megatron_rl.bridge.mappings import expand
@@ -102,13 +100,12 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_grouped_layout_exports_and_imports_like_the_local_layout(hf_dir, tmp_path, layout):
+def test_grouped_layout_exports_and_imports_like_the_local_layout(hf_dir, rank_pools, tmp_path, layout):
     nproc, overrides = LAYOUTS[layout]
-    command = torchrun_command(WORKER, nproc, "--hf", str(hf_dir), "--out", str(tmp_path))
+    args = ["--hf", str(hf_dir), "--out", str(tmp_path)]
     for item in overrides:
-        command += ["--override", item]
-    env = child_env()
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        args += ["--override", item]
+    result = rank_pools.run(WORKER, nproc, *args)
     assert result.returncode == 0, result.stderr[-6000:]
 
     original = read_checkpoint(hf_dir)

@@ -25,8 +25,6 @@ TP2, DeepSeek-V3 at TP2 (tests/rollout/test_vllm_sync.py); DeepSeek-V3 and GLM-4
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,7 +33,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from _support.processes import REPO, child_env, torchrun_command
+from _support.rank_pool import RankPools
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_bridge import MOE, family_configs, make_hf_model  # noqa: E402
@@ -99,17 +97,16 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return dirs
 
 
-def run_layout(out: Path, models: dict[str, Path], nproc: int, overrides: list[str], cells: list[str],
-               *extra: str) -> float:
+def run_layout(ranks: RankPools, out: Path, models: dict[str, Path], nproc: int, overrides: list[str],
+               cells: list[str], *extra: str) -> float:
     out.mkdir(parents=True, exist_ok=True)
-    command = torchrun_command(WORKER, nproc, "--out", str(out), *extra)
+    args = ["--out", str(out), *extra]
     for cell in cells:
-        command += ["--model", f"{cell}={models[cell]}"]
+        args += ["--model", f"{cell}={models[cell]}"]
     for item in overrides:
-        command += ["--override", item]
-    env = child_env(PYTHONPATH=f"{REPO}{os.pathsep}{WORKER.parent}")
+        args += ["--override", item]
     start = time.perf_counter()
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    result = ranks.run(WORKER, nproc, *args, timeout=900)
     seconds = time.perf_counter() - start
     if result.returncode != 0:
         raise AssertionError(f"matrix worker failed ({overrides}):\n{result.stdout[-3000:]}\n{result.stderr[-8000:]}")
@@ -118,21 +115,22 @@ def run_layout(out: Path, models: dict[str, Path], nproc: int, overrides: list[s
 
 
 @pytest.fixture(scope="module")
-def reference(models, tmp_path_factory) -> Path:
+def reference(models, rank_pools, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("matrix_reference")
-    run_layout(out, models, 1, [], list(CELLS), "--reference")
+    run_layout(rank_pools, out, models, 1, [], list(CELLS), "--reference")
     return out
 
 
 @pytest.fixture(scope="module")
-def layout_runs(models, reference, tmp_path_factory) -> dict[str, Path]:
+def layout_runs(models, reference, rank_pools, tmp_path_factory) -> dict[str, Path]:
     """Each layout's output directory, run on first use (all cells of a layout in one torchrun)."""
     root = tmp_path_factory.mktemp("matrix_layouts")
 
     class Runs(dict):
         def __missing__(self, layout: str) -> Path:
             nproc, overrides, _ = LAYOUTS[layout]
-            run_layout(root / layout, models, nproc, overrides, cells_of(layout), "--load-from", str(reference))
+            run_layout(rank_pools, root / layout, models, nproc, overrides, cells_of(layout), "--load-from",
+                       str(reference))
             self[layout] = root / layout
             return self[layout]
 

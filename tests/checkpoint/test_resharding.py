@@ -10,14 +10,12 @@ Real multi-process gloo jobs, Megatron-Core torch_dist files on disk.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from _support.processes import REPO, child_env, torchrun_command
+from _support.rank_pool import RankPools
 
 pytestmark = pytest.mark.multiprocess
 
@@ -36,15 +34,14 @@ LAYOUTS = {
 }
 
 
-def run(mode: str, layout: str, root: Path, ckpt: Path, out: Path, *extra: str, weights: str = "weights") -> dict:
+def run(mode: str, layout: str, root: Path, ckpt: Path, out: Path, *extra: str, weights: str = "weights",
+        ranks: RankPools) -> dict:
     nproc, overrides = LAYOUTS[layout]
     out.mkdir(parents=True, exist_ok=True)
-    command = torchrun_command(WORKER, nproc, mode, "--ckpt", str(ckpt), "--weights", str(root / weights),
-                               "--out", str(out), *extra)
+    args = [mode, "--ckpt", str(ckpt), "--weights", str(root / weights), "--out", str(out), *extra]
     for item in overrides:
-        command += ["--override", item]
-    env = child_env(PYTHONPATH=f"{REPO}{os.pathsep}{WORKER.parent}")
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        args += ["--override", item]
+    result = ranks.run(WORKER, nproc, *args)
     assert result.returncode == 0, f"{mode} at {layout} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return json.loads((out / f"{mode}.json").read_text())
 
@@ -70,15 +67,17 @@ MOVES = [("ep2", "single"), ("single", "ep2"), ("tp2", "dp2_distopt"), ("tied_pp
 
 
 @pytest.mark.parametrize("saved_at,resumed_at", MOVES)
-def test_resume_at_another_layout_matches_same_layout_resume(root, saved_at, resumed_at):
+def test_resume_at_another_layout_matches_same_layout_resume(root, rank_pools, saved_at, resumed_at):
     ckpt = root / f"ckpt_{saved_at}"
     weights = "weights_tied" if saved_at.startswith("tied") else "weights"
-    saved = run("save", saved_at, root, ckpt, root / f"save_{saved_at}", weights=weights)
+    saved = run("save", saved_at, root, ckpt, root / f"save_{saved_at}", weights=weights, ranks=rank_pools)
     assert saved["grad_norm"][1] > 0  # the saved state has non-zero moments
-    baseline = run("resume", saved_at, root, ckpt, root / f"{saved_at}_to_{saved_at}", weights=weights)
+    baseline = run("resume", saved_at, root, ckpt, root / f"{saved_at}_to_{saved_at}", weights=weights,
+                   ranks=rank_pools)
     # A same-layout resume continues the run exactly.
     assert {k: baseline[k] for k in ("loss", "grad_norm", "lr")} == saved["continued"]
-    moved = run("resume", resumed_at, root, ckpt, root / f"{saved_at}_to_{resumed_at}", weights=weights)
+    moved = run("resume", resumed_at, root, ckpt, root / f"{saved_at}_to_{resumed_at}", weights=weights,
+                ranks=rank_pools)
     assert moved["layout"]["world"] == LAYOUTS[resumed_at][0]
     # The LR schedule continued (warmup of 3 steps: step 3 is past it, not restarted at step 1).
     assert baseline["lr"][0] == pytest.approx(0.003, rel=1e-6)
@@ -92,28 +91,34 @@ def test_resume_at_another_layout_matches_same_layout_resume(root, saved_at, res
         assert torch.equal(initial[key], same_layout[key]), key
 
 
-def test_bf16_resume_at_another_layout_restores_the_fp32_main_weights(root):
+def test_bf16_resume_at_another_layout_restores_the_fp32_main_weights(root, rank_pools):
     """bf16: the optimizer's fp32 main weights are saved too (the bf16 weights alone would round
     them). Across layouts the order of bf16 reductions changes, so the bound there is the parity
     suite's bf16 loss bound, not 1e-5."""
     ckpt = root / "ckpt_ep2_bf16"
     bf16 = ["--override", "model.precision=bf16"]
-    saved = run("save", "ep2", root, ckpt, root / "save_ep2_bf16", *bf16, weights="weights_bf16")
-    baseline = run("resume", "ep2", root, ckpt, root / "ep2_to_ep2_bf16", *bf16, weights="weights_bf16")
+    saved = run("save", "ep2", root, ckpt, root / "save_ep2_bf16", *bf16, weights="weights_bf16", ranks=rank_pools)
+    baseline = run("resume", "ep2", root, ckpt, root / "ep2_to_ep2_bf16", *bf16, weights="weights_bf16",
+                   ranks=rank_pools)
     # Exact at the same layout: with only the bf16 weights restored (main weights rounded), not.
     assert {k: baseline[k] for k in ("loss", "grad_norm", "lr")} == saved["continued"]
-    moved = run("resume", "single", root, ckpt, root / "ep2_to_single_bf16", *bf16, weights="weights_bf16")
+    moved = run("resume", "single", root, ckpt, root / "ep2_to_single_bf16", *bf16, weights="weights_bf16",
+                ranks=rank_pools)
     for a, b in zip(moved["loss"], baseline["loss"]):
         assert abs(a - b) <= 2e-3, (moved, baseline)
     assert moved["lr"] == pytest.approx(baseline["lr"], rel=1e-12)
 
 
-def test_control_zeroed_moments_change_the_second_update(root):
+def test_control_zeroed_moments_change_the_second_update(root, rank_pools):
     """Without the restored moments the second update differs: the test above can fail."""
     ckpt = root / "ckpt_ep2"
     if not (ckpt / "small.json").is_file():
-        run("save", "ep2", root, ckpt, root / "save_ep2")
-    baseline = run("resume", "single", root, ckpt, root / "ep2_to_single_control_base")
-    dropped = run("resume", "single", root, ckpt, root / "ep2_to_single_dropped", "--drop-moments")
+        run("save", "ep2", root, ckpt, root / "save_ep2", ranks=rank_pools)
+    # The same resume as the (ep2 -> single) move above: its result, where that test ran first.
+    moved = root / "ep2_to_single" / "resume.json"
+    baseline = json.loads(moved.read_text()) if moved.is_file() else \
+        run("resume", "single", root, ckpt, root / "ep2_to_single", ranks=rank_pools)
+    dropped = run("resume", "single", root, ckpt, root / "ep2_to_single_dropped", "--drop-moments",
+                  ranks=rank_pools)
     assert relative(dropped["loss"][0], baseline["loss"][0]) <= REL_TOL  # same weights before any update
     assert relative(dropped["loss"][1], baseline["loss"][1]) > 100 * REL_TOL

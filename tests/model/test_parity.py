@@ -11,13 +11,12 @@ own torch_dist checkpoints for the weights and for gathering gradients (see pari
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from _support.processes import child_env, torchrun_command
+from _support.rank_pool import RankPools
 
 pytestmark = pytest.mark.multiprocess
 
@@ -46,18 +45,17 @@ LAYOUTS = {
 }
 
 
-def run_worker(out: Path, weights: Path, nproc: int, overrides: list[str], reference: bool = False,
+def run_worker(ranks: RankPools, out: Path, weights: Path, nproc: int, overrides: list[str], reference: bool = False,
                recipe: str | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    command = torchrun_command(WORKER, nproc, "--out", str(out), "--weights", str(weights))
+    args = ["--out", str(out), "--weights", str(weights)]
     for item in overrides:
-        command += ["--override", item]
+        args += ["--override", item]
     if reference:
-        command.append("--reference")
+        args.append("--reference")
     if recipe:
-        command += ["--recipe", recipe]
-    env = child_env()
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        args += ["--recipe", recipe]
+    result = ranks.run(WORKER, nproc, *args)
     if result.returncode != 0:
         raise AssertionError(f"worker failed ({' '.join(overrides)}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
 
@@ -74,11 +72,11 @@ def read_grads(directory: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, rank_pools):
     """Single-process runs (fp32 and bf16) that also write the shared starting weights."""
     root = tmp_path_factory.mktemp("parity")
     for precision in ("fp32", "bf16"):
-        run_worker(root / f"ref_{precision}", root / f"weights_{precision}", 1,
+        run_worker(rank_pools, root / f"ref_{precision}", root / f"weights_{precision}", 1,
                    [f"model.precision={precision}"], reference=True)
     return root
 
@@ -112,10 +110,10 @@ def compare(reference_dir: Path, layout_dir: Path) -> dict[str, float]:
     return dict(logprobs=lp_diff, entropy=ent_diff, grad=grad_diff, grad_rel=grad_rel, loss=loss_diff)
 
 
-def run_layout(reference: Path, name: str, precision: str) -> dict[str, float]:
+def run_layout(ranks: RankPools, reference: Path, name: str, precision: str) -> dict[str, float]:
     nproc, overrides, layout = LAYOUTS[name]
     out = reference / f"{name}_{precision}"
-    run_worker(out, reference / f"weights_{precision}", nproc, overrides + [f"model.precision={precision}"])
+    run_worker(ranks, out, reference / f"weights_{precision}", nproc, overrides + [f"model.precision={precision}"])
     check_layout(out, nproc, dict(layout, precision=precision))
     diffs = compare(reference / f"ref_{precision}", out)
     print(name, precision, diffs)
@@ -123,8 +121,8 @@ def run_layout(reference: Path, name: str, precision: str) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process_fp32(reference, name):
-    diffs = run_layout(reference, name, "fp32")
+def test_layout_matches_single_process_fp32(reference, rank_pools, name):
+    diffs = run_layout(rank_pools, reference, name, "fp32")
     assert diffs["logprobs"] <= FP32_TOL, diffs
     assert diffs["entropy"] <= FP32_TOL, diffs
     assert diffs["grad"] <= FP32_TOL, diffs
@@ -132,8 +130,8 @@ def test_layout_matches_single_process_fp32(reference, name):
 
 
 @pytest.mark.parametrize("name", ["tp2_ep2_etp2"])
-def test_layout_matches_single_process_bf16(reference, name):
-    diffs = run_layout(reference, name, "bf16")
+def test_layout_matches_single_process_bf16(reference, rank_pools, name):
+    diffs = run_layout(rank_pools, reference, name, "bf16")
     assert diffs["logprobs"] <= BF16_LOGPROB_TOL, diffs
     assert diffs["grad_rel"] <= BF16_GRAD_REL_TOL, diffs
     assert diffs["loss"] <= BF16_LOSS_TOL, diffs
@@ -145,13 +143,13 @@ RECIPE_CASES = [("gspo", "dp2_distopt"), ("dapo", "tp2_ep2_etp2"), ("gspo", "pp2
 
 
 @pytest.mark.parametrize("recipe, name", RECIPE_CASES, ids=[f"{r}-{n}" for r, n in RECIPE_CASES])
-def test_recipe_loss_matches_single_process(reference, recipe, name):
+def test_recipe_loss_matches_single_process(reference, rank_pools, recipe, name):
     ref = reference / f"ref_fp32_{recipe}"
     if not (ref / "losses.json").exists():
-        run_worker(ref, reference / "weights_fp32", 1, ["model.precision=fp32"], recipe=recipe)
+        run_worker(rank_pools, ref, reference / "weights_fp32", 1, ["model.precision=fp32"], recipe=recipe)
     nproc, overrides, layout = LAYOUTS[name]
     out = reference / f"{name}_{recipe}"
-    run_worker(out, reference / "weights_fp32", nproc, overrides + ["model.precision=fp32"], recipe=recipe)
+    run_worker(rank_pools, out, reference / "weights_fp32", nproc, overrides + ["model.precision=fp32"], recipe=recipe)
     check_layout(out, nproc, dict(layout, precision="fp32"))
     diffs = compare(ref, out)
     record = json.loads((out / "losses.json").read_text())

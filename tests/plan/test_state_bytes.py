@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from _support.processes import child_env, torchrun_command
+from _support.processes import child_env
+from _support.rank_pool import RankPools
 
 pytestmark = pytest.mark.multiprocess
 
@@ -34,9 +35,8 @@ CASES = {
 FIELDS = ("params", "grads", "main_params", "moments")
 
 
-def measured(out: Path, model: str, world: int, overrides: list[str]) -> dict[int, dict]:
-    command = torchrun_command(HERE / "state_worker.py", world, str(out), model, *overrides)
-    result = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=600)
+def measured(ranks: RankPools, out: Path, model: str, world: int, overrides: list[str]) -> dict[int, dict]:
+    result = ranks.run(HERE / "state_worker.py", world, str(out), model, *overrides)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return {r: json.loads((out / f"{model}-rank{r}.json").read_text()) for r in range(world)}
 
@@ -50,9 +50,9 @@ def predicted(out: Path, model: str, world: int, overrides: list[str]) -> dict[i
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_planner_bytes_equal_a_real_run_per_rank(tmp_path, case):
+def test_planner_bytes_equal_a_real_run_per_rank(rank_pools, tmp_path, case):
     model, world, overrides = CASES[case]
-    real = measured(tmp_path, model, world, overrides)
+    real = measured(rank_pools, tmp_path, model, world, overrides)
     plan = predicted(tmp_path, model, world, overrides)
     for rank in range(world):
         assert real[rank]["updated"], f"{case} rank {rank}: the optimizer step was skipped"

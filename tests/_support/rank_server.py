@@ -1,0 +1,126 @@
+"""One rank of a rank pool (rank_pool.py): started once by torchrun, it runs test worker scripts
+one after another, each as `python SCRIPT ARGS...` would, in this same process.
+
+    python -m torch.distributed.run --nproc-per-node=N rank_server.py JOBS_DIR
+
+Job k is JOBS_DIR/k.json ({"script", "argv", "paths"}), written whole (renamed into place) by
+the client. Every rank runs it with its stdout and stderr (file descriptors 1 and 2, so native
+code's output too) in JOBS_DIR/k.rankR.log, then writes its exit code to JOBS_DIR/k.rankR.done (renamed into place).
+JOBS_DIR/stop ends the server.
+
+What a fresh process would have, every job has again: its own sys.argv, sys.path entries,
+working directory, seeds (the workers seed through start_runtime), Megatron's parallel state
+and its list of routers (cleared after each job). A worker that needs anything else fresh stays
+on its own torchrun (tests/model/test_expert_bias.py does: it failed in a pool before the router
+list was cleared, and has not been tried in one since). What it does not: a new world. The default process group is made
+once and kept: torch cannot make it again reliably over the same rendezvous store (a re-made gloo
+world timed out here on its first collective), so a job's `destroy_process_group()` of the
+default group is a no-op here; its subgroups are destroyed as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch.distributed as dist
+
+
+def keep_default_group() -> None:
+    destroy = dist.destroy_process_group
+
+    def destroy_subgroups_only(group=None):
+        if group is None or group is dist.group.WORLD:
+            return  # the pool's world outlives its jobs
+        destroy(group)
+
+    dist.destroy_process_group = destroy_subgroups_only
+
+
+@contextlib.contextmanager
+def output_to(path: Path):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(path, "wb", buffering=0) as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+def reset_megatron_globals() -> None:
+    """Megatron-Core's process-wide state that a job's model leaves behind: the parallel state,
+    and the list of routers RouterReplay keeps of every model built (megatron_rl.model.routing
+    reads it, so a later job would see routers of a model that no longer runs)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    RouterReplay.global_router_replay_instances.clear()
+
+
+def run_job(job: dict, log: Path) -> int:
+    argv, path, cwd = sys.argv[:], sys.path[:], os.getcwd()
+    sys.argv = [job["script"], *job["argv"]]
+    sys.path[:0] = [str(Path(job["script"]).parent), *job["paths"]]
+    code = 0
+    with output_to(log):
+        try:
+            runpy.run_path(job["script"], run_name="__main__")
+        except SystemExit as stop:
+            if stop.code not in (None, 0):
+                code = stop.code if isinstance(stop.code, int) else 1
+                if not isinstance(stop.code, int):
+                    print(stop.code, file=sys.stderr)
+        except BaseException:  # noqa: BLE001 (reported to the test, which fails with the traceback)
+            traceback.print_exc()
+            code = 1
+        finally:
+            try:
+                reset_megatron_globals()
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+                code = code or 1
+            sys.argv, sys.path[:] = argv, path
+            os.chdir(cwd)
+            gc.collect()
+    return code
+
+
+def main() -> None:
+    jobs = Path(sys.argv[1])
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+                            rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+    keep_default_group()
+    index = 0
+    while not (jobs / "stop").exists():
+        job_file = jobs / f"{index}.json"
+        if not job_file.exists():
+            time.sleep(0.05)
+            continue
+        code = run_job(json.loads(job_file.read_text()), jobs / f"{index}.rank{rank}.log")
+        staged = jobs / f"{index}.rank{rank}.done.tmp"
+        staged.write_text(str(code))
+        staged.rename(jobs / f"{index}.rank{rank}.done")  # whole when the client sees it
+        index += 1
+
+
+if __name__ == "__main__":
+    main()
