@@ -33,7 +33,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 
-def keep_default_group() -> None:
+def keep_default_group():
+    """Makes `destroy_process_group()` of the default group a no-op; returns the real one."""
     destroy = dist.destroy_process_group
 
     def destroy_subgroups_only(group=None):
@@ -42,6 +43,18 @@ def keep_default_group() -> None:
         destroy(group)
 
     dist.destroy_process_group = destroy_subgroups_only
+    return destroy
+
+
+def destroy_subgroups(destroy) -> None:
+    """Every process group but the world: Megatron's destroy_model_parallel forgets its groups
+    without destroying them, and each gloo group left alive keeps its own threads (hundreds per
+    rank after a few dozen jobs, busy enough to load the machine)."""
+    from torch.distributed import distributed_c10d
+
+    for group in list(distributed_c10d._world.pg_map):
+        if group is not distributed_c10d.GroupMember.WORLD:
+            destroy(group)
 
 
 @contextlib.contextmanager
@@ -63,7 +76,7 @@ def output_to(path: Path):
             os.close(saved[1])
 
 
-def reset_megatron_globals() -> None:
+def reset_megatron_globals(destroy) -> None:
     """Megatron-Core's process-wide state that a job's model leaves behind: the parallel state,
     and the list of routers RouterReplay keeps of every model built (megatron_rl.model.routing
     reads it, so a later job would see routers of a model that no longer runs)."""
@@ -73,9 +86,10 @@ def reset_megatron_globals() -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     RouterReplay.global_router_replay_instances.clear()
+    destroy_subgroups(destroy)
 
 
-def run_job(job: dict, log: Path) -> int:
+def run_job(job: dict, log: Path, destroy) -> int:
     argv, path, cwd = sys.argv[:], sys.path[:], os.getcwd()
     sys.argv = [job["script"], *job["argv"]]
     sys.path[:0] = [str(Path(job["script"]).parent), *job["paths"]]
@@ -93,7 +107,7 @@ def run_job(job: dict, log: Path) -> int:
             code = 1
         finally:
             try:
-                reset_megatron_globals()
+                reset_megatron_globals(destroy)
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
                 code = code or 1
@@ -108,14 +122,14 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
                             rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
-    keep_default_group()
+    destroy = keep_default_group()
     index = 0
     while not (jobs / "stop").exists():
         job_file = jobs / f"{index}.json"
         if not job_file.exists():
             time.sleep(0.05)
             continue
-        code = run_job(json.loads(job_file.read_text()), jobs / f"{index}.rank{rank}.log")
+        code = run_job(json.loads(job_file.read_text()), jobs / f"{index}.rank{rank}.log", destroy)
         staged = jobs / f"{index}.rank{rank}.done.tmp"
         staged.write_text(str(code))
         staged.rename(jobs / f"{index}.rank{rank}.done")  # whole when the client sees it
