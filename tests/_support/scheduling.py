@@ -1,4 +1,4 @@
-"""How the suite is spread over pytest-xdist workers (`bash scripts/test.sh` runs two).
+"""How the suite is spread over pytest-xdist workers (`MEGATRON_RL_TEST_WORKERS=2 bash scripts/test.sh`).
 
 Most of the suite's wall time is single-threaded: `megatron-rl train` runs and vLLM engines at
 OMP_NUM_THREADS=1, servers starting up, SLURM scheduling. Run one after the other, the second
