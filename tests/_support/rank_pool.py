@@ -1,6 +1,6 @@
-"""Rank pools: one torchrun per world size for the whole test run, running test worker scripts
-job after job, instead of one torchrun (and one import of torch, Megatron-Core and transformers
-per rank, about 12 s of CPU for two ranks) per case.
+"""Rank pools: one torchrun per world size, running test worker scripts job after job (replaced
+every JOBS_PER_POOL jobs), instead of one torchrun (and one import of torch, Megatron-Core and
+transformers per rank, about 12 s for two ranks) per case.
 
     def test_something(rank_pools):                       # the session fixture (tests/conftest.py)
         result = rank_pools.run(WORKER, 2, "--out", str(out), paths=[WORKER.parent])

@@ -13,8 +13,8 @@ core idles for about half of it; two workers use it. What must stay together doe
   sandboxes must not run beside it.
 
 Units that start engines, rank groups or SLURM jobs are handed out first, so that a long one does
-not start last and leave the other worker idle at the end. None of this changes a test: run
-without workers (`pytest tests/...`) the same tests run in the same order.
+not start last and leave the other worker idle at the end. That order holds in a run without
+workers too (each module's tests stay together and in their order); no test changes.
 """
 
 from __future__ import annotations
