@@ -37,6 +37,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # the test helpers' package, _support, that test_bridge imports
 sys.path.insert(0, str(REPO / "tests" / "bridge"))
 sys.path.insert(0, str(REPO / "tests" / "rollout"))
 
