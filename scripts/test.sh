@@ -1,19 +1,18 @@
 #!/usr/bin/env bash
 # Set up the environment and run the test suite (extra arguments go to pytest).
-#   bash scripts/test.sh            the whole suite (what CI runs), in this process
+#   bash scripts/test.sh            the whole suite (what CI runs)
 #   bash scripts/test.sh --quick    the inner loop: only the tests that start no engine, no rank
 #                                   group, no SLURM job and no child process (pyproject's marks)
-# MEGATRON_RL_TEST_WORKERS=2 spreads the modules over two pytest-xdist workers
-# (tests/_support/scheduling.py). Not the default yet: on two workers, two vLLM servers of
-# tests/rollout/test_engine_failover.py once failed to start beside the other worker's engines.
+# Two pytest-xdist workers by default, a test module (or a unit of modules that must share a
+# worker) at a time: tests/_support/scheduling.py. MEGATRON_RL_TEST_WORKERS=0 runs in one process.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/bootstrap.sh"
 cd "$ROOT"
-workers="${MEGATRON_RL_TEST_WORKERS:-0}"
+workers="${MEGATRON_RL_TEST_WORKERS:-2}"
 args=()
 if [[ "$workers" != 0 ]]; then
-    args+=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
+    args+=(-n "$workers")  # the units and their order: scheduling.py's scheduler
 fi
 for arg in "$@"; do
     if [[ "$arg" == "--quick" ]]; then

@@ -1,4 +1,4 @@
-"""How the suite is spread over pytest-xdist workers (`MEGATRON_RL_TEST_WORKERS=2 bash scripts/test.sh`).
+"""How the suite is spread over pytest-xdist workers (`bash scripts/test.sh` runs two).
 
 Most of the suite's wall time is single-threaded: `megatron-rl train` runs and vLLM engines at
 OMP_NUM_THREADS=1, servers starting up, SLURM scheduling. Run one after the other, the second
@@ -11,6 +11,14 @@ core idles for about half of it; two workers use it. What must stay together doe
 - the modules that run sandboxed programs form one unit: tests/sandbox/ asserts that no sandboxed
   process or work directory outlives a call, looking at the whole machine, so another module's
   sandboxes must not run beside it.
+
+The units are handed out by `UnitScheduling` (pytest-xdist's scheduler hook), which finds a
+test's unit from its node id alone: the scheduler runs in the controller, which sees node ids,
+not fixtures. So the shared-server modules are listed here, and collection refuses a module that
+uses the server without being listed. (pytest-xdist's own `--dist loadgroup` does not work with
+this pytest: it renames node ids through an attribute pytest 9 no longer reads, so every test
+became a unit of its own, module fixtures were made on both workers, and two workers were slower
+than one.)
 
 Units that start engines, rank groups or SLURM jobs are handed out first, so that a long one does
 not start last and leave the other worker idle at the end. That order holds in a run without
@@ -30,29 +38,50 @@ SANDBOX_MODULES = (
     "tests/train/test_code_training.py",
 )
 SHARED_SERVER_FIXTURE = "tiny_vllm_server"
+SHARED_SERVER_MODULES = (
+    "tests/agents/test_agent_training.py",
+    "tests/agents/test_agent_vllm.py",
+    "tests/rollout/test_partial_rollout.py",
+    "tests/train/test_async_rl.py",
+)
 HEAVY_MARKS = ("engine", "multiprocess", "slurm")
 
 
-def module_of(item) -> str:
-    return item.nodeid.split("::", 1)[0]
+def module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
 
 
-def unit_of(item, server_modules: set[str]) -> str:
-    module = module_of(item)
+def unit_of(nodeid: str) -> str:
+    module = module_of(nodeid)
     if module in SANDBOX_MODULES:
         return "sandboxed-programs"
-    if module in server_modules:
+    if module in SHARED_SERVER_MODULES:
         return "shared-tiny-vllm-server"
     return module
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """Work units as above, handed out in collection order (the heavy-first order below)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    config.option.loadscopereorder = False  # keep our order, not xdist's largest-unit-first
+    return UnitScheduling(config, log)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    server_modules = {module_of(item) for item in items if SHARED_SERVER_FIXTURE in getattr(item, "fixturenames", ())}
-    units = [unit_of(item, server_modules) for item in items]
+    unlisted = sorted({module_of(item.nodeid) for item in items
+                       if SHARED_SERVER_FIXTURE in getattr(item, "fixturenames", ())} - set(SHARED_SERVER_MODULES))
+    if unlisted:
+        raise pytest.UsageError(f"{', '.join(unlisted)} use the {SHARED_SERVER_FIXTURE} fixture: add them to "
+                                f"SHARED_SERVER_MODULES in tests/_support/scheduling.py, so that they share "
+                                f"one worker and one server")
+    units = [unit_of(item.nodeid) for item in items]
     heavy = {unit for unit, item in zip(units, items) if any(item.get_closest_marker(m) for m in HEAVY_MARKS)}
-    for unit, item in zip(units, items):
-        item.add_marker(pytest.mark.xdist_group(unit))
     # Stable: a module's tests keep their order and stay contiguous.
     order = sorted(range(len(items)), key=lambda index: units[index] not in heavy)
     items[:] = [items[index] for index in order]

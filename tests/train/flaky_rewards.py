@@ -6,8 +6,10 @@ import time
 def raises_on_sevens(prompt: str, response: str, answer: str | None, **metadata) -> float:
     if "7" in response:
         raise RuntimeError("this reward function does not like sevens")
-    if "3" in response:
-        time.sleep(60)  # longer than the configured timeout: must score 0 and be counted
+    # Longer than the configured timeout: must score 0 and be counted. Only for some prompts: each
+    # hang costs the run its timeout and a worker restart (with every "3" it was 35 s per step).
+    if "3" in response and "9" in prompt:
+        time.sleep(60)
     return float(response.strip() == (answer or "").strip())
 
 

@@ -94,7 +94,8 @@ def test_failing_reward_function_is_counted_and_run_completes(tmp_path):
     config = tmp_path / "flaky.yaml"
     config.write_text(
         "rewards:\n"
-        "  timeout_s: 1.0\n"
+        "  timeout_s: 0.25\n"  # a hung call costs its timeout; four workers wait out four at once
+        "  num_workers: 4\n"
         "  terms:\n"
         f"    - name: {REPO / 'tests' / 'train' / 'flaky_rewards.py'}:raises_on_sevens\n"
     )
