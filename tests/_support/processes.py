@@ -12,12 +12,13 @@ Worker scripts started by file path do not have tests/ on sys.path; they keep th
 from __future__ import annotations
 
 import os
+import resource
 import sys
 from pathlib import Path
 
 from megatron_rl.runtime.launch_env import free_port  # the package's own; runtime.distributed re-exports it
 
-__all__ = ["REPO", "child_env", "cli_command", "free_port", "torchrun_command"]
+__all__ = ["REPO", "child_env", "children_cpu_seconds", "cli_command", "free_port", "torchrun_command"]
 
 REPO: Path = Path(__file__).resolve().parents[2]
 
@@ -44,3 +45,13 @@ def torchrun_command(script_or_module: str | os.PathLike, nproc: int, *args: str
 def cli_command(*args: str | os.PathLike) -> list[str]:
     """`python -m megatron_rl.cli ARGS...`."""
     return [sys.executable, "-m", "megatron_rl.cli", *(str(arg) for arg in args)]
+
+
+def children_cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process's finished children and theirs, so far.
+
+    How "refused before any expensive work" is asserted: the difference around a child's run is
+    the work it did, whatever else the machine runs (the suite's other worker, a loaded CI host),
+    where its wall time is not."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
