@@ -177,7 +177,7 @@ class Ours:
         from megatron_rl.train.update import store_step_logprobs
 
         with self.routing.old_forward() as trace:
-            store_step_logprobs(self.policy, self.experience, "old_logprobs", trace)
+            store_step_logprobs(self.policy, self.experience, "old_logprobs", trace, temperature=self.loss.temperature)
 
     def update(self, index: int):
         from megatron_rl.train.update import run_update
@@ -192,7 +192,7 @@ class Ours:
         import torch
 
         flat = self.experience.micro_batches()
-        outputs = self.policy.logprobs(flat, with_entropy=False)
+        outputs = self.policy.logprobs(flat, with_entropy=False, temperature=self.loss.temperature)
         values = []
         for batch, output in zip(flat, outputs):
             values.extend(v.float() for v in batch.response_values(output["logprobs"]))
@@ -229,6 +229,7 @@ class Reference:
         self.clip = opt.clip_grad
         loss = recipe_for(config.rl, config.response_budget).loss
         self.eps_low, self.eps_high = loss.eps_low, loss.eps_high
+        self.temperature = config.rl.temperature  # the sampling distribution, as the trainer's loss
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2),
                                           eps=opt.adam_eps, weight_decay=opt.weight_decay)
         self.batches = [self._padded(trajs) for trajs in per_update]
@@ -256,7 +257,7 @@ class Reference:
     def _logprobs(self, batch):
         logits = self.model(input_ids=batch["ids"], attention_mask=batch["attention"]).logits
         chosen = logits[:, :-1][batch["scored"]].float()  # [tokens, vocab], response positions only
-        return chosen.log_softmax(-1).gather(-1, batch["targets"][:, None])[:, 0]
+        return (chosen / self.temperature).log_softmax(-1).gather(-1, batch["targets"][:, None])[:, 0]
 
     def old_logprobs(self) -> None:
         import torch

@@ -108,7 +108,18 @@ class RLConfig:
     # a checkpoint of that step; train/update_guard.py). One is a fluke; three is a cause.
     max_bad_steps: int = 3
     max_response_tokens: int = 6
+    # The rollout engines sample from softmax(logits / temperature), and the trainer trains on that
+    # same distribution: its logprobs, ratio, KL, entropy and gradient are of logits / temperature,
+    # and the engines return the logprobs after temperature (vLLM logprobs_mode
+    # processed_logprobs; SGLang's default). > 0: greedy (0) has no distribution to train on
+    # (rl.eval_temperature may be 0).
     temperature: float = 1.0
+    # Nucleus sampling is not supported for training; only 1 is accepted. The truncated
+    # distribution gives every token outside the nucleus probability 0, so a token the engine
+    # sampled can fall outside the nucleus of the old, updated or reference policy (ratio 0 or
+    # infinite, KL infinite); the nucleus needs a sort of the whole vocabulary per token, which
+    # the vocabulary-parallel logprob never gathers; and SGLang returns logprobs before its
+    # top-p / top-k filter, so the two engines would disagree. (Top-k is not a setting at all.)
     top_p: float = 1.0
     # Dynamic sampling: extra generate rounds allowed to refill the batch after dropping groups
     # whose rewards are all equal.
@@ -146,8 +157,19 @@ class RLConfig:
                               f"prompts_per_step={self.prompts_per_step} (whole groups per update)")
         if self.max_refill_rounds < 0 or self.eval_every < 0:
             raise ConfigError(f"{where}.max_refill_rounds and eval_every must be >= 0")
-        if not 0 < self.top_p <= 1 or self.temperature < 0 or self.eval_temperature < 0:
-            raise ConfigError(f"{where}: temperature must be >= 0 and top_p in (0, 1]")
+        if not self.temperature > 0 or self.temperature == float("inf"):  # also NaN
+            raise ConfigError(f"{where}.temperature must be a finite number > 0, got {self.temperature}: the "
+                              f"trainer trains on the sampling distribution softmax(logits / temperature), which "
+                              f"greedy decoding (0) does not have; rl.eval_temperature may be 0")
+        if self.top_p != 1:
+            raise ConfigError(f"{where}.top_p={self.top_p}: nucleus sampling is not supported for training; set "
+                              f"rl.top_p=1 (and lower rl.temperature for sharper samples). A truncated "
+                              f"distribution gives a sampled token probability 0 under the old, updated or "
+                              f"reference policy whose nucleus it left (ratio 0 or infinite, KL infinite), and "
+                              f"SGLang reports logprobs before its top-p filter (docs/algorithms.md)")
+        if not self.eval_temperature >= 0 or self.eval_temperature == float("inf"):
+            raise ConfigError(f"{where}.eval_temperature must be a finite number >= 0 (0: greedy), "
+                              f"got {self.eval_temperature}")
         self._validate_algorithm(where)
         if self.eval_prompts is not None and self.eval_prompts < 1:
             raise ConfigError(f"{where}.eval_prompts must be >= 1 or null")

@@ -5,6 +5,10 @@ Two operations, both over packed micro-batches and any TP/PP/EP/DP layout:
     policy.logprobs(batches)            -> per-position logprobs (and entropy), no grad
     policy.train_step(batches, loss_fn) -> one optimizer step; returns loss and grad norm
 
+Both take `temperature`: the distribution they compute is softmax(logits / temperature), the one
+the rollout engines sample from at that temperature (RL passes `rl.temperature`: the ratio, KL,
+entropy and gradient are then of the sampling distribution; the supervised warm start keeps 1).
+
 `loss_fn(logprobs, entropy, batch)` returns this micro-batch's share of the step loss, already
 divided by a normalizer taken over the WHOLE step (every micro-batch on every DP rank; see
 `megatron_rl.algorithms.compute_step_normalizer`). That is
@@ -113,34 +117,41 @@ class Policy:
 
     # ------------------------------------------------------------------------------------------
 
-    def logprobs(self, batches: list[PackedBatch], with_entropy: bool = True, routing=None) -> list[dict[str, torch.Tensor]]:
-        """Per-position logprobs of `labels` (and entropy) for each micro-batch, fp32, no grad.
+    def logprobs(self, batches: list[PackedBatch], with_entropy: bool = True, routing=None, *,
+                 temperature: float = 1.0) -> list[dict[str, torch.Tensor]]:
+        """Per-position logprobs of `labels` (and entropy) under softmax(logits / temperature) for
+        each micro-batch, fp32, no grad.
 
         Returned on the last pipeline stage (an empty list elsewhere); identical on its TP ranks.
         """
         self.model.eval()
         with torch.no_grad():
-            outputs = self._run(batches, forward_only=True, loss_fn=None, with_entropy=with_entropy, routing=routing)
+            outputs = self._run(batches, forward_only=True, loss_fn=None, with_entropy=with_entropy, routing=routing,
+                                temperature=temperature)
         self.model.train()
         return outputs if self.is_last_stage else []
 
-    def train_step(self, batches: list[PackedBatch], loss_fn: LossFn, *, routing=None, lr: float | None = None) -> StepResult:
+    def train_step(self, batches: list[PackedBatch], loss_fn: LossFn, *, routing=None, lr: float | None = None,
+                   temperature: float = 1.0) -> StepResult:
         """One optimizer step over all the micro-batches (gradients accumulate across them).
 
         `routing`: a RouterTrace replaying/comparing MoE routes per micro-batch (see model/routing.py).
-        `lr`: a fixed learning rate for this step, outside the schedule (the supervised warm start)."""
-        loss, outputs = self.forward_backward(batches, loss_fn, routing=routing)
+        `lr`: a fixed learning rate for this step, outside the schedule (the supervised warm start).
+        `temperature`: `loss_fn` sees the logprobs and entropy of softmax(logits / temperature)."""
+        loss, outputs = self.forward_backward(batches, loss_fn, routing=routing, temperature=temperature)
         result = self.optimizer_step(loss, lr=lr)
         if self.is_last_stage:
             result.metrics = [{k: v for k, v in o.items() if k != "loss"} for o in outputs]
         return result
 
-    def forward_backward(self, batches: list[PackedBatch], loss_fn: LossFn, routing=None) -> tuple[float, list[dict]]:
+    def forward_backward(self, batches: list[PackedBatch], loss_fn: LossFn, routing=None, *,
+                         temperature: float = 1.0) -> tuple[float, list[dict]]:
         """Accumulate gradients of the step loss; returns the loss summed over micro-batches and DP."""
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run(batches, forward_only=False, loss_fn=loss_fn, with_entropy=True, routing=routing)
+        outputs = self._run(batches, forward_only=False, loss_fn=loss_fn, with_entropy=True, routing=routing,
+                            temperature=temperature)
         local = torch.tensor(
             sum(float(o["loss"]) for o in outputs) if self.is_last_stage else 0.0, device=self.runtime.device
         )
@@ -275,9 +286,13 @@ class Policy:
 
     # ------------------------------------------------------------------------------------------
 
-    def _run(self, batches, forward_only: bool, loss_fn: LossFn | None, with_entropy: bool, routing=None):
+    def _run(self, batches, forward_only: bool, loss_fn: LossFn | None, with_entropy: bool, routing=None,
+             temperature: float = 1.0):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        if not temperature > 0:  # also NaN: before any forward runs
+            raise ValueError(f"temperature must be > 0 (the distribution is softmax(logits / temperature)), "
+                             f"got {temperature}")
         if not batches:
             raise ValueError("no micro-batches to run: pack at least one sample")
         device = self.runtime.device
@@ -304,7 +319,7 @@ class Policy:
                 )
             if routing is not None:
                 routing.end_microbatch(index)
-            return output, partial(self._loss, batch, loss_fn, with_entropy)
+            return output, partial(self._loss, batch, loss_fn, with_entropy, temperature)
 
         outputs = get_forward_backward_func()(
             forward_step_func=forward_step,
@@ -335,12 +350,15 @@ class Policy:
         filler.spans = []
         return list(batches) + [filler] * missing
 
-    def _loss(self, batch: PackedBatch, loss_fn: LossFn | None, with_entropy: bool, logits: torch.Tensor):
+    def _loss(self, batch: PackedBatch, loss_fn: LossFn | None, with_entropy: bool, temperature: float,
+              logits: torch.Tensor):
         with cpu_compat.suspended():
-            return self._compute_loss(batch, loss_fn, with_entropy, logits)
+            return self._compute_loss(batch, loss_fn, with_entropy, temperature, logits)
 
-    def _compute_loss(self, batch: PackedBatch, loss_fn: LossFn | None, with_entropy: bool, logits: torch.Tensor):
-        # logits: [1, T, V_local], vocab-sharded across TP (never gathered).
+    def _compute_loss(self, batch: PackedBatch, loss_fn: LossFn | None, with_entropy: bool, temperature: float,
+                      logits: torch.Tensor):
+        # logits: [1, T, V_local], vocab-sharded across TP (never gathered); the kernel divides each
+        # chunk by the temperature as it upcasts it, so no tempered copy of the logits is made.
         vocab_local = logits.shape[-1]
         logprobs, entropy = vocab_parallel_logprobs_entropy(
             logits[0],
@@ -349,6 +367,7 @@ class Policy:
             vocab_size=self.arch.vocab_size,
             group=self.tp_group,
             chunk_tokens=self.config.logprob_chunk_tokens,
+            temperature=temperature,
             compute_entropy=with_entropy,
         )
         num_tokens = batch.loss_mask.sum().to(torch.int)

@@ -89,6 +89,15 @@ def server_args(config, tensor_parallel_size: int, *, cuda: bool | None = None) 
     return args
 
 
+def check_sampling_logprobs(config: RunConfig, engines: list) -> None:
+    """Server engines, before the run uses them: the trainer trains on softmax(logits /
+    rl.temperature), so each engine's returned logprobs must be after temperature too. The ones we
+    start are; a server started elsewhere may not be. At temperature 1 both are the same."""
+    if config.rl.temperature != 1:
+        for engine in engines:
+            engine.check_sampling_logprobs(config.rl.temperature)
+
+
 def build_engines(config: RunConfig, model_dir: Path, *, local_rank: int, seed: int) -> list[RolloutEngine] | None:
     rollout = config.rollout
     output_dir = Path(config.output_dir)
@@ -111,9 +120,11 @@ def build_engines(config: RunConfig, model_dir: Path, *, local_rank: int, seed: 
 
         if not rollout.server_urls:
             raise ConfigError("rollout.engine=sglang needs rollout.server_urls (SGLang servers are started by the launcher)")
-        return [SglangServerEngine(url, name=f"sglang-{index}", staging_dir=staging, hf_config_dir=model_dir,
-                                   request_timeout_s=rollout.request_timeout_s, max_retries=rollout.max_retries)
-                for index, url in enumerate(rollout.server_urls)]
+        engines = [SglangServerEngine(url, name=f"sglang-{index}", staging_dir=staging, hf_config_dir=model_dir,
+                                      request_timeout_s=rollout.request_timeout_s, max_retries=rollout.max_retries)
+                   for index, url in enumerate(rollout.server_urls)]
+        check_sampling_logprobs(config, engines)
+        return engines
 
     from megatron_rl.rollout.engines.vllm_server import VllmServerEngine, VllmServerProcess
 
@@ -134,9 +145,11 @@ def build_engines(config: RunConfig, model_dir: Path, *, local_rank: int, seed: 
                     extra_args=server_args(config, rollout.tp_of_server(index)),
                 ))
             servers = [(process.url, process) for process in started]
-        return [VllmServerEngine(url, name=f"vllm-{index}", process=process, staging_dir=staging,
-                                 request_timeout_s=rollout.request_timeout_s, max_retries=rollout.max_retries)
-                for index, (url, process) in enumerate(servers)]
+        engines = [VllmServerEngine(url, name=f"vllm-{index}", process=process, staging_dir=staging,
+                                    request_timeout_s=rollout.request_timeout_s, max_retries=rollout.max_retries)
+                   for index, (url, process) in enumerate(servers)]
+        check_sampling_logprobs(config, engines)
+        return engines
     except BaseException:
         for process in started:
             process.stop()

@@ -183,12 +183,14 @@ class Trainer:
         self.routing.begin_step(experience.packed, experience.minibatches, recompute_old=recompute_old)
         if recompute_old:
             with self.routing.old_forward() as trace:
-                store_step_logprobs(self.policy, experience, "old_logprobs", trace)
+                store_step_logprobs(self.policy, experience, "old_logprobs", trace,
+                                    temperature=self.loss_settings.temperature)
         if self.loss_settings.use_ref:
             # The reference: the policy at the start of RL (restored on resume), swapped in for its forward.
             reference = self.checkpoints.reference_weights()
             with self.routing.reference_forward() as trace, reference.swapped_in(self.policy.module):
-                store_step_logprobs(self.policy, experience, "ref_logprobs", trace)
+                store_step_logprobs(self.policy, experience, "ref_logprobs", trace,
+                                    temperature=self.loss_settings.temperature)
         timings["time/logprobs_s"] = time.perf_counter() - tick
 
         tick = time.perf_counter()

@@ -4,7 +4,8 @@ reference logprobs on the trajectories, and the optimizer updates over the packe
     experience = pack_step(groups, ...)                                        (experience.py)
     routing.begin_step(experience.packed, experience.minibatches, ...)     (routing_replay.py)
     with routing.old_forward() as trace:
-        store_step_logprobs(policy, experience, "old_logprobs", trace)   # "ref_logprobs": KL
+        store_step_logprobs(policy, experience, "old_logprobs", trace,   # "ref_logprobs": KL
+                            temperature=config.rl.temperature)
     metrics = run_updates(policy, runtime, experience, LossSettings.for_run(config, recipe),
                           routing, policy_version=..., check=...)
 
@@ -47,6 +48,10 @@ class LossSettings:
     # logprobs from the update's own forward (ratio exactly 1) and no old-logprob pass runs.
     old_from_forward: bool
     use_ref: bool  # KL: the trajectories hold ref_logprobs
+    # rl.temperature: the engines sample from softmax(logits / temperature), so the loss's
+    # logprobs, ratio, KL and entropy are of that distribution (as the old, reference and
+    # engine logprobs are).
+    temperature: float
     max_staleness: int = 0  # asynchronous RL: mismatch metrics per token staleness
     max_turns: int = 0  # multi-turn runs: mismatch metrics per model turn
 
@@ -54,16 +59,19 @@ class LossSettings:
     def for_run(cls, config: RunConfig, recipe: Recipe) -> LossSettings:
         rollout = config.rollout
         return cls(recipe, old_from_forward=config.rl.updates_per_rollout == 1, use_ref=recipe.loss.kl_coef > 0,
-                   max_staleness=config.rl.max_staleness, max_turns=rollout.max_turns if rollout.multi_turn else 0)
+                   temperature=config.rl.temperature, max_staleness=config.rl.max_staleness,
+                   max_turns=rollout.max_turns if rollout.multi_turn else 0)
 
 
-def store_step_logprobs(policy: Policy, experience: PackedStep, attribute: str, routing) -> None:
+def store_step_logprobs(policy: Policy, experience: PackedStep, attribute: str, routing, *,
+                        temperature: float) -> None:
     """One forward over every update's micro-batches; the response logprobs stored on the
     trajectories as `attribute` ("old_logprobs", "ref_logprobs"). `routing`: the RouterTrace
     that RoutingReplay.old_forward / reference_forward yielded (None: the model routes by
-    itself). The logprobs exist on the last pipeline stage only, which is where the loss that
-    reads them runs."""
-    outputs = policy.logprobs(experience.micro_batches(), with_entropy=False, routing=routing)
+    itself). `temperature`: the sampling temperature (LossSettings.temperature), the same the
+    updates train at. The logprobs exist on the last pipeline stage only, which is where the
+    loss that reads them runs."""
+    outputs = policy.logprobs(experience.micro_batches(), with_entropy=False, routing=routing, temperature=temperature)
     if not policy.is_last_stage:
         return
     for offset, batches, trajectories in experience.updates():
@@ -83,7 +91,7 @@ def run_update(policy: Policy, runtime: Runtime, batches: list[PackedBatch], tra
                         use_ref=loss.use_ref, policy_version=policy_version, max_staleness=loss.max_staleness,
                         max_turns=loss.max_turns)
     with routing.update(offset) as trace:
-        return policy.train_step(batches, loss_fn, routing=trace)
+        return policy.train_step(batches, loss_fn, routing=trace, temperature=loss.temperature)
 
 
 def run_updates(policy: Policy, runtime: Runtime, experience: PackedStep, loss: LossSettings,

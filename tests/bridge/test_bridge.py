@@ -28,6 +28,9 @@ pytestmark = pytest.mark.multiprocess
 
 WORKER = Path(__file__).with_name("bridge_worker.py")
 LOGIT_TOL = 1e-4
+# Megatron's fp32 forward and fp32 logprob kernel against transformers' float64 model and float64
+# log_softmax (measured: at most 4e-6).
+TEMPERED_TOL = 2e-5
 VOCAB = 500  # not a multiple of 128: Megatron pads to 512, the bridge must trim and pad
 
 
@@ -171,17 +174,77 @@ def test_round_trip_is_bit_exact_and_logits_match(models, rank_pools, tmp_path, 
         assert diff <= LOGIT_TOL
 
 
-@pytest.mark.parametrize("family, layout", [("qwen3_moe", "ep2"), ("llama", "tp2"), ("qwen3", "tp1")])
-def test_exported_weights_after_training_reproduce_megatron_logits(models, rank_pools, tmp_path, family, layout):
-    nproc, overrides = LAYOUTS[layout]
-    run_worker(rank_pools, "train", models[family], tmp_path, nproc, overrides)
+TRAINED = [("qwen3_moe", "ep2"), ("llama", "tp2"), ("qwen3", "tp1")]
+
+
+@pytest.fixture(scope="module")
+def trained(models, rank_pools, tmp_path_factory):
+    """run(family, layout): the train mode's output directory, the worker run once per cell for
+    every test below that reads it."""
+    outputs = {}
+
+    def run(family: str, layout: str) -> Path:
+        if (family, layout) not in outputs:
+            out = tmp_path_factory.mktemp(f"train-{family}-{layout}")
+            nproc, overrides = LAYOUTS[layout]
+            run_worker(rank_pools, "train", models[family], out, nproc, overrides)
+            outputs[family, layout] = out
+        return outputs[family, layout]
+
+    return run
+
+
+@pytest.mark.parametrize("family, layout", TRAINED)
+def test_exported_weights_after_training_reproduce_megatron_logits(models, trained, family, layout):
+    out = trained(family, layout)
     from bridge_worker import TOKENS
 
-    trained = hf_logits(tmp_path / "hf", TOKENS)
+    after = hf_logits(out / "hf", TOKENS)
     before = hf_logits(models[family], TOKENS)
-    megatron = torch.load(tmp_path / "megatron_logits.pt")
-    assert (trained - before).abs().max().item() > 1e-3, "training did not change the weights"
-    assert (trained - megatron).abs().max().item() <= LOGIT_TOL
+    megatron = torch.load(out / "megatron_logits.pt")
+    assert (after - before).abs().max().item() > 1e-3, "training did not change the weights"
+    assert (after - megatron).abs().max().item() <= LOGIT_TOL
+
+
+def tempered_oracle(logits: torch.Tensor, tokens: list[int], prompt: int,
+                    temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Response-token logprobs and entropy of log_softmax(logits / temperature), in float64."""
+    logp = torch.log_softmax(logits[prompt - 1: len(tokens) - 1].double() / temperature, dim=-1)
+    chosen = logp.gather(-1, torch.tensor(tokens[prompt:]).unsqueeze(-1)).squeeze(-1)
+    return chosen, -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("family, layout", TRAINED)
+def test_trainer_logprobs_and_entropy_at_a_temperature_match_transformers(models, trained, family, layout):
+    """The distribution the engines sample at rl.temperature is softmax(logits / T): the trainer's
+    logprobs and entropy of packed samples (two share a micro-batch; TP2 shards the vocabulary)
+    at T = 0.6, from Policy.logprobs and as the loss function of a training step sees them, equal
+    transformers' model in float64 with log_softmax(logits / 0.6) in float64, on the same weights.
+    Before, the trainer computed softmax(logits) whatever the temperature."""
+    from transformers import AutoModelForCausalLM
+
+    tempered = torch.load(trained(family, layout) / "tempered.pt")
+    temperature = tempered["temperature"]
+    assert temperature == 0.6
+    # The eager expert loop: torch's grouped GEMM takes no float64.
+    model = AutoModelForCausalLM.from_pretrained(models[family], dtype=torch.float64,
+                                                 experts_implementation="eager").eval()
+    worst = {"logprobs": 0.0, "entropy": 0.0, "train_logprobs": 0.0, "train_entropy": 0.0}
+    untempered_gap = 0.0
+    for index, (tokens, prompt) in enumerate(zip(tempered["samples"], tempered["prompts"])):
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens])).logits[0]
+        logprobs, entropy = tempered_oracle(logits, tokens, prompt, temperature)
+        expected = {"logprobs": logprobs, "entropy": entropy, "train_logprobs": logprobs, "train_entropy": entropy}
+        for key in worst:
+            ours = tempered[key][index].double()
+            assert ours.shape == expected[key].shape, (key, index)
+            worst[key] = max(worst[key], (ours - expected[key]).abs().max().item())
+        at_one, _ = tempered_oracle(logits, tokens, prompt, 1.0)
+        untempered_gap = max(untempered_gap, (at_one - logprobs).abs().max().item())
+    print(family, layout, "max |diff| vs transformers float64 at T=0.6:", worst, "T=1 vs T=0.6:", untempered_gap)
+    assert untempered_gap > 0.1  # the check tells the two distributions apart
+    assert all(value <= TEMPERED_TOL for value in worst.values()), worst
 
 
 def _edited_copy(source: Path, target: Path, edit) -> Path:

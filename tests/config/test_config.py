@@ -135,3 +135,26 @@ def test_optimizer_ranges(override, message):
     with pytest.raises(ConfigError) as info:
         load_config(None, [override])
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        # The trainer trains on softmax(logits / rl.temperature), which greedy decoding does not have.
+        ("rl.temperature=0", "rl.temperature must be a finite number > 0, got 0"),
+        ("rl.temperature=.nan", "rl.temperature must be a finite number > 0, got nan"),
+        ("rl.temperature=-0.5", "rl.temperature must be a finite number > 0, got -0.5"),
+        # Nucleus sampling is refused for training (docs/algorithms.md says why).
+        ("rl.top_p=0.9", "rl.top_p=0.9: nucleus sampling is not supported for training; set rl.top_p=1"),
+        ("rl.eval_temperature=-1", "rl.eval_temperature must be a finite number >= 0 (0: greedy), got -1"),
+    ],
+)
+def test_sampling_settings_the_trainer_cannot_train_on_are_refused(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert message in str(info.value)
+
+
+def test_sampling_temperature_and_greedy_evaluation_are_accepted():
+    config = load_config(None, ["rl.temperature=0.6", "rl.eval_temperature=0"])
+    assert (config.rl.temperature, config.rl.eval_temperature, config.rl.top_p) == (0.6, 0.0, 1.0)

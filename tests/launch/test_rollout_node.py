@@ -71,6 +71,8 @@ def test_server_is_ready_for_every_transport_at_its_tensor_parallel_size(tmp_pat
         assert arg(command, "--load-format") == "dummy"  # the trainer pushes the weights
         assert arg(command, "--port") == "18123" and arg(command, "--seed") == str(config.seed + 1)
         assert not any(item.startswith("--weight-transfer") for item in command)
+        # Logprobs after temperature: the distribution the trainer trains on (rl.temperature).
+        assert arg(command, "--logprobs-mode") == "processed_logprobs"
         # Every route but /health needs the job's token, which travels in the environment only.
         assert arg(command, "--middleware") == "megatron_rl.rollout.auth.RolloutTokenMiddleware"
         assert server.env["MEGATRON_RL_ROLLOUT_TOKEN"] and server.env["MEGATRON_RL_ROLLOUT_TOKEN"] not in " ".join(command)

@@ -12,7 +12,9 @@
    trainer's (this shows the comparison can fail).
 4. Push the weights, generate, and compare the engine's logprobs with the trainer's own logprobs
    of the same tokens: the max abs difference is written to OUT.json for the test to bound.
-5. Grouping and finish reasons: n samples per prompt in order; a stop token ends a sample with
+5. Sample at temperature 0.6 and compare the engine's logprobs with the trainer's at 0.6 (and,
+   to show the check can fail, with the trainer's untempered ones).
+6. Grouping and finish reasons: n samples per prompt in order; a stop token ends a sample with
    "stop", the token budget with "length".
 """
 
@@ -36,13 +38,15 @@ from megatron_rl.runtime import start_runtime
 from megatron_rl.rollout import SamplingParams, hf_weight_stream
 
 PROMPTS = [[3, 17, 99, 250, 7], [42, 311, 5], [480, 64, 128, 2, 77, 199], [13, 401, 9, 333]]
+TEMPERATURE = 0.6  # the sampling temperature of the tempered check
 
 
-def trainer_logprobs(policy: Policy, samples, pad: int) -> list[torch.Tensor]:
-    """The policy's logprob of every response token of every sample (all ranks get them)."""
+def trainer_logprobs(policy: Policy, samples, pad: int, temperature: float = 1.0) -> list[torch.Tensor]:
+    """The policy's logprob of every response token of every sample under softmax(logits /
+    temperature) (all ranks get them)."""
     sequences = [s.prompt_token_ids + s.response_token_ids for s in samples]
     batches = pack_by_token_budget(sequences, [len(s.prompt_token_ids) for s in samples], 256, pad)
-    outputs = policy.logprobs(batches, with_entropy=False)
+    outputs = policy.logprobs(batches, with_entropy=False, temperature=temperature)
     result: list[torch.Tensor | None] = [None] * len(samples)
     for batch, output in zip(batches, outputs):
         for sample_id, values in zip(batch.sample_ids, batch.response_values(output["logprobs"])):
@@ -182,6 +186,18 @@ def main() -> None:
             policy.train_step(batches, lambda lp, ent, b: (-(lp * b.loss_mask[0]).sum() / normalizer, {}))
             engine.update_weights(hf_weight_stream(policy.module, policy.arch, destination="all", bucket_bytes=1 << 16))
             report["synced_diffs"] += diffs(sampling)
+
+        # At a sampling temperature the engine returns the logprobs of softmax(logits / T) (the
+        # distribution it sampled from) and the trainer computes the same; they must differ from
+        # the untempered logprobs, so the comparison can fail.
+        started = time.perf_counter()
+        tempered = SamplingParams(n=2, temperature=TEMPERATURE, max_tokens=12, seed=11)
+        report["tempered_diffs"], report["untempered_diffs"] = [], []
+        for groups in generate_each(tempered):
+            samples = flat(groups)
+            report["tempered_diffs"].append(max_diff(samples, trainer_logprobs(policy, samples, pad, TEMPERATURE)))
+            report["untempered_diffs"].append(max_diff(samples, trainer_logprobs(policy, samples, pad)))
+        report["tempered_s"] = time.perf_counter() - started
 
         fresh_groups = generate(sampling)
         fresh = flat(fresh_groups)

@@ -19,13 +19,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from _support.processes import free_port
+from megatron_rl.config import load_config
 from megatron_rl.rollout import EnginePool, EngineTimeout, EngineUnavailable, SamplingParams
+from megatron_rl.rollout.factory import check_sampling_logprobs
+from megatron_rl.rollout.protocol import EngineError
 from megatron_rl.rollout.engines.vllm_server import VllmServerEngine
 
 
 class FakeVllm:
-    def __init__(self, delay_s: float = 0.0, fail_with: int | None = None):
+    def __init__(self, delay_s: float = 0.0, fail_with: int | None = None, logprobs_mode: str = "processed_logprobs"):
         self.delay_s, self.fail_with = delay_s, fail_with
+        self.logprobs_mode = logprobs_mode  # what its "workers" answer sampler_logprobs_mode with
         self.completions = 0
         fake = self
 
@@ -50,6 +54,8 @@ class FakeVllm:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/collective_rpc" and body["method"] == "sampler_logprobs_mode":
+                    return self._send(200, {"results": [fake.logprobs_mode] * 2})  # two workers
                 if self.path != "/v1/completions":
                     return self._send(404, {"error": "no route"})
                 fake.completions += 1
@@ -143,3 +149,18 @@ def test_mock_transient_errors_are_retried_a_bounded_number_of_times(fakes):
     with pytest.raises(Exception, match="vllm-busy.*HTTP 503.*3 attempts"):
         client.generate(PROMPTS[:1], SamplingParams(seed=3))
     assert busy.completions == 3
+
+
+def test_a_server_whose_logprobs_ignore_the_temperature_is_refused_at_start(fakes):
+    """A vLLM server started elsewhere without --logprobs-mode processed_logprobs returns
+    softmax(logits)'s logprobs at any temperature; at rl.temperature=0.6 the run refuses it by name
+    when it builds its engines (rollout/factory.py), at 1 the two are the same and it is kept.
+    Why a mock: only the engine's question and the refusal are under test; that a real server
+    started by us answers processed_logprobs and returns them is tests/rollout/test_vllm_sync.py."""
+    raw, processed = engine(fakes(logprobs_mode="raw_logprobs"), "vllm-raw"), engine(fakes(), "vllm-0")
+    tempered = load_config(None, ["rl.temperature=0.6"])
+    with pytest.raises(EngineError, match=r"vllm-raw: the server returns 'raw_logprobs' logprobs, which ignore "
+                                          r"the sampling temperature 0.6 .*--logprobs-mode processed_logprobs"):
+        check_sampling_logprobs(tempered, [processed, raw])
+    check_sampling_logprobs(tempered, [processed])
+    check_sampling_logprobs(load_config(None, []), [raw])

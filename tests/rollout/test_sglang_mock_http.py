@@ -25,7 +25,9 @@ import torch
 
 from _support.processes import free_port
 from megatron_rl.rollout.protocol import EngineError, EngineTimeout, EngineUnavailable, RolloutEngine, SamplingParams
-from megatron_rl.rollout.engines.sglang import SglangServerEngine
+from megatron_rl.config import load_config
+from megatron_rl.rollout.engines.sglang import SglangServerEngine, SglangServerProcess
+from megatron_rl.rollout.factory import check_sampling_logprobs
 
 EOS = 2  # the fake model's end-of-sequence token
 LAYERS, TOP_K = 2, 2  # shape of the fake routed experts
@@ -34,6 +36,19 @@ LAYERS, TOP_K = 2, 2  # shape of the fake routed experts
 def fake_logprob(token: int) -> float:
     """The fake model's logprob of a token, so a test can check each logprob belongs to its token."""
     return -((token % 7) + 1) / 10
+
+
+# The fake model's next-token logits over a 16-token vocabulary (for top logprobs).
+NEXT_LOGITS = torch.tensor([((k * 5) % 16) / 4 for k in range(16)], dtype=torch.float64)
+
+
+def top_logprobs(temperature: float, count: int, original: bool) -> list[list]:
+    """SGLang's output_top_logprobs entry of one token: [logprob, token id, text] of the `count`
+    most likely, after temperature (SGLang's default) or before it (`original`:
+    SGLANG_RETURN_ORIGINAL_LOGPROB set)."""
+    logprobs = torch.log_softmax(NEXT_LOGITS / (1.0 if original or temperature == 0 else temperature), dim=-1)
+    values, ids = logprobs.topk(count)
+    return [[float(value), int(token), None] for value, token in zip(values, ids)]
 
 
 def _weight_group_peer(conn, address: str, port: int, rank: int, world_size: int, group_name: str, backend: str):
@@ -80,6 +95,7 @@ class FakeSglang:
         self.weights: dict[str, torch.Tensor] = {}
         self.seen_checkpoint_files: list[str] = []
         self.weight_version = "0"
+        self.return_original_logprob = False  # SGLANG_RETURN_ORIGINAL_LOGPROB on the server
         self._peer = None
         fake = self
 
@@ -157,8 +173,12 @@ class FakeSglang:
         outputs = []
         for prompt, params, rid in zip(prompts, all_params, rids):
             for copy in range(params.get("n", 1)):
-                outputs.append(self.complete(prompt, params, rid if params.get("n", 1) == 1 else f"{rid}-{copy}",
-                                             body.get("return_routed_experts", False)))
+                output = self.complete(prompt, params, rid if params.get("n", 1) == 1 else f"{rid}-{copy}",
+                                       body.get("return_routed_experts", False))
+                if body.get("top_logprobs_num"):
+                    top = top_logprobs(params["temperature"], body["top_logprobs_num"], self.return_original_logprob)
+                    output["meta_info"]["output_top_logprobs"] = [top for _ in output["output_ids"]]
+                outputs.append(output)
         # SGLang returns batch outputs in input order; reversed here to check that the engine
         # pairs outputs with requests by id, never by position.
         return 200, outputs[::-1]
@@ -444,3 +464,42 @@ def test_slow_generate_raises_timeout_within_the_limit(fake, tmp_path):
     with pytest.raises(EngineTimeout, match="sglang-test.*/generate timed out"):
         engine.generate([[2, 5]], SamplingParams(seed=0), timeout_s=0.5)
     assert time.monotonic() - started < 2.5
+
+
+def test_a_server_whose_logprobs_ignore_the_temperature_is_refused_at_start(fake, tmp_path):
+    """SGLang returns log softmax(logits / T) unless its server runs with
+    SGLANG_RETURN_ORIGINAL_LOGPROB set; no endpoint says which, so at rl.temperature != 1 the run
+    measures it when it builds its engines (the spread of one token's top logprobs at T and at 1)
+    and refuses such a server by name. At temperature 1 the two are the same and nothing is asked.
+
+    A fake server stands in because SGLang cannot run here (CUDA-only torch and kernels); it
+    answers both ways, so this shows the measurement and the refusal, not a live server's answer."""
+    engine = make_engine(fake, tmp_path)
+    tempered = load_config(None, ["rl.temperature=0.6"])
+    check_sampling_logprobs(tempered, [engine])
+    probes = fake.bodies("/generate")
+    assert [body["sampling_params"][0]["temperature"] for body in probes] == [1.0, 0.6]
+    assert all(body["top_logprobs_num"] == 8 and body["return_logprob"] for body in probes)
+
+    fake.return_original_logprob = True
+    with pytest.raises(EngineError, match=r"sglang-test: the server returns logprobs before temperature .* restart "
+                                          r"it without SGLANG_RETURN_ORIGINAL_LOGPROB"):
+        check_sampling_logprobs(tempered, [engine])
+    asked = len(fake.bodies("/generate"))
+    check_sampling_logprobs(load_config(None, []), [engine])
+    assert len(fake.bodies("/generate")) == asked
+
+
+def test_servers_we_start_return_logprobs_after_temperature(monkeypatch, tmp_path):
+    """SglangServerProcess.start clears SGLANG_RETURN_ORIGINAL_LOGPROB for its server, even when
+    this process has it set."""
+    captured = {}
+
+    def launch(cls, command, *, env, **kwargs):
+        captured.update(env)
+        return None
+
+    monkeypatch.setattr(SglangServerProcess, "launch", classmethod(launch))
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "true")
+    SglangServerProcess.start(tmp_path / "model", port=free_port(), log_path=tmp_path / "sglang.log")
+    assert captured["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "false"

@@ -5,8 +5,9 @@ DeepSeek-V3 (multi-latent attention, trainer and engine at TP2) colocated (GLM-4
 on one process: tests/train/test_model_families.py and tests/rollout/test_vllm_families.py):
 - before training, engine and trainer agree (<= 1e-4, fp32);
 - after 3 optimizer steps WITHOUT a push they disagree (> 1e-3): the comparison can fail;
-- after the push they agree again (<= 1e-4). On vLLM's CPU build the MoE case fails without the
-  expert repacking in megatron_rl/rollout/worker/extension.py, and it fails silently: this test is
+- after the push they agree again (<= 1e-4), also at sampling temperature 0.6 (the engine's
+  logprobs after temperature, the trainer's of logits / 0.6; > 1e-3 from the untempered ones).
+  On vLLM's CPU build the MoE case fails without the expert repacking in megatron_rl/rollout/worker/extension.py, and it fails silently: this test is
   the guard;
 - n samples per prompt come back grouped and in order; finish reasons are "stop" for a stop
   token and "length" for the token budget.
@@ -100,6 +101,14 @@ def test_vllm_sync_matches_trainer_logprobs(models, tmp_path, family, mode, npro
     # Without a push the engine serves the old weights: the same comparison must fail.
     assert report["stale_diff"] > STALE_MIN, report
     assert report["synced_diff"] <= SYNC_TOL, report
+    # At temperature 0.6 engine and trainer agree on the logprobs of softmax(logits / 0.6), which
+    # differ from the untempered ones (before, the engine returned and the trainer computed those).
+    print(family, mode, layout, "engine vs trainer at T=0.6:", report["tempered_diffs"], "vs untempered:",
+          report["untempered_diffs"], f"({report['tempered_s']:.2f} s)")
+    engines = (2 if "rollout.num_servers=2" in layout else 1) if mode == "server" else 1
+    assert len(report["tempered_diffs"]) == len(report["untempered_diffs"]) == engines, report
+    assert max(report["tempered_diffs"]) <= SYNC_TOL, report
+    assert min(report["untempered_diffs"]) > STALE_MIN, report
     if mode == "server":
         assert report["first_push_tensors"] == report["pushed_tensors"] > 0, report
         expected = 2 if "rollout.num_servers=2" in layout else 1

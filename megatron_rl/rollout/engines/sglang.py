@@ -58,6 +58,11 @@ from megatron_rl.rollout.protocol import (
 from megatron_rl.rollout.engines.server_process import ServerEngineBase, ServerProcess
 
 WeightTransport = Literal["disk", "distributed", "tensor"]
+# SGLang returns log softmax(logits / temperature) for a sampled token (before its top-p / top-k
+# filter, which training refuses: config/rl.py) unless its server runs with this variable set.
+RETURN_ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+# Top logprobs of one next token that SglangServerEngine.check_sampling_logprobs compares.
+_PROBE_TOP = 8
 # Files the disk transport copies next to the weights, so the staging directory is a complete HF
 # checkpoint for any loader that reads the model config from `model_path`.
 _HF_CONFIG_FILES = ("config.json", "generation_config.json")
@@ -79,6 +84,9 @@ class SglangServerProcess(ServerProcess):
         # and reports a paused (healthy) engine as dead. A crash is still caught: the process
         # exits, and generate() raises.
         env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false")
+        # Logprobs of the distribution SGLang samples from (after temperature), which the trainer
+        # trains on; set, this variable makes them softmax(logits)'s whatever the temperature.
+        env[RETURN_ORIGINAL_LOGPROB_ENV] = "false"
         command = [
             sys.executable, "-m", "sglang.launch_server",
             "--model-path", str(model_dir), "--host", host, "--port", str(port),
@@ -174,6 +182,35 @@ class SglangServerEngine(ServerEngineBase):
             self._sample(index, position, prompt, output)
             for position, output in enumerate(self._in_request_order(rids, outputs))
         ]
+
+    def check_sampling_logprobs(self, temperature: float) -> None:
+        """Refuse a server whose logprobs ignore the sampling temperature (one started with
+        SGLANG_RETURN_ORIGINAL_LOGPROB set). No endpoint reports that setting, so it is measured:
+        the top logprobs of one next token at `temperature` and at 1. After temperature the spread
+        between the most and the least likely of them is the spread at 1 divided by `temperature`;
+        without, it is unchanged."""
+        at_one, at_temperature = self._top_logprob_spread(1.0), self._top_logprob_spread(temperature)
+        if not at_one > 1e-5:
+            raise EngineError(f"{self.name}: cannot tell whether the server's logprobs follow the temperature: "
+                              f"its top {_PROBE_TOP} next-token logprobs are all equal ({at_one:.3g} apart)")
+        if abs(at_temperature - at_one / temperature) > abs(at_temperature - at_one):
+            raise EngineError(
+                f"{self.name}: the server returns logprobs before temperature (their spread is {at_temperature:.4g} "
+                f"at temperature {temperature} and {at_one:.4g} at 1), so the trainer's logprobs of the sampling "
+                f"distribution (rl.temperature) would not match them; restart it without "
+                f"{RETURN_ORIGINAL_LOGPROB_ENV}")
+
+    def _top_logprob_spread(self, temperature: float) -> float:
+        """max - min of the top next-token logprobs after a one-token prompt, at `temperature`."""
+        body = {"input_ids": [[0]], "sampling_params": [{"temperature": temperature, "max_new_tokens": 1, "n": 1}],
+                "return_logprob": True, "top_logprobs_num": _PROBE_TOP, "logprob_start_len": -1, "stream": False}
+        response = self._client.post("/generate", body)
+        output = response[0] if isinstance(response, list) else response
+        top = ((output.get("meta_info") or {}).get("output_top_logprobs") or [None])[0]
+        if not top:
+            raise EngineError(f"{self.name}: /generate returned no output_top_logprobs (top_logprobs_num ignored?)")
+        values = [float(entry[0]) for entry in top]
+        return max(values) - min(values)
 
     @staticmethod
     def _sampling(params: SamplingParams, seed: int | None) -> dict[str, Any]:

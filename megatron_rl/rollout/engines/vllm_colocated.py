@@ -34,6 +34,7 @@ from megatron_rl.rollout.protocol import (
 )
 from megatron_rl.rollout.worker.route_capture import ROUTE_CAPTURE_KEY, attach_captured_routes, native_routes, new_tags
 from megatron_rl.rollout.engines.vllm_common import (
+    LOGPROBS_MODE,
     cpu_kernel_args,
     samples_from_request_output,
     to_vllm_sampling,
@@ -121,6 +122,7 @@ class VllmColocatedEngine:
                 gpu_memory_utilization=gpu_memory_utilization,
                 load_format=load_format,
                 worker_extension_cls=WORKER_EXTENSION,
+                logprobs_mode=LOGPROBS_MODE,  # logprobs after temperature: what the trainer trains on
                 **engine_args,
             )
         self.startup_s = time.perf_counter() - started

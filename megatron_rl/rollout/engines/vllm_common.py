@@ -46,6 +46,25 @@ def vllm_environment(cache_dir: str | Path | None, *, on_cpu: bool, kv_cache_gib
     return {key: os.environ.get(key, value) for key, value in env.items()}
 
 
+# What vLLM returns as a sampled token's logprob. Its default, "raw_logprobs", is of softmax(logits)
+# whatever the request's temperature, while the token was drawn from softmax(logits / temperature);
+# the trainer trains on the sampling distribution, so the engines must report that one (after
+# temperature, and after top-p, which training refuses: config/rl.py). Every engine we start is
+# given it: `vllm.LLM(logprobs_mode=...)` colocated, `--logprobs-mode` for servers.
+LOGPROBS_MODE = "processed_logprobs"
+
+
+def check_logprobs_mode(engine: str, mode: str, temperature: float) -> None:
+    """Refuse an engine whose logprobs are not those of the distribution it samples from at
+    `temperature` (a server started elsewhere without --logprobs-mode)."""
+    if mode != LOGPROBS_MODE:
+        raise EngineError(
+            f"{engine}: the server returns {mode!r} logprobs, which ignore the sampling temperature "
+            f"{temperature} (rl.temperature), so the trainer's logprobs of the sampling distribution would "
+            f"not match them; start it with --logprobs-mode {LOGPROBS_MODE} (megatron-rl's own servers and "
+            f"rollout nodes are)")
+
+
 def to_vllm_sampling(params: SamplingParams, prompt_index: int):
     from vllm import SamplingParams as VllmSamplingParams
 

@@ -34,7 +34,13 @@ from megatron_rl.rollout.protocol import (
     WeightStream,
 )
 from megatron_rl.rollout.worker.route_capture import ROUTE_CAPTURE_KEY, attach_captured_routes, native_routes, new_tags
-from megatron_rl.rollout.engines.vllm_common import cpu_kernel_flags, finish_reason, vllm_environment
+from megatron_rl.rollout.engines.vllm_common import (
+    LOGPROBS_MODE,
+    check_logprobs_mode,
+    cpu_kernel_flags,
+    finish_reason,
+    vllm_environment,
+)
 from megatron_rl.rollout.worker.extension import WORKER_EXTENSION
 
 
@@ -62,6 +68,7 @@ class VllmServerProcess(ServerProcess):
             "--load-format", load_format, "--worker-extension-cls", WORKER_EXTENSION,
             "--gpu-memory-utilization", str(gpu_memory_utilization),
             "--middleware", MIDDLEWARE,  # every route but /health needs the job's token
+            "--logprobs-mode", LOGPROBS_MODE,  # logprobs after temperature: what the trainer trains on
         ]
         if on_cpu:
             command.append("--enforce-eager")
@@ -209,6 +216,12 @@ class VllmServerEngine(ServerEngineBase):
 
     def fingerprint(self) -> dict:
         return self._rpc("weights_fingerprint")[0]
+
+    def check_sampling_logprobs(self, temperature: float) -> None:
+        """Refuse a server whose returned logprobs ignore `temperature` (vLLM's logprobs_mode, as
+        its workers run it; a server started elsewhere may lack our --logprobs-mode)."""
+        for mode in set(self._rpc("sampler_logprobs_mode")):
+            check_logprobs_mode(self.name, mode, temperature)
 
     # ---- lifecycle ----------------------------------------------------------------------------
 

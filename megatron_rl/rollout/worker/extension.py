@@ -77,6 +77,11 @@ class WeightSyncWorker(CollectiveReceiverWorker, RouteCaptureWorker):
         paths = json.loads(paths_json)
         return self._reload(_read_safetensors(paths))
 
+    def sampler_logprobs_mode(self) -> str:
+        """What this worker returns as a sampled token's logprob (vLLM's logprobs_mode): the
+        trainer needs the sampling distribution's, after temperature (rollout/engines/vllm_common.py)."""
+        return str(self.model_runner.model_config.logprobs_mode)
+
     def weights_fingerprint(self) -> dict:
         """What the last push delivered and whether the served weights moved since
         (rollout/weights/digest.py): `received` (a WeightDigest of the pushed tensors, None before
