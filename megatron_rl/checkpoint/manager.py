@@ -263,11 +263,13 @@ class CheckpointManager:
         if stop or last or (every and step % every == 0):
             published += self._poll(blocking=True)  # one save in flight at a time
             self.pending = self._begin(step, trainer_state, async_save=self.config.checkpoint.async_save)
-            if stop or last:  # the process is about to exit: wait for the files
-                published += self._poll(blocking=True)
-            elif self.pending.process is None:  # written synchronously, published already
+            if self.pending.process is None:
+                # Written synchronously: begin_save published it already. Polling it again would
+                # finalize Megatron's save a second time (its results queue is empty by then).
                 published.append(self.pending.stats)
                 self.pending = None
+            elif stop or last:  # the process is about to exit: wait for the files
+                published += self._poll(blocking=True)
         return published
 
     def _begin(self, step: int, trainer_state: dict, async_save: bool):
