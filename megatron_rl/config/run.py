@@ -53,7 +53,9 @@ class CheckpointConfig:
     # At the end of the run, export the policy as a Hugging Face model into OUTPUT_DIR/hf_model.
     export_hf: bool = True
     # Resuming a checkpoint written with another config is refused (naming the keys) unless true;
-    # the layout, logging and checkpoint keys may always differ.
+    # the layout, logging and checkpoint keys may always differ. An accepted change takes effect
+    # from the resumed step (optimizer settings included); warm_start.* and seed, which a resume
+    # cannot apply, are refused by name even then.
     allow_config_change: bool = False
 
     def validate(self, where: str) -> None:

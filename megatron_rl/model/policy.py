@@ -403,9 +403,13 @@ def _lr_scheduler(optimizer, opt, total_steps: int):
         end_wd=opt.weight_decay,
         wd_incr_steps=decay_steps,
         wd_incr_style="constant",
-        # Resume restores the schedule from the checkpoint instead of the config.
-        use_checkpoint_opt_param_scheduler=True,
-        override_opt_param_scheduler=False,
+        # Resume restores the schedule's position (its step count) from the checkpoint and takes
+        # every setting (lr, min_lr, warm-up, decay, weight decay) from this run's config: with
+        # checkpoint.allow_config_change a changed optimizer key takes effect. (Megatron's
+        # default keeps the checkpoint's values; the param groups' own max_lr / min_lr still
+        # overrode them, so a changed lr took effect and a changed weight decay did not.)
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
     )
 
 

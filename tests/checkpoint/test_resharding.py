@@ -122,3 +122,19 @@ def test_control_zeroed_moments_change_the_second_update(root, rank_pools):
                   ranks=rank_pools)
     assert relative(dropped["loss"][0], baseline["loss"][0]) <= REL_TOL  # same weights before any update
     assert relative(dropped["loss"][1], baseline["loss"][1]) > 100 * REL_TOL
+
+
+def test_changed_optimizer_settings_take_effect_on_resume(root, rank_pools):
+    """checkpoint.allow_config_change: a resume with another learning rate and weight decay
+    trains with both. The schedule's position comes from the checkpoint, its settings from the
+    config; Megatron's default kept the saved weight decay (the saved lr lost to the param
+    groups' own max_lr), so a changed weight decay silently did nothing."""
+    ckpt = root / "ckpt_single"
+    if not (ckpt / "small.json").is_file():
+        run("save", "single", root, ckpt, root / "save_single", ranks=rank_pools)
+    # Saved with optimizer.lr=0.003 and optimizer.weight_decay=0.01 (reshard_worker.OVERRIDES).
+    changed = run("resume", "single", root, ckpt, root / "single_changed_settings", "--override",
+                  "optimizer.weight_decay=0.05", "--override", "optimizer.lr=0.002", ranks=rank_pools)
+    assert changed["weight_decay"] == [0.0, 0.05] and changed["one_lr"]
+    # Step 3 ends the 3-step warm-up: the full rate, the new one; the schedule did not restart.
+    assert changed["lr"][0] == pytest.approx(0.002, rel=1e-12)
