@@ -111,7 +111,7 @@ class Trainer:
                                    generation=self.generation, scorer=self.scorer, runtime=runtime,
                                    notify=self.log.message)
         self.stop_signals = StopSignals()
-        self.update_guard = UpdateGuard(config.rl.max_bad_steps, notify=self.log.message)
+        self.update_guard = None  # made when RL starts: it measures the weights it starts from
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -130,6 +130,9 @@ class Trainer:
                 self.sync_weights()
                 start = self.resumed.step + 1
                 self.log.message(f"resumed from {self.resumed.path} at step {start - 1}")
+            self.update_guard = UpdateGuard(config.rl.max_bad_steps, notify=self.log.message,
+                                            weight_norm=self.policy.weight_norm(),
+                                            max_norm_growth=config.rl.max_weight_norm_growth)
             self.collector.start(start, self.resumed.state if self.resumed is not None else None)
 
             last_saved = None
@@ -210,8 +213,8 @@ class Trainer:
     def _train(self, experience: PackedStep, step: int) -> dict:
         """The step's optimizer updates and their metrics (update.py). They start from policy
         version step - 1 (the staleness of an asynchronous sample's tokens is measured against it).
-        A non-finite update stops the run here, before the step's checkpoint and weight push
-        (update_guard.py)."""
+        A non-finite or exploding update stops the run here, before the step's checkpoint and
+        weight push (update_guard.py)."""
         return run_updates(self.policy, self.runtime, experience, self.loss_settings, self.routing,
                            policy_version=step - 1, check=functools.partial(self.update_guard.check, step))
 
