@@ -144,13 +144,13 @@ class RunConfig:
         decay = self.optimizer.weight_decay
         rates = [("optimizer.lr", self.optimizer.lr)] + ([("warm_start.lr", self.warm_start.lr)]
                                                           if self.warm_start.steps else [])
-        bad = [f"with {key}={lr:g} every weight is multiplied by 1 - lr x weight_decay = {1 - lr * decay:.4g} at each update"
-               for key, lr in rates if lr * decay >= 1]
+        bad = [f"with {key}={lr:g} every weight is multiplied by 1 - lr x weight_decay = {1 - lr * decay:.4g} "
+               "at each update" for key, lr in rates if lr * decay >= 1]
         if bad:
             raise ConfigError(f"{where}: optimizer.weight_decay={decay:g} is too large for the learning rate: "
-                              f"{'; '.join(bad)}. From lr x weight_decay = 1 on, that flips the weights' sign at every update, "
-                              "and from 2 on makes them grow without bound. Keep lr x weight_decay below 1 (a "
-                              "weight_decay like 0.01 .. 0.1 is usual)")
+                              f"{'; '.join(bad)}. From lr x weight_decay = 1 on, that flips the weights' sign at "
+                              "every update, and from 2 on makes them grow without bound. Keep lr x weight_decay "
+                              "below 1 (a weight_decay like 0.01 .. 0.1 is usual)")
 
     def _validate_async(self, where: str) -> None:
         """Asynchronous RL needs engines that generate while the trainer trains: servers."""

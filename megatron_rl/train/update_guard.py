@@ -44,7 +44,8 @@ class Phase:
 
 
 RL = Phase()
-WARM_START = Phase("warm start step", "warm_start.lr", "the warm start runs before any checkpoint, so a re-run starts over")
+WARM_START = Phase("warm start step", "warm_start.lr",
+                   "the warm start runs before any checkpoint, so a re-run starts over")
 
 
 class UpdateGuard:
