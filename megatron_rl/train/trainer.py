@@ -34,6 +34,7 @@ from megatron_rl.observability.plotting import learning_summary
 from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.rollout.engine_model import load_engine_tokenizer, write_engine_model_dir
 from megatron_rl.runtime import start_runtime
+from megatron_rl.train.agent_failures import check_agent_failures, describe_source
 from megatron_rl.train.async_rollout import AsyncCollector
 from megatron_rl.train.collect import SyncCollector
 from megatron_rl.train.evaluate import evaluate
@@ -172,6 +173,8 @@ class Trainer:
         rl, timings = self.config.rl, {}
         rollout = self.collector.take(step, timings)
         metrics = dict(rollout.metrics)
+        check_agent_failures(step, rollout.agent_failures, describe_source(self.config.rollout),
+                             notify=self.log.message)
         check_reward_failures(step, metrics, self.scorer.first_error, notify=self.log.message)
 
         tick = time.perf_counter()

@@ -4,7 +4,8 @@ it prints, and what is kept on disk (docs/faults.md).
 - non-finite updates: skipped and counted; rl.max_bad_steps in a row stop the run before that
   step's checkpoint; an update that makes the weights explode stops it at once; the re-run
   resumes from the last good checkpoint.
-- a reward function failing on every sample stops the run at its first step, with its error.
+- a reward function failing on every sample stops the run at its first step, with its error; so
+  does a multi-turn environment failing on every trajectory.
 """
 
 from __future__ import annotations
@@ -95,3 +96,18 @@ def test_reward_failing_on_every_sample_stops_after_the_first_step_with_its_erro
     assert "KeyError: 'answer_field'" in result.stderr, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     assert 1 not in logged_steps(out) and saved_steps(out) == []
+
+
+def test_environment_failing_on_every_trajectory_stops_after_the_first_step_with_its_error(tmp_path):
+    """The reward functions' rule, for multi-turn environments: it used to exit 0 having trained on
+    nothing (every group dropped), `agent/failed` in metrics.jsonl the only trace."""
+    out = tmp_path / "run"
+    result = train_with(out, overrides=["rl.max_refill_rounds=0", "data.prompt_format=chat",
+                                        "rollout.environment=failing_environment:MissingField"])
+    assert result.returncode == 1, result.stderr[-4000:]
+    assert ("step 1: all 16 trajectories failed in rollout.environment=failing_environment:MissingField; first: "
+            "group 0, trajectory 0: reset() raised KeyError: 'expected_tool_output' (at "
+            f"{HERE / 'failing_environment.py'}:9)") in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert 1 not in logged_steps(out) and saved_steps(out) == []
+
