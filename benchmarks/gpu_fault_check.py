@@ -74,7 +74,7 @@ def guard_check(policy) -> dict:
     _, step_s = synchronized(lambda: policy.optimizer.step())
     buffers = [buffer.grad_data for buffer in policy._grad_buffers()]
     params = [p.detach() for p in policy.model.parameters()]
-    _, checks_s = synchronized(lambda: (policy._all_finite(buffers), policy._all_finite(params, squared=True)))
+    _, checks_s = synchronized(lambda: (policy._all_finite(buffers), policy.weight_norm()))
     for group in policy.optimizer.param_groups:
         group["max_lr"] = group["min_lr"] = 1e30
     blown = policy.train_step(batches, loss_with(1.0), lr=1e30)

@@ -74,7 +74,7 @@ from megatron_rl.agents.openai_messages import (
 from megatron_rl.agents.openai_server import ChatCompletionsServer, EndpointError
 from megatron_rl.agents.rollout import AgentSettings, Generate, turn_seed
 from megatron_rl.agents.tool_parsers import has_tool_call_start
-from megatron_rl.errors import ConfigError
+from megatron_rl.errors import ConfigError, raised_at
 from megatron_rl.rollout.protocol import Sample, SamplingParams
 
 BATCH_WINDOW_S = 0.5  # a batch goes out once no call has arrived for this long (or all agents wait)
@@ -230,7 +230,7 @@ class OpenAIAgentRollout:
             result = asyncio.run(_awaited(self.agent(base_url, run.record, **self.agent_args)))
             error = None
         except BaseException as exc:  # noqa: BLE001 - any agent failure fails its trajectory only
-            result, error = None, f"the agent raised {type(exc).__name__}: {exc}"[:500]
+            result, error = None, f"the agent raised {type(exc).__name__}: {str(exc)[:400]}{raised_at(exc)}"
         with self._cond:
             if run.running:
                 if error is not None:

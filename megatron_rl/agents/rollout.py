@@ -52,6 +52,7 @@ from megatron_rl.agents.environment import (
     check_observation,
     load_environment_factory,
 )
+from megatron_rl.errors import raised_at
 from megatron_rl.rollout.protocol import Sample, SamplingParams
 
 Generate = Callable[[list[list[int]], SamplingParams], list[list[Sample]]]
@@ -271,7 +272,7 @@ class AgentRollout:
                                             error=f"{what}() took longer than rollout.env_timeout_s="
                                                   f"{self.settings.env_timeout_s:g} s"))
             except Exception as exc:  # noqa: BLE001 - any environment error fails its trajectory only
-                outcomes.append(_EnvOutcome(error=f"{what}() raised {type(exc).__name__}: {exc}"[:500]))
+                outcomes.append(_EnvOutcome(error=_failure(what, exc)))
         return outcomes
 
     def _close_all(self, runs: list[_Trajectory]) -> None:
@@ -304,6 +305,13 @@ class AgentRollout:
         truncated = run.finish in ("length", "max_turns")
         return Sample(run.group, run.sample, run.prompt_ids, run.ids, run.logprobs,
                       "length" if truncated else "stop", extras)
+
+
+def _failure(what: str, exc: Exception) -> str:
+    """A failed environment call as the trajectory's error: the exception and, for one the
+    environment raised, where (its contract checks, EnvironmentFailure, say what was wrong)."""
+    where = "" if isinstance(exc, EnvironmentFailure) else raised_at(exc)
+    return f"{what}() raised {type(exc).__name__}: {str(exc)[:400]}{where}"
 
 
 def _timed(call, run) -> _EnvOutcome:

@@ -35,6 +35,16 @@ HF_EXPORT = "hf_model"
 # the layout (checkpoints reshard), where and how it logs and checkpoints, performance knobs.
 MAY_DIFFER = ("parallel.", "logging.", "checkpoint.", "output_dir", "device", "micro_batch_tokens",
               "logprob_chunk_tokens")
+# Keys a resume cannot apply, with why: checkpoint.allow_config_change refuses a change to them
+# rather than ignore it. Every other key takes effect from the resumed step on (the optimizer's
+# settings too: model/policy.py takes its schedule's settings from the config, its position from
+# the checkpoint).
+FIXED_AT_START = {
+    "warm_start.": "the warm start ran before the first RL step of the run that wrote this checkpoint; a resume "
+                   "does not repeat it",
+    "seed": "the prompt order and every random state continue from the checkpoint; a new seed would change only "
+            "the engines' sampling seeds",
+}
 # What an earlier run leaves in its output directory (moved aside together by resume=none).
 RUN_ARTIFACTS = ("checkpoints", "metrics.jsonl", "run_state.json", RUN_RECORD, "learning_curve.png", HF_EXPORT,
                  "wandb", "wandb_run_id")
@@ -80,10 +90,20 @@ def unusable_message(root: Path, problems: list[str]) -> str:
 def config_differences(recorded: dict, current: dict) -> list[str]:
     """'key: recorded -> current' for every key that differs and may not (keys missing from the
     recorded config count as their defaults)."""
+    return [f"{key}: {before!r} -> {after!r}" for key, before, after in _changed_keys(recorded, current)]
+
+
+def _changed_keys(recorded: dict, current: dict) -> list[tuple[str, Any, Any]]:
     old = _as_parsed(recorded)
     new = flatten_config(current)
-    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(set(old) | set(new))
+    return [(key, old.get(key), new.get(key)) for key in sorted(set(old) | set(new))
             if old.get(key) != new.get(key) and not key.startswith(MAY_DIFFER)]
+
+
+def _fixed_at_start(changed: list[tuple[str, Any, Any]]) -> list[str]:
+    """The changes among `changed` that a resume cannot apply, each with why."""
+    return [f"{key}: {before!r} -> {after!r} ({why})" for key, before, after in changed
+            for prefix, why in FIXED_AT_START.items() if key.startswith(prefix)]
 
 
 def _as_parsed(recorded: dict) -> dict[str, Any]:
@@ -99,10 +119,16 @@ def _as_parsed(recorded: dict) -> dict[str, Any]:
 def _check_same_run(config: RunConfig, checkpoint: Path) -> None:
     from megatron_rl.checkpoint.store import STATE
 
-    if config.checkpoint.allow_config_change:
-        return
     recorded = json.loads((checkpoint / STATE).read_text()).get("config")
     if recorded is None:
+        return
+    if config.checkpoint.allow_config_change:
+        fixed = _fixed_at_start(_changed_keys(recorded, to_dict(config)))
+        if fixed:
+            listing = "\n  ".join(fixed)
+            raise ConfigError(f"checkpoint.allow_config_change: resuming {checkpoint} cannot apply these changes:\n  "
+                              f"{listing}\nResume with the recorded values, or start over with the new ones "
+                              "(checkpoint.resume=none moves the old run aside, or another output_dir).")
         return
     differences = config_differences(recorded, to_dict(config))
     if differences:
@@ -263,11 +289,13 @@ class CheckpointManager:
         if stop or last or (every and step % every == 0):
             published += self._poll(blocking=True)  # one save in flight at a time
             self.pending = self._begin(step, trainer_state, async_save=self.config.checkpoint.async_save)
-            if stop or last:  # the process is about to exit: wait for the files
-                published += self._poll(blocking=True)
-            elif self.pending.process is None:  # written synchronously, published already
+            if self.pending.process is None:
+                # Written synchronously: begin_save published it already. Polling it again would
+                # finalize Megatron's save a second time (its results queue is empty by then).
                 published.append(self.pending.stats)
                 self.pending = None
+            elif stop or last:  # the process is about to exit: wait for the files
+                published += self._poll(blocking=True)
         return published
 
     def _begin(self, step: int, trainer_state: dict, async_save: bool):

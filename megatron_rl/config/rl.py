@@ -7,6 +7,7 @@ megatron_rl/algorithms/from_config.py (`recipe_for(config.rl, config.response_bu
 
 from __future__ import annotations
 
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -107,6 +108,11 @@ class RLConfig:
     # Optimizer updates in a row skipped for a non-finite gradient before the run stops (without
     # a checkpoint of that step; train/update_guard.py). One is a fluke; three is a cause.
     max_bad_steps: int = 3
+    # The most one optimizer update may multiply the policy's weight norm by; beyond it the run
+    # stops before that step's checkpoint and weight push (train/update_guard.py). Adam moves each
+    # weight by about lr per update: the tiny default's updates change the norm by under 1%
+    # (warm start) and 0.01% (RL). 0 turns the check off.
+    max_weight_norm_growth: float = 2.0
     max_response_tokens: int = 6
     # The rollout engines sample from softmax(logits / temperature), and the trainer trains on that
     # same distribution: its logprobs, ratio, KL, entropy and gradient are of logits / temperature,
@@ -150,6 +156,10 @@ class RLConfig:
         for name in ("steps", "prompts_per_step", "updates_per_rollout", "max_response_tokens", "max_bad_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
+        growth = self.max_weight_norm_growth
+        if not (math.isfinite(growth) and (growth == 0 or growth > 1)):
+            raise ConfigError(f"{where}.max_weight_norm_growth must be a finite factor > 1 (or 0: no check), "
+                              f"got {growth}")
         if self.group_size < 2:
             raise ConfigError(f"{where}.group_size must be >= 2 (group-relative advantages need a group)")
         if self.prompts_per_step % self.updates_per_rollout:

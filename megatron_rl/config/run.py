@@ -53,7 +53,9 @@ class CheckpointConfig:
     # At the end of the run, export the policy as a Hugging Face model into OUTPUT_DIR/hf_model.
     export_hf: bool = True
     # Resuming a checkpoint written with another config is refused (naming the keys) unless true;
-    # the layout, logging and checkpoint keys may always differ.
+    # the layout, logging and checkpoint keys may always differ. An accepted change takes effect
+    # from the resumed step (optimizer settings included); warm_start.* and seed, which a resume
+    # cannot apply, are refused by name even then.
     allow_config_change: bool = False
 
     def validate(self, where: str) -> None:
@@ -113,6 +115,7 @@ class RunConfig:
                                   f"sequences and does not support context parallelism (parallel.cp={self.parallel.cp})")
         self._validate_async(where)
         self.warm_start.validate(f"{where}: warm_start")
+        self._validate_weight_decay(where)
         self.data.validate(f"{where}: data")
         self.rewards.validate(f"{where}: rewards")
         self.checkpoint.validate(f"{where}: checkpoint")
@@ -131,6 +134,23 @@ class RunConfig:
             return per_turn
         total = self.rollout.max_total_tokens if self.rollout.max_total_tokens is not None else self.rollout.max_model_len
         return min(self.rollout.max_turns * per_turn, total)
+
+    def _validate_weight_decay(self, where: str) -> None:
+        """Adam's decoupled weight decay (AdamW, what Megatron-Core runs) multiplies every weight by
+        1 - lr x weight_decay at each update: from lr x weight_decay = 1 on that flips the weights'
+        sign, and beyond 2 grows them geometrically (optimizer.lr=1 optimizer.weight_decay=1e4: x -29
+        per warm-start update, finite weights of 8.5e14 checkpointed). Both rates it runs at: RL's
+        and, when there is one, the warm start's."""
+        decay = self.optimizer.weight_decay
+        rates = [("optimizer.lr", self.optimizer.lr)] + ([("warm_start.lr", self.warm_start.lr)]
+                                                          if self.warm_start.steps else [])
+        bad = [f"with {key}={lr:g} every weight is multiplied by 1 - lr x weight_decay = {1 - lr * decay:.4g} "
+               "at each update" for key, lr in rates if lr * decay >= 1]
+        if bad:
+            raise ConfigError(f"{where}: optimizer.weight_decay={decay:g} is too large for the learning rate: "
+                              f"{'; '.join(bad)}. From lr x weight_decay = 1 on, that flips the weights' sign at "
+                              "every update, and from 2 on makes them grow without bound. Keep lr x weight_decay "
+                              "below 1 (a weight_decay like 0.01 .. 0.1 is usual)")
 
     def _validate_async(self, where: str) -> None:
         """Asynchronous RL needs engines that generate while the trainer trains: servers."""

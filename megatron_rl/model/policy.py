@@ -19,6 +19,7 @@ gradients over DP, and summing micro-batch gradients gives exactly the full-batc
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from functools import partial
@@ -47,6 +48,10 @@ class StepResult:
     updated: bool
     # False: the update left a weight non-finite (or a weight norm beyond float32); the same on every rank.
     weights_finite: bool = True
+    # After an update: Policy.weight_norm() of the updated weights (inf when they are not finite);
+    # NaN when the update was skipped. The learning rate the update ran at.
+    weight_norm: float = float("nan")
+    lr: float = float("nan")
     # The loss function's metric dicts, one per real micro-batch (last pipeline stage; empty elsewhere).
     metrics: list[dict] = field(default_factory=list)
 
@@ -169,23 +174,37 @@ class Policy:
             # Megatron's clipping does not catch it (a NaN norm compares False with the limit):
             # Adam would write NaN into every weight. Skip it on every rank; the caller counts it.
             return StepResult(loss=loss, grad_norm=float("nan"), updated=False)
+        used_lr = self.learning_rate
         updated, grad_norm, _ = self.optimizer.step()
         if updated and lr is None:
             self.scheduler.step(1)
-        finite = not updated or self._all_finite([param.detach() for param in self.model.parameters()], squared=True)
-        return StepResult(loss=loss, grad_norm=float(grad_norm or 0.0), updated=bool(updated), weights_finite=finite)
+        if not updated:
+            return StepResult(loss=loss, grad_norm=float(grad_norm or 0.0), updated=False, lr=used_lr)
+        norm = self.weight_norm()
+        return StepResult(loss=loss, grad_norm=float(grad_norm or 0.0), updated=True,
+                          weights_finite=math.isfinite(norm), weight_norm=norm, lr=used_lr)
+
+    def weight_norm(self) -> float:
+        """Collective: the L2 norm of the weights, the same number on every rank (every rank's
+        parameters, so a weight replicated over ranks counts once per copy: a measure to compare
+        between updates of one layout, what the update guard does). Each tensor's norm is taken in
+        float32 without rescaling, so a weight beyond ~1e19 makes it infinite, as a NaN or an
+        infinity does; such a model's next forward overflows anyway."""
+        squares = [torch.linalg.vector_norm(param.detach(), dtype=torch.float32).double() ** 2
+                   for param in self.model.parameters()]
+        total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
+        total = total.to(self.runtime.device)
+        dist.all_reduce(total)  # every rank takes the same branch on it
+        return math.sqrt(float(total))
 
     def _grad_buffers(self) -> list:
         return self.model.buffers + self.model.expert_parallel_buffers
 
-    def _all_finite(self, tensors: list[torch.Tensor], *, squared: bool = False) -> bool:
+    def _all_finite(self, tensors: list[torch.Tensor]) -> bool:
         """Whether every value of `tensors`, on every rank, is finite: one pass over them (as the
-        gradient norm makes) and one scalar all-reduce. `squared`: the L2 norm in float32 (no
-        rescaling), so a weight beyond ~1e19 counts as non-finite too; such a model's next
-        forward overflows anyway."""
+        gradient norm makes) and one scalar all-reduce."""
         if tensors:
-            reduce = partial(torch.linalg.vector_norm, dtype=torch.float32) if squared else partial(torch.sum, dtype=torch.float32)
-            total = torch.stack([reduce(t) for t in tensors]).sum()
+            total = torch.stack([torch.sum(t, dtype=torch.float32) for t in tensors]).sum()
         else:
             total = torch.zeros((), device=self.runtime.device)
         bad = (~torch.isfinite(total)).to(torch.float32)
@@ -422,9 +441,13 @@ def _lr_scheduler(optimizer, opt, total_steps: int):
         end_wd=opt.weight_decay,
         wd_incr_steps=decay_steps,
         wd_incr_style="constant",
-        # Resume restores the schedule from the checkpoint instead of the config.
-        use_checkpoint_opt_param_scheduler=True,
-        override_opt_param_scheduler=False,
+        # Resume restores the schedule's position (its step count) from the checkpoint and takes
+        # every setting (lr, min_lr, warm-up, decay, weight decay) from this run's config: with
+        # checkpoint.allow_config_change a changed optimizer key takes effect. (Megatron's
+        # default keeps the checkpoint's values; the param groups' own max_lr / min_lr still
+        # overrode them, so a changed lr took effect and a changed weight decay did not.)
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
     )
 
 

@@ -26,6 +26,7 @@ from megatron_rl.algorithms import (
     zero_spread_groups,
 )
 from megatron_rl.model.packing import PackedBatch, pack, pack_by_token_budget
+from megatron_rl.train.agent_failures import AgentFailures
 
 
 @dataclass
@@ -89,6 +90,8 @@ class Trajectory:
 class StepRollout:
     groups: list[list[Trajectory]]  # kept groups, G trajectories each
     metrics: dict[str, float] = field(default_factory=dict)
+    # Multi-turn runs: the failed trajectories among every group generated (train/agent_failures.py).
+    agent_failures: AgentFailures | None = None
 
 
 def group_advantages(groups: list[list[Trajectory]], recipe: Recipe) -> None:

@@ -23,6 +23,7 @@ from megatron_rl.data import prompt_text
 from megatron_rl.rewards import RewardInput, build_scorer
 from megatron_rl.rewards.response_stats import count_responses, finalize_response_stats
 from megatron_rl.rollout.protocol import Sample
+from megatron_rl.train.agent_failures import count_failures
 from megatron_rl.train.experience import StepRollout, Trajectory, rollout_metrics
 
 CORRECT = 0.5  # a sample counts as correct when its reward reaches this (rule rewards are 0 or 1)
@@ -150,8 +151,9 @@ def combine_rounds(rounds: Sequence[tuple[int, dict]]) -> dict:
 
 def assemble_step(kept: list[list[Trajectory]], generated: list[list[Trajectory]],
                   reward_rounds: Sequence[tuple[int, dict]], sampler_metrics: dict, counts: dict) -> StepRollout:
-    """What a step trains on: the kept groups, numbered in order, and the step's rollout metrics
-    (the scorer's, the sampler's, those of every generated group, then the collector's `counts`)."""
+    """What a step trains on: the kept groups, numbered in order, the step's rollout metrics (the
+    scorer's, the sampler's, those of every generated group, then the collector's `counts`), and
+    its failed multi-turn trajectories."""
     metrics = finalize_response_stats(combine_rounds(reward_rounds))
     metrics.update(sampler_metrics)
     metrics.update(rollout_metrics(generated, CORRECT))
@@ -160,4 +162,4 @@ def assemble_step(kept: list[list[Trajectory]], generated: list[list[Trajectory]
     for index, group in enumerate(kept):
         for trajectory in group:
             trajectory.group = index
-    return StepRollout(kept, metrics)
+    return StepRollout(kept, metrics, agent_failures=count_failures(generated))

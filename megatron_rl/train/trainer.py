@@ -34,6 +34,7 @@ from megatron_rl.observability.plotting import learning_summary
 from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.rollout.engine_model import load_engine_tokenizer, write_engine_model_dir
 from megatron_rl.runtime import start_runtime
+from megatron_rl.train.agent_failures import check_agent_failures, describe_source
 from megatron_rl.train.async_rollout import AsyncCollector
 from megatron_rl.train.collect import SyncCollector
 from megatron_rl.train.evaluate import evaluate
@@ -111,7 +112,7 @@ class Trainer:
                                    generation=self.generation, scorer=self.scorer, runtime=runtime,
                                    notify=self.log.message)
         self.stop_signals = StopSignals()
-        self.update_guard = UpdateGuard(config.rl.max_bad_steps, notify=self.log.message)
+        self.update_guard = None  # made when RL starts: it measures the weights it starts from
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -130,6 +131,9 @@ class Trainer:
                 self.sync_weights()
                 start = self.resumed.step + 1
                 self.log.message(f"resumed from {self.resumed.path} at step {start - 1}")
+            self.update_guard = UpdateGuard(config.rl.max_bad_steps, notify=self.log.message,
+                                            weight_norm=self.policy.weight_norm(),
+                                            max_norm_growth=config.rl.max_weight_norm_growth)
             self.collector.start(start, self.resumed.state if self.resumed is not None else None)
 
             last_saved = None
@@ -169,6 +173,8 @@ class Trainer:
         rl, timings = self.config.rl, {}
         rollout = self.collector.take(step, timings)
         metrics = dict(rollout.metrics)
+        check_agent_failures(step, rollout.agent_failures, describe_source(self.config.rollout),
+                             notify=self.log.message)
         check_reward_failures(step, metrics, self.scorer.first_error, notify=self.log.message)
 
         tick = time.perf_counter()
@@ -212,8 +218,8 @@ class Trainer:
     def _train(self, experience: PackedStep, step: int) -> dict:
         """The step's optimizer updates and their metrics (update.py). They start from policy
         version step - 1 (the staleness of an asynchronous sample's tokens is measured against it).
-        A non-finite update stops the run here, before the step's checkpoint and weight push
-        (update_guard.py)."""
+        A non-finite or exploding update stops the run here, before the step's checkpoint and
+        weight push (update_guard.py)."""
         return run_updates(self.policy, self.runtime, experience, self.loss_settings, self.routing,
                            policy_version=step - 1, check=functools.partial(self.update_guard.check, step))
 

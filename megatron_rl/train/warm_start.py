@@ -41,10 +41,11 @@ def warm_start(policy, tokenizer, dataset, config, runtime, log, on_step=None, l
     from megatron_rl.algorithms import compute_step_normalizer
     from megatron_rl.data import PromptSampler, encode_prompt
 
-    from megatron_rl.train.update_guard import UpdateGuard
+    from megatron_rl.train.update_guard import WARM_START, UpdateGuard
 
     settings = config.warm_start
-    guard = UpdateGuard(config.rl.max_bad_steps, notify=log.message)
+    guard = UpdateGuard(config.rl.max_bad_steps, notify=log.message, weight_norm=policy.weight_norm(),
+                        max_norm_growth=config.rl.max_weight_norm_growth, phase=WARM_START)
     sampler = PromptSampler(len(dataset), settings.batch_size, seed=config.seed + 7919)  # not the RL stream
     eos = tokenizer.eos_token_id
     conversation = _conversation_encoder(config, tokenizer, policy)
@@ -75,10 +76,15 @@ def warm_start(policy, tokenizer, dataset, config, runtime, log, on_step=None, l
         def loss_fn(logprobs, entropy, batch):
             return -(logprobs * batch.loss_mask[0]).sum() / normalizer, {}
 
+<<<<<<< HEAD
         # The demonstrations' likelihood under the model's own distribution (temperature 1): the
         # sampling temperature is RL's (rl.temperature, train/update.py).
         result = policy.train_step(batches, loss_fn, lr=settings.lr, temperature=1.0)
         guard.check(step, 0, result)  # a NaN loss here would otherwise skip every update silently
+=======
+        result = policy.train_step(batches, loss_fn, lr=settings.lr)
+        guard.check(step, 0, result)  # a NaN loss or exploding weights would otherwise go on silently
+>>>>>>> d43b
         losses.append(result.loss)
         if on_step is not None:
             on_step(step, result)

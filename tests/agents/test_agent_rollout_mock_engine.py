@@ -8,18 +8,22 @@ tiny tokenizer plus the `<|im_end|>` stop id, and records every request it saw."
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
 from megatron_rl.agents.chat_format import ChatFormat
 from megatron_rl.agents.environment import Environment, Observation
 from megatron_rl.agents.rollout import AgentRollout, AgentSettings
+from megatron_rl.config.rollout import RolloutConfig
 from megatron_rl.data import build_char_tokenizer
 from megatron_rl.data.chat import to_messages
 from megatron_rl.data.records import PromptRecord
 from megatron_rl.rollout.protocol import Sample, SamplingParams
-from megatron_rl.train.experience import Trajectory
-from megatron_rl.train.scoring import keeps_group, to_trajectories
+from megatron_rl.errors import TrainingStopped
+from megatron_rl.train.agent_failures import check_agent_failures, describe_source
+from megatron_rl.train.experience import StepRollout, Trajectory
+from megatron_rl.train.scoring import assemble_step, keeps_group, to_trajectories
 
 TOKENIZER = build_char_tokenizer()
 CHAT = ChatFormat.for_tokenizer(TOKENIZER)
@@ -61,7 +65,7 @@ class Echo(Environment):
         self.seen += 1
         self.texts.append(response_text)
         if self.seen == self.fail_at:
-            raise RuntimeError("sandbox crashed")
+            raise RuntimeError("sandbox crashed")  # ECHO_RAISES_AT
         if self.seen == self.hang_at:
             time.sleep(5)
         if self.seen == self.garbage_at:
@@ -79,6 +83,9 @@ def agent(environment, *, max_turns=4, max_total=None, timeout=2.0, turn_reward=
                         settings=AgentSettings(max_turns, max_total, 1024, turn_reward, timeout),
                         encode_record=encode, workers=8)
 
+
+ECHO_RAISES_AT = next(number for number, line in enumerate(Path(__file__).read_text().splitlines(), 1)
+                      if line.endswith("# ECHO_RAISES_AT"))
 
 RECORDS = [PromptRecord("1+1=", "2", {}, "test"), PromptRecord("2+2=", "4", {}, "test")]
 PARAMS = SamplingParams(n=2, max_tokens=16, seed=7)
@@ -146,8 +153,54 @@ def test_environment_failures_fail_the_trajectory_and_drop_its_group(failure):
     assert statuses == [["ok", "failed"], ["ok", "ok"]]
     error = groups[0][1].extras["agent"]["error"]
     assert {"fail_at": "sandbox crashed", "hang_at": "env_timeout_s", "garbage_at": "not an Observation"}[failure] in error
+    if failure == "fail_at":  # where the environment raised, not where the rollout caught it
+        assert error == f"step() raised RuntimeError: sandbox crashed (at {__file__}:{ECHO_RAISES_AT})", error
     scored = to_trajectories(groups, [1.0, 0.0, 1.0, 0.0])
     assert [keeps_group(g, dynamic_sampling=False) for g in scored] == [False, True]
+
+
+def step_of(groups) -> StepRollout:
+    """The StepRollout a collector would make of these generated groups (trained on: the kept ones)."""
+    scored = to_trajectories(groups, [0.0] * sum(len(g) for g in groups))
+    kept = [g for g in scored if keeps_group(g, dynamic_sampling=False)]
+    return assemble_step(kept, scored, [], {}, {})
+
+
+def test_a_step_whose_trajectories_all_failed_stops_the_run_with_the_first_error():
+    """The reward functions' rule (train/agent_failures.py): it used to train on nothing and exit 0,
+    `agent/failed` in metrics.jsonl the only trace."""
+    groups = agent(lambda: Echo(turns=3, fail_at=1)).run(RECORDS, PARAMS, ScriptedEngine(["a", "b", "c"]))
+    step = step_of(groups)
+    assert step.groups == [] and step.metrics["agent/failed"] == 4
+    lines = []
+    with pytest.raises(TrainingStopped) as stopped:
+        check_agent_failures(3, step.agent_failures, "rollout.environment=pkg.env:Echo", notify=lines.append)
+    assert str(stopped.value).startswith(
+        "step 3: all 4 trajectories failed in rollout.environment=pkg.env:Echo; first: group 0, trajectory 0: "
+        f"step() raised RuntimeError: sandbox crashed (at {__file__}:{ECHO_RAISES_AT}). Nothing was trained"), \
+        str(stopped.value)
+    assert lines == []
+
+
+def test_a_step_with_some_failed_trajectories_says_so_in_one_line():
+    made = []
+
+    def environment():  # the third trajectory (group 1, trajectory 0) fails at its first step
+        made.append(Echo(turns=3, fail_at=1 if len(made) == 2 else None))
+        return made[-1]
+
+    groups = agent(environment).run(RECORDS, PARAMS, ScriptedEngine(["a", "b", "c"]))
+    lines = []
+    check_agent_failures(2, step_of(groups).agent_failures, describe_source(RolloutConfig(tools=["calculator"])),
+                         notify=lines.append)
+    assert lines == ["step 2: 1 of 4 trajectories failed in the tool environment of rollout.tools=['calculator'], "
+                     "their 1 of 2 groups dropped from training; first: group 1, trajectory 0: step() raised "
+                     f"RuntimeError: sandbox crashed (at {__file__}:{ECHO_RAISES_AT})"]
+    # none failed, and a single-turn step (no agent records): nothing to say
+    check_agent_failures(2, step_of(agent(lambda: Echo(turns=2)).run(RECORDS, PARAMS, ScriptedEngine(["a"])))
+                         .agent_failures, "x", notify=lines.append)
+    single = [[Sample(0, i, [1, 2], [3], [-0.5], "stop") for i in range(2)]]
+    assert step_of(single).agent_failures is None and len(lines) == 1
 
 
 def test_turn_rewards_combine_last_or_sum():

@@ -180,6 +180,8 @@ def test_failures_end_their_trajectory_and_are_reported_to_the_agent():
         (sample,), = groups
         assert sample.extras["agent"]["status"] == "failed" and error in sample.extras["agent"]["error"]
         assert time.monotonic() - started < 2.9  # the stalled agent was not waited for
+        if agent is raises:  # where the agent raised: what a stop for all of them failing names
+            assert sample.extras["agent"]["error"].endswith(f"(at {__file__}:{raises.__code__.co_firstlineno + 3})")
     groups, _ = run(openai_test_agents.asks_for_too_much, records=RECORDS[:1], n=1, max_turns=3)
     (sample,), = groups
     agent = sample.extras["agent"]

@@ -42,7 +42,11 @@ def take_steps(policy: Policy, runtime, count: int, shift: int) -> dict:
         losses.append(result.loss)
         norms.append(result.grad_norm)
         lrs.append(policy.learning_rate)
-    return {"loss": losses, "grad_norm": norms, "lr": lrs}
+    # The weight decays the optimizer applied (biases and norms: none), and whether every param
+    # group used the rate reported as the learning rate.
+    decays = sorted({group["weight_decay"] for group in policy.optimizer.param_groups})
+    same_lr = all(group["lr"] == policy.learning_rate for group in policy.optimizer.param_groups)
+    return {"loss": losses, "grad_norm": norms, "lr": lrs, "weight_decay": decays, "one_lr": same_lr}
 
 
 def full_tensors(policy: Policy, values: dict[str, torch.Tensor], directory: Path) -> dict[str, torch.Tensor]:

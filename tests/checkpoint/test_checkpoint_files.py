@@ -84,6 +84,22 @@ def test_resume_with_another_config_is_refused_naming_the_keys(tmp_path):
     check_run_directory(run_config(tmp_path, "rl.steps=7", "checkpoint.allow_config_change=true"))
 
 
+def test_allowed_config_change_refuses_by_name_what_a_resume_cannot_apply(tmp_path):
+    """checkpoint.allow_config_change accepts changes that take effect on resume (the optimizer's:
+    test_resharding.py::test_changed_optimizer_settings_take_effect_on_resume) and refuses, by
+    name, the ones a resume would silently ignore: the warm start never runs again, and the
+    prompt order and random states come from the checkpoint, not the seed."""
+    fake_checkpoint(tmp_path / "checkpoints", 3, config=to_dict(run_config(tmp_path)))
+    allow = "checkpoint.allow_config_change=true"
+    check_run_directory(run_config(tmp_path, allow, "optimizer.weight_decay=0.1", "optimizer.lr=1e-4", "rl.steps=7"))
+    with pytest.raises(ConfigError) as error:
+        check_run_directory(run_config(tmp_path, allow, "optimizer.weight_decay=0.1", "warm_start.steps=10", "seed=7"))
+    message = str(error.value)
+    assert "cannot apply these changes" in message and "warm_start.steps: 250 -> 10 (the warm start ran" in message
+    assert "seed: 1234 -> 7 (the prompt order" in message and "weight_decay" not in message
+    assert "checkpoint.resume=none" in message
+
+
 def test_config_differences_ignore_layout_logging_and_checkpoint_keys(tmp_path):
     base = to_dict(run_config(tmp_path))
     other = to_dict(run_config(tmp_path / "elsewhere", "parallel.ep=2", "checkpoint.keep_last=5",

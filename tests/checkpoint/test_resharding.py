@@ -46,6 +46,11 @@ def run(mode: str, layout: str, root: Path, ckpt: Path, out: Path, *extra: str, 
     return json.loads((out / f"{mode}.json").read_text())
 
 
+def same_updates(result: dict) -> dict:
+    """What an exact resume reproduces: every update's loss, grad norm and learning rate."""
+    return {key: result[key] for key in ("loss", "grad_norm", "lr")}
+
+
 def relative(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
@@ -75,7 +80,7 @@ def test_resume_at_another_layout_matches_same_layout_resume(root, rank_pools, s
     baseline = run("resume", saved_at, root, ckpt, root / f"{saved_at}_to_{saved_at}", weights=weights,
                    ranks=rank_pools)
     # A same-layout resume continues the run exactly.
-    assert {k: baseline[k] for k in ("loss", "grad_norm", "lr")} == saved["continued"]
+    assert same_updates(baseline) == same_updates(saved["continued"])
     moved = run("resume", resumed_at, root, ckpt, root / f"{saved_at}_to_{resumed_at}", weights=weights,
                 ranks=rank_pools)
     assert moved["layout"]["world"] == LAYOUTS[resumed_at][0]
@@ -101,7 +106,7 @@ def test_bf16_resume_at_another_layout_restores_the_fp32_main_weights(root, rank
     baseline = run("resume", "ep2", root, ckpt, root / "ep2_to_ep2_bf16", *bf16, weights="weights_bf16",
                    ranks=rank_pools)
     # Exact at the same layout: with only the bf16 weights restored (main weights rounded), not.
-    assert {k: baseline[k] for k in ("loss", "grad_norm", "lr")} == saved["continued"]
+    assert same_updates(baseline) == same_updates(saved["continued"])
     moved = run("resume", "single", root, ckpt, root / "ep2_to_single_bf16", *bf16, weights="weights_bf16",
                 ranks=rank_pools)
     for a, b in zip(moved["loss"], baseline["loss"]):
@@ -122,3 +127,19 @@ def test_control_zeroed_moments_change_the_second_update(root, rank_pools):
                   ranks=rank_pools)
     assert relative(dropped["loss"][0], baseline["loss"][0]) <= REL_TOL  # same weights before any update
     assert relative(dropped["loss"][1], baseline["loss"][1]) > 100 * REL_TOL
+
+
+def test_changed_optimizer_settings_take_effect_on_resume(root, rank_pools):
+    """checkpoint.allow_config_change: a resume with another learning rate and weight decay
+    trains with both. The schedule's position comes from the checkpoint, its settings from the
+    config; Megatron's default kept the saved weight decay (the saved lr lost to the param
+    groups' own max_lr), so a changed weight decay silently did nothing."""
+    ckpt = root / "ckpt_single"
+    if not (ckpt / "small.json").is_file():
+        run("save", "single", root, ckpt, root / "save_single", ranks=rank_pools)
+    # Saved with optimizer.lr=0.003 and optimizer.weight_decay=0.01 (reshard_worker.OVERRIDES).
+    changed = run("resume", "single", root, ckpt, root / "single_changed_settings", "--override",
+                  "optimizer.weight_decay=0.05", "--override", "optimizer.lr=0.002", ranks=rank_pools)
+    assert changed["weight_decay"] == [0.0, 0.05] and changed["one_lr"]
+    # Step 3 ends the 3-step warm-up: the full rate, the new one; the schedule did not restart.
+    assert changed["lr"][0] == pytest.approx(0.002, rel=1e-12)

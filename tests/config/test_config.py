@@ -129,6 +129,8 @@ def test_config_that_is_a_directory(tmp_path):
         ("optimizer.clip_grad=.inf", "optimizer.clip_grad must be a finite number"),
         ("warm_start.lr=.nan", "warm_start.lr must be a finite number in (0, 1], got nan"),
         ("rl.max_bad_steps=0", "rl.max_bad_steps must be >= 1"),
+        ("rl.max_weight_norm_growth=1", "rl.max_weight_norm_growth must be a finite factor > 1 (or 0: no check)"),
+        ("rl.max_weight_norm_growth=.nan", "rl.max_weight_norm_growth must be a finite factor > 1"),
     ],
 )
 def test_optimizer_ranges(override, message):
@@ -158,3 +160,26 @@ def test_sampling_settings_the_trainer_cannot_train_on_are_refused(override, mes
 def test_sampling_temperature_and_greedy_evaluation_are_accepted():
     config = load_config(None, ["rl.temperature=0.6", "rl.eval_temperature=0"])
     assert (config.rl.temperature, config.rl.eval_temperature, config.rl.top_p) == (0.6, 0.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        # The audit's run: x -29 per warm-start update, finite weights of 8.5e14 checkpointed.
+        (["optimizer.lr=1", "optimizer.weight_decay=1e4"],
+         "optimizer.weight_decay=10000 is too large for the learning rate: with optimizer.lr=1 every weight is "
+         "multiplied by 1 - lr x weight_decay = -9999 at each update; with warm_start.lr=0.003 every weight is "
+         "multiplied by 1 - lr x weight_decay = -29 at each update"),
+        # The warm start's rate alone: the one the decay runs at first.
+        (["optimizer.weight_decay=400"], "with warm_start.lr=0.003 every weight is multiplied by 1 - lr x "
+                                         "weight_decay = -0.2"),
+    ],
+)
+def test_weight_decay_that_flips_or_grows_the_weights_is_refused(overrides, message):
+    """AdamW multiplies every weight by 1 - lr x weight_decay per update: from 1 on the weights flip
+    sign, from 2 on they grow geometrically (config/run.py)."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert message in str(info.value) and "Keep lr x weight_decay below 1" in str(info.value)
+    load_config(None, ["optimizer.weight_decay=400", "warm_start.steps=0"])  # 400 x 5e-4 = 0.2: no warm start, fine
+    load_config(None, ["optimizer.weight_decay=0.1"])

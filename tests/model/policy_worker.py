@@ -93,7 +93,11 @@ def nonfinite(hf_config: str) -> dict:
     def weights():
         return torch.cat([p.detach().float().flatten().clone() for p in policy.module.parameters()])
 
+    def norm(values):
+        return float(values.double().norm())
+
     before = weights()
+    start_norm = policy.weight_norm()
     nan_step = policy.train_step(batches, loss_with(float("nan")))
     after_nan = weights()
     good_step = policy.train_step(batches, loss_with(1.0))
@@ -108,6 +112,11 @@ def nonfinite(hf_config: str) -> dict:
         "good_step": {"updated": good_step.updated, "grad_norm": good_step.grad_norm,
                       "weights_finite": good_step.weights_finite},
         "good_step_changed_weights": int((after_good != after_nan).sum()),
+        # the weight norm the guard compares: before any update, and the one each update reports
+        "norms": {"start": start_norm, "start_of_weights": norm(before), "good_step": good_step.weight_norm,
+                  "good_step_of_weights": norm(after_good), "nan_step": repr(nan_step.weight_norm),
+                  "blown_step": repr(blown.weight_norm)},
+        "good_step_lr": good_step.lr,
         "blown_step": {"updated": blown.updated, "weights_finite": blown.weights_finite},
         "blown_max_weight": float(weights().abs().max()),
     }

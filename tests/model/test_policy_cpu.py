@@ -94,3 +94,10 @@ def test_non_finite_gradient_skips_the_update_and_overflowing_weights_are_report
     assert result["good_step_changed_weights"] > 1000, result  # the guard does not freeze good updates
     assert result["blown_step"] == {"updated": True, "weights_finite": False}, result
     assert result["blown_max_weight"] > 1e19, result
+    # The weight norm the update guard compares (train/update_guard.py): that of the weights,
+    # before any update and after each completed one; none for a skipped one, inf for blown weights.
+    norms = result["norms"]
+    assert norms["start"] == pytest.approx(norms["start_of_weights"], rel=1e-6), norms
+    assert norms["good_step"] == pytest.approx(norms["good_step_of_weights"], rel=1e-6), norms
+    assert norms["good_step"] != norms["start"] and norms["nan_step"] == "nan" and norms["blown_step"] == "inf", norms
+    assert result["good_step_lr"] == pytest.approx(5e-4), result  # optimizer.lr: the rate the update ran at

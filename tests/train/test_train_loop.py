@@ -4,7 +4,7 @@ the built-in synthetic task, checkpoints on disk, run through the `megatron-rl t
 - exact resume: a run stopped by SIGTERM and resumed logs the same metrics (every key except
   wall-clock times) for the steps after its checkpoint as an uninterrupted run, bit for bit;
 - a reward function that raises or hangs scores 0 for those samples, is counted, and the run
-  completes;
+  completes (its last checkpoint written synchronously);
 - MoE routing replay and the routing-drift metric with several updates per rollout;
 - a misspelled key or an impossible layout fails in under a second, naming the key.
 """
@@ -100,8 +100,13 @@ def test_failing_reward_function_is_counted_and_run_completes(tmp_path):
         f"    - name: {REPO / 'tests' / 'train' / 'flaky_rewards.py'}:raises_on_sevens\n"
     )
     out = tmp_path / "run"
-    console = run(out, "rl.steps=2", "checkpoint.every_steps=0", config=config)
+    # The run's one checkpoint (the last step's) written synchronously: that save used to be
+    # finalized twice, and every run with checkpoint.async_save=false ended with exit 1
+    # ("results_queue should not be empty").
+    console = run(out, "rl.steps=2", "checkpoint.every_steps=0", "checkpoint.async_save=false", config=config)
     console = console.stdout + console.stderr
+    assert "checkpoint step_000002: " in console and " written synchronously in " in console, console[-3000:]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000002"
     records = metrics(out)
     errors = sum(r.get("reward/errors", 0) for r in records.values() if r["step"] > 0)
     timeouts = sum(r.get("reward/timeouts", 0) for r in records.values() if r["step"] > 0)

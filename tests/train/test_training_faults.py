@@ -2,9 +2,10 @@
 it prints, and what is kept on disk (docs/faults.md).
 
 - non-finite updates: skipped and counted; rl.max_bad_steps in a row stop the run before that
-  step's checkpoint; an update that overflows the weights stops it at once; the re-run resumes
-  from the last good checkpoint.
-- a reward function failing on every sample stops the run at its first step, with its error.
+  step's checkpoint; an update that makes the weights explode stops it at once; the re-run
+  resumes from the last good checkpoint.
+- a reward function failing on every sample stops the run at its first step, with its error; so
+  does a multi-turn environment failing on every trajectory.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def logged_steps(out: Path) -> dict[int, dict]:
     return {record["step"]: record for record in map(json.loads, lines)}
 
 
-def test_injected_nan_gradients_are_skipped_then_stop_and_blown_weights_are_never_saved(tmp_path):
+def test_injected_nan_gradients_are_skipped_then_stop_and_exploding_weights_are_never_saved(tmp_path):
     out = tmp_path / "run"
     # NaN gradients from step 2 on, two updates per step: step 2's two updates are skipped (the
     # run goes on), step 3's first makes three in a row.
@@ -68,11 +69,15 @@ def test_injected_nan_gradients_are_skipped_then_stop_and_blown_weights_are_neve
     assert records[2]["train/skipped_updates"] == 2 and records[1]["train/skipped_updates"] == 0
     assert 3 not in records
 
-    # The re-run resumes from step 2; its step 3 blows the weights up: stopped at once, unsaved.
-    second = train_with(out, "blow_at=3")
+    # The re-run resumes from step 2; its step 3 makes the weights explode, finite (learning rate
+    # 1): stopped at once, unsaved. (Non-finite weights stop it the same way: update_guard.py,
+    # tests/train/test_update_guard.py.) It used to save them as `latest`, and every resume died.
+    second = train_with(out, "explode_at=3")
     assert second.returncode == 1, second.stderr[-4000:]
     assert "resumed from" in second.stdout + second.stderr and "step_000002" in second.stdout + second.stderr
-    assert "step 3, update 1: the update made the policy's weights non-finite" in second.stderr, second.stderr[-3000:]
+    assert "step 3, update 1: the weights are exploding: this update multiplied the policy's weight norm by" \
+        in second.stderr, second.stderr[-3000:]
+    assert "optimizer.lr=1 is too high" in second.stderr and "Traceback" not in second.stderr
     assert saved_steps(out) == ["step_000001", "step_000002"]
     assert latest(out).endswith("step_000002")
     assert 3 not in logged_steps(out)
@@ -91,3 +96,18 @@ def test_reward_failing_on_every_sample_stops_after_the_first_step_with_its_erro
     assert "KeyError: 'answer_field'" in result.stderr, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     assert 1 not in logged_steps(out) and saved_steps(out) == []
+
+
+def test_environment_failing_on_every_trajectory_stops_after_the_first_step_with_its_error(tmp_path):
+    """The reward functions' rule, for multi-turn environments: it used to exit 0 having trained on
+    nothing (every group dropped), `agent/failed` in metrics.jsonl the only trace."""
+    out = tmp_path / "run"
+    result = train_with(out, overrides=["rl.max_refill_rounds=0", "data.prompt_format=chat",
+                                        "rollout.environment=failing_environment:MissingField"])
+    assert result.returncode == 1, result.stderr[-4000:]
+    assert ("step 1: all 16 trajectories failed in rollout.environment=failing_environment:MissingField; first: "
+            "group 0, trajectory 0: reset() raised KeyError: 'expected_tool_output' (at "
+            f"{HERE / 'failing_environment.py'}:9)") in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert 1 not in logged_steps(out) and saved_steps(out) == []
+
