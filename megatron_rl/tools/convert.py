@@ -3,7 +3,9 @@
 The checkpoint format and the forms a checkpoint can be named in: checkpoint/format.py.
 
 Everything that can be checked without processes is checked first, the output location before
-any input file is read: the output does not exist (unless --force), its parent is a writable
+any input file is read: the output is none of the inputs, contains none and lies inside none
+(--force or not), it does not exist (with --force: unless it is an earlier output of the same
+conversion, told by its marker; checkpoint/output_guard.py), its parent is a writable
 directory, and its filesystem has room for the output (estimated from the input's sizes). Then
 the input: it exists, describes a supported architecture, agrees with its MANIFEST.json (when it
 has one: the input's checksums); the layout fits the model. hf-to-megatron at a layout of more
@@ -36,7 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_rl.checkpoint.atomic_dir import AtomicDirectory, refuse_existing
+from megatron_rl.checkpoint.atomic_dir import AtomicDirectory
 from megatron_rl.checkpoint.format import (
     REDOWNLOAD_OR_CONVERT,
     USE_ANOTHER,
@@ -49,6 +51,7 @@ from megatron_rl.checkpoint.format import (
     unloadable,
     weights_path,
 )
+from megatron_rl.checkpoint.output_guard import refuse_existing, refuse_overlap
 from megatron_rl.config import RunConfig
 from megatron_rl.errors import ConfigError
 from megatron_rl.model.hf_config import load_hf_config
@@ -145,14 +148,19 @@ class Output:
     path: Path
     force: bool
     existing: Path
+    owner: str  # the command, named by the output's marker: what --force may replace
     needed: int = 0  # bytes the output will take, about (estimated from the input)
 
 
-def check_output_location(out: str, force: bool) -> Output:
-    """Refuse, before any input file is read: an existing output (unless --force), and a parent
-    that is not a directory this process can write into."""
+def check_output_location(out: str, force: bool, owner: str, inputs: dict[str, str | Path | None],
+                          inside_ok: tuple[str, ...] = ()) -> Output:
+    """Refuse, before any input file is read: an output that is, contains or lies inside one of
+    `inputs` ({flag: path}; `inside_ok`: those it may lie inside), whatever --force says; an
+    existing output (with --force: unless `owner` wrote it); a parent that is not a directory this
+    process can write into."""
+    refuse_overlap(out, inputs, inside_ok=inside_ok)
     out = Path(out)
-    refuse_existing(out, force)
+    refuse_existing(out, force, owner)
     existing = _nearest_existing(out.parent)
     if not existing.is_dir():
         raise ConfigError(f"cannot write {out}: {existing} is a file, not a directory; pass an --out inside a "
@@ -160,7 +168,7 @@ def check_output_location(out: str, force: bool) -> Output:
     if not os.access(existing, os.W_OK | os.X_OK):
         why = "is on a read-only filesystem" if _read_only(existing) else "is not writable by this user"
         raise ConfigError(f"cannot write {out}: {existing} {why}; pass an --out in a directory you can write to")
-    return Output(out, force, existing)
+    return Output(out, force, existing, owner)
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -243,7 +251,7 @@ def written_atomically(output: Output):
     A failed write removes what this run created: the staging directory (AtomicDirectory) and
     the parent directories it made; nothing that existed before. A disk filling up is named."""
     try:
-        with AtomicDirectory(output.path, force=output.force) as staging, _disk_full_named(output):
+        with AtomicDirectory(output.path, force=output.force, owner=output.owner) as staging, _disk_full_named(output):
             checksums: dict[str, dict] = {}
             yield staging, checksums
             everyone = _gathered(checksums)
@@ -331,7 +339,8 @@ def disk_full_reason(exc: BaseException, space_left: bool = False) -> str | None
 
 def hf_to_megatron(argv: list[str]) -> None:
     args = hf_to_megatron_parser().parse_args(argv)
-    output = check_output_location(args.out, args.force)
+    output = check_output_location(args.out, args.force, "megatron-rl convert hf-to-megatron",
+                                   {"--hf-dir": args.hf_dir})
     raw, _ = load_hf_config(args.hf_dir)  # a clear error for a missing or unsupported config
     precision = args.precision or _precision_of(raw)
     config = hf_model_config(args.hf_dir, args, precision)
@@ -383,7 +392,11 @@ def megatron_to_hf(argv: list[str]) -> None:
     if args.bucket_mb < 1:
         raise ConfigError(f"--bucket-mb must be at least 1 (MiB of weights read at a time), not {args.bucket_mb}")
     ckpt = _resolved_for_conversion(args.ckpt)
-    output = check_output_location(args.out, args.force)
+    # A run directory given as --ckpt stands for its newest checkpoint: the output may lie inside
+    # the run (not inside that checkpoint), but neither be it nor contain it.
+    output = check_output_location(args.out, args.force, "megatron-rl convert megatron-to-hf",
+                                   {"--ckpt": args.ckpt, "checkpoint": ckpt, "--hf-template": args.hf_template},
+                                   inside_ok=("--ckpt",) if ckpt.resolve() != Path(args.ckpt).resolve() else ())
     metadata = read_metadata(ckpt)
     hf_config = str(ckpt / "hf_config")
     template = args.hf_template or hf_config

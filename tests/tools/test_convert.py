@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from _support.processes import REPO, child_env, cli_command
+from megatron_rl.checkpoint.output_guard import MARKER
 
 sys.path.insert(0, str(REPO / "tests" / "bridge"))
 from test_bridge import family_configs, hf_logits, make_hf_model, read_checkpoint  # noqa: E402
@@ -111,15 +112,22 @@ def test_unknown_architecture_lists_supported(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_existing_output_needs_force(llama, tmp_path):
+def test_existing_output_needs_force_which_replaces_only_an_earlier_conversion(llama, tmp_path):
+    """A directory the conversion did not write stays, also with --force; its own output carries
+    the marker (listed in its manifest) by which a later --force may replace it
+    (tests/checkpoint/test_output_guard.py replaces one)."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("precious")
+    result = tool("convert_hf_to_megatron.py", "--hf-dir", str(llama), "--out", str(other), "--force", check=False)
+    assert result.returncode == 2 and "it is left alone, also with --force" in result.stderr, result.stderr
+    assert (other / "keep.txt").read_text() == "precious"
     out = tmp_path / "mcore"
-    out.mkdir()
-    (out / "keep.txt").write_text("precious")
+    tool("convert_hf_to_megatron.py", "--hf-dir", str(llama), "--out", str(out))
+    assert json.loads((out / MARKER).read_text()) == {"command": "megatron-rl convert hf-to-megatron"}
+    assert MARKER in json.loads((out / "MANIFEST.json").read_text())["files"]
     result = tool("convert_hf_to_megatron.py", "--hf-dir", str(llama), "--out", str(out), check=False)
-    assert result.returncode == 2 and "already exists; pass --force" in result.stderr
-    assert (out / "keep.txt").read_text() == "precious"
-    tool("convert_hf_to_megatron.py", "--hf-dir", str(llama), "--out", str(out), "--force")
-    assert not (out / "keep.txt").exists() and (out / "megatron_rl.json").is_file()
+    assert result.returncode == 2 and "already exists; pass --force" in result.stderr, result.stderr
 
 
 def test_failed_conversion_leaves_no_partial_output(llama, tmp_path):
