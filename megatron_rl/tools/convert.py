@@ -215,12 +215,12 @@ def megatron_to_hf_bytes(ckpt: Path, template_dir: str | Path) -> int:
     Adam's moments, fp32 main weights and the KL reference, each under the weight's own key with
     a prefix (optimizer.exp_avg.KEY, reference.KEY: model/optimizer_state.keyed_like); those are
     not exported, so a key that ends in another key is left out."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from megatron_rl.checkpoint.unpickling import read_torch_dist_index
 
     try:
-        storage = FileSystemReader(str(weights_path(ckpt))).read_metadata().storage_data
+        storage = read_torch_dist_index(weights_path(ckpt)).storage_data
     except Exception:
-        return 0  # an unreadable index: check_weight_files names it next
+        return 0  # an unreadable or refused index: check_weight_files names it next
     names = {index.fqn.split("/")[0] for index in storage}
     weights = {name for name in names if not _keyed_like_another(name, names)}
     model = sum(item.length for index, item in storage.items() if index.fqn.split("/")[0] in weights)
