@@ -81,8 +81,13 @@ DISK_FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the dis
 SHORT_WRITE = ("unexpected pos", "basic_ios::clear")
 
 
-def hf_to_megatron_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="HF safetensors directory -> Megatron torch_dist checkpoint")
+HF_TO_MEGATRON = "HF safetensors directory -> Megatron torch_dist checkpoint"
+MEGATRON_TO_HF = "Megatron torch_dist checkpoint -> HF safetensors directory (one process, whatever layout the " \
+                 "checkpoint was saved at)"
+
+
+def hf_to_megatron_parser(prog: str = "megatron-rl convert hf-to-megatron") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=HF_TO_MEGATRON)
     parser.add_argument("--hf-dir", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--precision", choices=["fp32", "bf16"], default=None,
@@ -91,9 +96,8 @@ def hf_to_megatron_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def megatron_to_hf_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Megatron torch_dist checkpoint -> HF safetensors directory "
-                                     "(one process, whatever layout the checkpoint was saved at)")
+def megatron_to_hf_parser(prog: str = "megatron-rl convert megatron-to-hf") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=MEGATRON_TO_HF)
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--hf-template", default=None, help="copy tokenizer files from here (default: the checkpoint's)")
@@ -337,8 +341,8 @@ def disk_full_reason(exc: BaseException, space_left: bool = False) -> str | None
 # ---- the two conversions ------------------------------------------------------------------------
 
 
-def hf_to_megatron(argv: list[str]) -> None:
-    args = hf_to_megatron_parser().parse_args(argv)
+def hf_to_megatron(argv: list[str], prog: str = "megatron-rl convert hf-to-megatron") -> None:
+    args = hf_to_megatron_parser(prog).parse_args(argv)
     output = check_output_location(args.out, args.force, "megatron-rl convert hf-to-megatron",
                                    {"--hf-dir": args.hf_dir})
     raw, _ = load_hf_config(args.hf_dir)  # a clear error for a missing or unsupported config
@@ -384,8 +388,8 @@ def _resolved_for_conversion(given: str) -> Path:
     return ckpt
 
 
-def megatron_to_hf(argv: list[str]) -> None:
-    args = megatron_to_hf_parser().parse_args(argv)
+def megatron_to_hf(argv: list[str], prog: str = "megatron-rl convert megatron-to-hf") -> None:
+    args = megatron_to_hf_parser(prog).parse_args(argv)
     if args.layout_flag:
         raise ConfigError(f"{args.layout_flag} is not needed: megatron-to-hf reads a checkpoint saved at any layout "
                           "in one process (torch_dist stores every tensor whole); drop the layout flags")
@@ -428,12 +432,25 @@ def megatron_to_hf(argv: list[str]) -> None:
 
 
 COMMANDS = {"hf-to-megatron": hf_to_megatron, "megatron-to-hf": megatron_to_hf}
+USAGE = f"usage: megatron-rl convert {{{','.join(COMMANDS)}}} ..."
 
 
-def main(argv: list[str] | None = None) -> int:
+def usage_text() -> str:
+    """`megatron-rl convert --help`."""
+    return (f"{USAGE}\n\nHF safetensors <-> Megatron torch_dist checkpoint conversion.\n\ncommands:\n"
+            f"  hf-to-megatron  {HF_TO_MEGATRON}\n  megatron-to-hf  {MEGATRON_TO_HF}\n\n"
+            "megatron-rl convert COMMAND --help lists a command's options.\n")
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """`prog`: the program name a command's usage shows (default `megatron-rl convert COMMAND`;
+    the tools scripts pass their own)."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage_text(), end="")
+        return 0
     if not argv or argv[0] not in COMMANDS:
-        print(f"usage: megatron-rl convert {{{','.join(COMMANDS)}}} ...", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return 2
     # Quiet like the CLI (the tools scripts and the ranks torchrun starts come here directly);
     # MEGATRON_RL_VERBOSE=1 keeps the dependencies' warnings.
@@ -443,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         quiet_dependencies()
     try:
         with signals_raise():
-            COMMANDS[argv[0]](argv[1:])
+            COMMANDS[argv[0]](argv[1:], prog or f"megatron-rl convert {argv[0]}")
     except ConfigError as exc:
         print(f"megatron-rl convert: {exc}", file=sys.stderr)
         return 2
