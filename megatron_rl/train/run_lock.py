@@ -97,6 +97,11 @@ def acquire(directory: str | Path, notify: Callable[[str], None] = print, me: Ho
     raise ConfigError(f"could not take {path}: other runs keep taking and releasing it; start one run at a time")
 
 
+def holder_of(directory: str | Path) -> Holder | None:
+    """Who holds `directory`/run.lock now, if anyone (an unreadable lock: None)."""
+    return _read(Path(directory) / LOCK)
+
+
 def stale_reason(holder: Holder, me: Holder) -> str | None:
     """Why `holder` is certainly gone, or None when it may still run."""
     if holder.host == me.host and holder.boot_id == me.boot_id:
