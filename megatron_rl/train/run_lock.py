@@ -71,10 +71,15 @@ def acquire(directory: str | Path, notify: Callable[[str], None] = print, me: Ho
     """Hold `directory`/run.lock, taking over a dead holder's (module docstring); ConfigError
     naming the holder while it may still run."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     path, me = directory / LOCK, me or this_process()
     for _ in range(50):
-        if _create(path, me):
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            created = _create(path, me)
+        except OSError as exc:
+            raise ConfigError(f"cannot write into the output directory {directory} ({exc.strerror}): pass an "
+                              "--output-dir this user can write to") from None
+        if created:
             return RunLock(path, me)
         text = _text(path)
         if text is None:
