@@ -12,4 +12,4 @@ import sys
 from megatron_rl.tools.convert import main
 
 if __name__ == "__main__":
-    sys.exit(main(["hf-to-megatron", *sys.argv[1:]]))
+    sys.exit(main(["hf-to-megatron", *sys.argv[1:]], prog=f"python {sys.argv[0]}"))

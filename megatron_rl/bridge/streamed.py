@@ -34,7 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -284,5 +284,11 @@ class _IndexReadOnce(FileSystemReader):
 
     def read_metadata(self):
         if getattr(self, "_parsed", None) is None:
-            self._parsed = super().read_metadata()
+            from megatron_rl.checkpoint.unpickling import read_torch_dist_index
+
+            # torch's own read_metadata unpickles the index in full (checkpoint/unpickling.py)
+            self._parsed = read_torch_dist_index(Path(self.path))
+            if getattr(self._parsed, "storage_meta", None) is None:
+                self._parsed.storage_meta = StorageMeta()
+            self._parsed.storage_meta.load_id = self.load_id  # as torch's read_metadata does
         return self._parsed

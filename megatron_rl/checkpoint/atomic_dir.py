@@ -5,7 +5,9 @@
     # on success rank 0 renames staging -> out; on failure staging is removed, out untouched
 
 An existing `out` is refused unless force=True; with force the old directory (or file) is replaced
-only after the new one is complete (rename old aside, rename new in, delete old).
+only after the new one is complete (rename old aside, rename new in, delete old). `owner` (the
+command, for outputs a user names): the output carries its marker, and force replaces only an
+earlier output with the same marker (checkpoint/output_guard.py).
 
 Interrupted writes (KeyboardInterrupt, or SystemExit/KeyboardInterrupt raised by a SIGTERM
 handler) remove the staging directory too, without any collective: the other ranks may be
@@ -24,16 +26,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_rl.checkpoint.output_guard import mark, refuse_existing
 from megatron_rl.errors import ConfigError
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-def refuse_existing(out: str | Path, force: bool) -> None:
-    out = Path(out)
-    if out.exists() and not force:
-        kind = "directory" if out.is_dir() else "path (a file, not a directory)"
-        raise ConfigError(f"output {kind} {out} already exists; pass --force to replace it")
 
 
 def _distributed() -> bool:
@@ -78,14 +74,15 @@ def signals_deferred():
 
 
 class AtomicDirectory:
-    def __init__(self, out: str | Path, force: bool = False):
+    def __init__(self, out: str | Path, force: bool = False, owner: str | None = None):
         self.out = Path(out)
         self.force = force
+        self.owner = owner
         self.rank0 = not dist.is_initialized() or dist.get_rank() == 0
         self.staging: Path | None = None
 
     def __enter__(self) -> Path:
-        refuse_existing(self.out, self.force)
+        refuse_existing(self.out, self.force, self.owner)
         name = [f".{self.out.name}.partial-{uuid.uuid4().hex[:8]}"]
         if _distributed():
             dist.broadcast_object_list(name, src=0)
@@ -94,6 +91,8 @@ class AtomicDirectory:
             if self.rank0:
                 self.out.parent.mkdir(parents=True, exist_ok=True)
                 self.staging.mkdir()
+                if self.owner is not None:
+                    mark(self.staging, self.owner)
             if _distributed():
                 dist.barrier()
         except BaseException:
@@ -139,9 +138,11 @@ class AtomicDirectory:
         with signals_deferred():
             old = None
             if self.out.exists() or self.out.is_symlink():
-                if not self.force:  # appeared while we were writing
+                try:  # appeared (or was swapped for something else) while we were writing
+                    refuse_existing(self.out, self.force, self.owner)
+                except ConfigError as exc:
                     shutil.rmtree(self.staging, ignore_errors=True)
-                    raise ConfigError(f"output directory {self.out} appeared during the write; nothing was replaced")
+                    raise ConfigError(f"{exc} (it appeared during the write; nothing was replaced)") from None
                 old = self.out.parent / f".{self.out.name}.old-{uuid.uuid4().hex[:8]}"
                 self.out.rename(old)
             self.staging.rename(self.out)

@@ -356,14 +356,19 @@ def _check_weights_dir(ckpt: Path, relative) -> None:
 
 def check_weight_files(weights: Path) -> None:
     """Every .distcp file the torch_dist index (.metadata) refers to exists and is long enough;
-    a truncated file otherwise surfaces as a bare EOFError deep inside the loader."""
-    from torch.distributed.checkpoint import FileSystemReader
+    a truncated file otherwise surfaces as a bare EOFError deep inside the loader. And nothing in
+    the index, the .distcp files' pickled objects or common.pt names a callable that unpickling
+    would run (checkpoint/unpickling.py): every loader of torch_dist weights calls this first."""
+    from megatron_rl.checkpoint.unpickling import check_torch_dist_pickles, read_torch_dist_index
 
     try:
-        storage = FileSystemReader(str(weights)).read_metadata().storage_data
+        index = read_torch_dist_index(weights)
+    except ConfigError:
+        raise
     except Exception as exc:
         raise ConfigError(f"{weights / '.metadata'} is missing or unreadable ({_first_line(exc)}); "
                           f"{USE_ANOTHER}") from None
+    storage = index.storage_data
     needed: dict[str, int] = {}
     for item in storage.values():
         needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
@@ -374,6 +379,7 @@ def check_weight_files(weights: Path) -> None:
         if file.stat().st_size < size:
             raise ConfigError(f"{file} is truncated ({file.stat().st_size} bytes, the checkpoint's index needs "
                               f"{size}); {USE_ANOTHER}")
+    check_torch_dist_pickles(weights, index)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -68,6 +68,7 @@ def check_run_directory(config: RunConfig) -> None:
         if problem:
             raise ConfigError(f"checkpoint.resume: {setting}: {problem}")
         _check_same_run(config, Path(setting))
+        ckpt.check_unpickled_files(Path(setting))
         return
     found = ckpt.candidates(root)
     if not found:
@@ -77,6 +78,7 @@ def check_run_directory(config: RunConfig) -> None:
     if not usable:
         raise ConfigError(unusable_message(root, [f"{path}: {problem}" for path, problem in verdicts]))
     _check_same_run(config, usable[0])
+    ckpt.check_unpickled_files(usable[0])  # a file that would run code on resume: refused, not skipped
 
 
 def unusable_message(root: Path, problems: list[str]) -> str:

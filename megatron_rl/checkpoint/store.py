@@ -5,7 +5,8 @@
             weights/             torch_dist: the model, Adam's moments (and fp32 main weights of a
                                  bf16 model) and the KL reference weights, every per-parameter
                                  tensor sharded like its weight: loads at any TP/PP/EP/DP layout
-            rng/rank_00000.pt    python, numpy, torch CPU/CUDA and Megatron's CUDA RNG tracker
+            rng/rank_00000.pt    python, numpy, torch CPU/CUDA and Megatron's CUDA RNG tracker, as
+                                 tensors and plain values (read with weights_only=True)
             hf_config/           config.json and tokenizer files: the checkpoint describes its model
             megatron_rl.json     format tag, padded vocabulary size, layout and precision
                                  (what `megatron-rl convert megatron-to-hf` and init_from read)
@@ -46,6 +47,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from megatron_rl.checkpoint.unpickling import read_rng_state
+from megatron_rl.errors import ConfigError
 
 MANIFEST = "MANIFEST.json"
 STATE = "trainer_state.json"
@@ -377,6 +381,7 @@ def load_checkpoint(path: Path, policy, keyed_like_weights: tuple[str, ...] = ()
     tensors asked for ({prefix: {name: tensor}}; a prefix the checkpoint lacks is left out)."""
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
+    check_unpickled_files(path)  # every rank refuses together, before anything is loaded
     state = json.loads((path / STATE).read_text())
     if state.get("world_size") != dist.get_world_size() and dist.get_rank() == 0:
         print(f"resume: checkpoint was written by {state.get('world_size')} ranks, now {dist.get_world_size()}; "
@@ -389,14 +394,38 @@ def load_checkpoint(path: Path, policy, keyed_like_weights: tuple[str, ...] = ()
         raise RuntimeError(f"checkpoint {path} could not be loaded: {exc}") from exc
     rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if rng_file.is_file() and state.get("world_size") == dist.get_world_size():
-        restore_rng(torch.load(rng_file, weights_only=False))
+        restore_rng(read_rng_state(rng_file))
     return state, extra
 
 
+def check_unpickled_files(path: Path) -> None:
+    """Collective when a process group exists: ConfigError on every rank (naming the file) when
+    any file of checkpoint `path` that is unpickled on load, on any rank, names a callable that
+    would run (checkpoint/unpickling.py). Before anything is loaded."""
+    from megatron_rl.checkpoint.format import check_weight_files
+
+    problem = None
+    try:
+        for rng_file in sorted((path / "rng").glob("rank_*.pt")):
+            read_rng_state(rng_file)
+        check_weight_files(path / "weights")
+    except ConfigError as exc:
+        problem = str(exc)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p), None)
+    if problem:
+        raise ConfigError(problem)
+
+
 def capture_rng() -> dict[str, Any]:
+    """Tensors and plain values only, so that resuming reads it with weights_only=True."""
+    name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
     state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": random.getstate(),  # (version, tuple of ints, None or float)
+        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -409,7 +438,11 @@ def capture_rng() -> dict[str, Any]:
 
 def restore_rng(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):
+        numpy_state = (numpy_state["name"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["position"],
+                       numpy_state["has_gauss"], numpy_state["cached_gaussian"])
+    np.random.set_state(numpy_state)  # a tuple: written before the plain format (unpickling.py)
     torch.set_rng_state(state["torch"])
     if torch.cuda.is_available() and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"])

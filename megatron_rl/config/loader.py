@@ -6,6 +6,7 @@ twice in one YAML mapping is refused with both line numbers; then the whole tree
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import types
@@ -20,7 +21,9 @@ from megatron_rl.errors import ConfigError
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Build a validated RunConfig from an optional YAML file and `a.b=value` overrides."""
+    """Build a validated RunConfig from an optional YAML file and `a.b=value` overrides. An error
+    names where the bad value came from: the file ("defaults" without one), or the command line
+    with the override(s) that caused it."""
     raw: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
@@ -32,10 +35,36 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping, got {type(loaded).__name__}")
         raw = loaded
-    for item in overrides or []:
+    overrides = list(overrides or [])
+    try:
+        return _validated(raw, overrides, source)
+    except ConfigError as exc:
+        raise _blamed(exc, raw, overrides, source) from None
+
+
+def _validated(raw: dict[str, Any], overrides: list[str], source: str) -> RunConfig:
+    raw = copy.deepcopy(raw)
+    for item in overrides:
         _apply_override(raw, item)
-    config = _build(RunConfig, raw, source=source, prefix="")
-    return config.validate(source)
+    return _build(RunConfig, raw, source=source, prefix="").validate(source)
+
+
+def _blamed(error: ConfigError, raw: dict[str, Any], overrides: list[str], source: str) -> ConfigError:
+    """`error` (raised under `source`'s name) naming the overrides it comes from: those without
+    which the config does not fail this way (only on the error path: the config is built again once
+    per override, milliseconds)."""
+    culprits = []
+    for index, item in enumerate(overrides):
+        try:
+            _validated(raw, overrides[:index] + overrides[index + 1:], source)
+        except ConfigError as without:
+            if str(without) == str(error):
+                continue  # fails the same without it: not this one
+        culprits.append(item)
+    text = str(error)
+    if not culprits or not text.startswith(f"{source}: "):
+        return error
+    return ConfigError(f"command line ({', '.join(culprits)}): {text[len(source) + 2:]}")
 
 
 def parse_config(raw: dict[str, Any], source: str) -> RunConfig:

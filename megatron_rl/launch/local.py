@@ -23,16 +23,21 @@ import sys
 
 import psutil
 
+from megatron_rl.launch import torchrun
 from megatron_rl.launch.slurm import resolve_config
+from megatron_rl.runtime.launch_env import free_port
 from megatron_rl.train.stop_signals import StopSignals, block_stop_signals
 
 POLL_S = 0.2  # how soon a stop signal, or a rank started after it, is passed on
 ABORT_SIGNALS = (signal.SIGINT, signal.SIGHUP)  # torchrun's own session no longer gets them
 
 
-def torchrun_command(nproc_per_node: int, train_args: list[str], python: str | None = None) -> list[str]:
-    return [python or sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc_per_node}", "-m", "megatron_rl.cli", "train", *train_args]
+def torchrun_command(nproc_per_node: int, train_args: list[str], python: str | None = None,
+                     port: int | None = None) -> list[str]:
+    """torchrun on this host, its rendezvous store on loopback only (launch/torchrun.py)."""
+    return torchrun.command(python or sys.executable, "--master-addr=127.0.0.1",
+                            f"--master-port={port or free_port()}", f"--nproc-per-node={nproc_per_node}",
+                            "-m", "megatron_rl.cli", "train", *train_args)
 
 
 def run_local(config_path: str | None, overrides: list[str], nproc_per_node: int, *, dry_run: bool = False) -> int:

@@ -243,11 +243,43 @@ def prepare(config_path: str | None, overrides: list[str], options: SlurmOptions
     script = render(options, config, copied)
     script_path = out / "logs" / "job.sbatch"
     if write:
+        refuse_a_directory_in_use(out)  # its job requeues from config.yaml: not to be rewritten under it
         (out / "logs").mkdir(parents=True, exist_ok=True)
         copied.write_text("# Resolved config of the submitted job (megatron-rl launch slurm); requeues use it too.\n"
                           + yaml.safe_dump(to_dict(config), sort_keys=False))
         script_path.write_text(script)
     return PreparedJob(script, script_path, copied, out)
+
+
+def refuse_a_directory_in_use(out: Path, squeue: str = "squeue") -> None:
+    """ConfigError when a run holds `out` (train/run_lock.py) and may still run: its SLURM job is
+    still queued or running (squeue knows it), or, without a job, its process on this host lives."""
+    from megatron_rl.train import run_lock
+
+    holder = run_lock.holder_of(out)
+    if holder is None:
+        return
+    if holder.slurm_job_id:
+        if not _job_active(holder.slurm_job_id, squeue):
+            return
+    elif run_lock.stale_reason(holder, run_lock.this_process()) is not None:
+        return
+    raise ConfigError(f"output directory {out} is in use by a run: {holder.describe()} holds {out / run_lock.LOCK}; "
+                      "a second job there would rewrite the config.yaml the first one requeues from. Wait for it "
+                      "to end, cancel it, or pass another --output-dir (if that run is gone, delete the lock)")
+
+
+def _job_active(job_id: str, squeue: str) -> bool:
+    """Whether SLURM still has the job queued or running; True when squeue cannot tell."""
+    try:
+        result = subprocess.run([squeue, "--noheader", "--jobs", job_id, "--format=%T"], capture_output=True,
+                                text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+    if result.returncode != 0:
+        # squeue fails for a job id it no longer knows (purged after the job ended)
+        return "Invalid job id" not in result.stderr
+    return bool(result.stdout.strip())
 
 
 def submit(job: PreparedJob, sbatch: str = "sbatch") -> str:

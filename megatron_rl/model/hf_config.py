@@ -155,7 +155,42 @@ def load_hf_config(source: str | Path) -> tuple[dict[str, Any], str]:
         raise ConfigError(f"{path}: not valid JSON: {exc}") from exc
 
 
+# The numeric keys a config.json may hold, by the kind of value they must have (when present and
+# not null): anything else is refused by name before any arithmetic on them.
+POSITIVE_INT_KEYS = (
+    "hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size", "head_dim",
+    "num_key_value_heads", "max_position_embeddings", "num_experts", "num_local_experts", "n_routed_experts",
+    "num_experts_per_tok", "moe_intermediate_size", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+    "v_head_dim", "q_lora_rank", "n_group", "topk_group", "decoder_sparse_step", "original_max_position_embeddings",
+)
+NON_NEGATIVE_INT_KEYS = ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers")
+REAL_KEYS = ("rms_norm_eps", "initializer_range", "attention_dropout", "routed_scaling_factor", "rope_theta",
+             "partial_rotary_factor", "factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+def check_value_types(raw: dict[str, Any], where: str) -> None:
+    """ConfigError naming the first numeric key (top level, or in rope_scaling / rope_parameters)
+    whose value is not of its kind: a string, a bool, a fraction where a count belongs, NaN."""
+    sections = [("", raw), *((f"{name}.", raw[name]) for name in ("rope_scaling", "rope_parameters")
+                            if isinstance(raw.get(name), dict))]
+    for prefix, section in sections:
+        for key, value in section.items():
+            if value is None:
+                continue
+            if key in POSITIVE_INT_KEYS or key in NON_NEGATIVE_INT_KEYS:
+                least = 1 if key in POSITIVE_INT_KEYS else 0
+                if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                    kind = "a positive integer" if least else "an integer >= 0"
+                    raise ConfigError(f"{where}: {prefix}{key}={value!r} must be {kind}")
+            elif key in REAL_KEYS:
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                    raise ConfigError(f"{where}: {prefix}{key}={value!r} must be a finite number")
+
+
 def parse_hf_config(raw: dict[str, Any], where: str = "config.json") -> ArchitectureSpec:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a JSON object (a Hugging Face config.json), got {type(raw).__name__}")
+    check_value_types(raw, where)
     architectures = raw.get("architectures") or []
     supported = ", ".join(FAMILIES)
     if len(architectures) != 1:

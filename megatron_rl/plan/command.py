@@ -55,16 +55,19 @@ def run(args, config) -> int:
     from megatron_rl.plan.planner import Cluster, evaluate, plan_layouts, smallest_fix
     from megatron_rl.model.layout_checks import check_layout
 
-    arch, source = resolve_architecture(config, args.hf_config)
+    if args.top < 1:
+        raise ConfigError(f"--top must be at least 1 (layouts shown in the table), got {args.top}")
     if config.device == "cpu":
         raise ConfigError("the planner plans GPU clusters: the config says device: cpu; use device=cuda (or auto)")
     if args.rollout_gpus and config.rollout.mode == "colocated":
         config = _with_rollout_mode(config, "server")  # --rollout-gpus: servers on GPUs of their own
     rollout_memory = parse_memory(args.rollout_gpu_memory, "--rollout-gpu-memory") if args.rollout_gpu_memory else None
+    # The flags first (milliseconds), then the model
     cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu_memory=parse_memory(args.gpu_memory),
                       rollout_gpu_memory=rollout_memory, rollout_gpus=args.rollout_gpus,
                       colocated=config.rollout.mode == "colocated",
                       nvlink_gbs=args.nvlink_gbs, ib_gbs_per_node=args.ib_gbs_per_node).validate()
+    arch, source = resolve_architecture(config, args.hf_config)
     plan = plan_layouts(config, arch, cluster)
     own = fix = None
     try:

@@ -56,6 +56,12 @@ class Cluster:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.rollout_gpus < 0:
             raise ConfigError(f"--rollout-gpus must be >= 0, got {self.rollout_gpus}")
+        if self.rollout_gpu_memory is not None and self.rollout_gpu_memory < 1:
+            raise ConfigError(f"--rollout-gpu-memory must be >= 1, got {self.rollout_gpu_memory}")
+        for name in ("nvlink_gbs", "ib_gbs_per_node"):  # the push time divides by them
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a bandwidth above 0 GB/s, got {value}")
         if self.colocated and self.rollout_gpus:
             raise ConfigError("--rollout-gpus gives the engines GPUs of their own: not with colocated engines")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:

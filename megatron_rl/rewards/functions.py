@@ -13,8 +13,10 @@ A reward function is any callable
   record field of the same name). Functions should accept ``**metadata`` and ignore what they do
   not use, so that datasets can grow fields without breaking them.
 
-It returns a finite real number (bool and int are accepted and converted). Anything else (None, a
-string, NaN, inf) is an error for that sample, scored 0.0 and counted, exactly like an exception.
+It returns a finite real number of magnitude at most MAX_ABS_REWARD (bool and int are accepted and
+converted). Anything else (None, a string, NaN, inf, 1e308) is an error for that sample, scored 0.0
+and counted, exactly like an exception: a reward of 1e308 is finite, but a group's mean and variance
+of such rewards overflow, and the advantages would be NaN.
 
 Batched reward functions score many samples in one call (a model judge, vectorized checks):
 
@@ -48,12 +50,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 __all__ = [
-    "BATCHED_ATTRIBUTE", "BatchedRewardFn", "RewardFn", "RewardFunction", "RewardValueError", "as_batch_rewards",
+    "BATCHED_ATTRIBUTE", "MAX_ABS_REWARD", "BatchedRewardFn", "RewardFn", "RewardFunction", "RewardValueError", "as_batch_rewards",
     "as_reward", "batched", "is_batched",
 ]
 
 # The attribute ``@batched`` sets on a function (checked with getattr, so methods work too).
 BATCHED_ATTRIBUTE = "__megatron_rl_batched__"
+# The largest reward magnitude taken: a group's sum and squared deviations stay far from float64's
+# limit (1.8e308), and the advantages of an estimator without a std from float32's (3.4e38).
+MAX_ABS_REWARD = 1e30
 
 
 class RewardFn(Protocol):
@@ -100,9 +105,17 @@ def as_reward(value: Any) -> float:
     # numbers.Real covers int, float, bool, fractions and numpy scalars; complex and strings fail.
     if not isinstance(value, numbers.Real):
         raise RewardValueError(f"returned {value!r} ({type(value).__name__}), expected a finite float")
-    result = float(value)
+    try:
+        result = float(value)
+    except OverflowError:  # an int beyond float's range
+        raise RewardValueError(f"returned {value!r}, too large to be a reward (at most {MAX_ABS_REWARD:g} in "
+                               "magnitude)") from None
     if not math.isfinite(result):
         raise RewardValueError(f"returned {result}, expected a finite float")
+    if abs(result) > MAX_ABS_REWARD:
+        raise RewardValueError(f"returned {result:g}, beyond the largest reward magnitude {MAX_ABS_REWARD:g}: the "
+                               "group's mean and variance of such rewards overflow, so the advantages would be NaN; "
+                               "scale the reward down")
     return result
 
 

@@ -8,6 +8,7 @@ one on localhost. The backend follows the device: NCCL on CUDA, gloo on CPU.
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
@@ -17,6 +18,7 @@ from megatron_rl.config import ParallelConfig
 
 from megatron_rl.errors import ConfigError
 from megatron_rl.runtime.launch_env import LaunchEnv, first_slurm_host, free_port, read_launch_env  # noqa: F401
+from megatron_rl.runtime.rendezvous import store_server
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -30,17 +32,24 @@ def resolve_device(requested: str) -> torch.device:
 
 
 def init_process_group(device: torch.device, env: LaunchEnv, timeout_s: int = 600) -> None:
+    """Under torchrun the ranks join torchrun's own store (started by megatron_rl.launch.torchrun,
+    it listens on MASTER_ADDR only); otherwise rank 0 hosts the store, listening on the address the
+    other ranks reach it at (runtime/rendezvous.py), never on every interface."""
     if dist.is_initialized():
         return
     if device.type == "cuda":
         torch.cuda.set_device(env.local_rank)
-    dist.init_process_group(
-        backend="nccl" if device.type == "cuda" else "gloo",
-        init_method=f"tcp://{env.master_addr}:{env.master_port}",
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        dist.init_process_group(backend=backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                                rank=env.rank, world_size=env.world_size, timeout=timeout)
+        return
+    if env.rank == 0:
+        store = store_server(env.master_addr, env.master_port, world_size=env.world_size, timeout_s=timeout_s)
+    else:
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, False, timeout)
+    dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
 
 
 def init_model_parallel(parallel: ParallelConfig, world_size: int) -> None:

@@ -3,7 +3,9 @@
 The checkpoint format and the forms a checkpoint can be named in: checkpoint/format.py.
 
 Everything that can be checked without processes is checked first, the output location before
-any input file is read: the output does not exist (unless --force), its parent is a writable
+any input file is read: the output is none of the inputs, contains none and lies inside none
+(--force or not), it does not exist (with --force: unless it is an earlier output of the same
+conversion, told by its marker; checkpoint/output_guard.py), its parent is a writable
 directory, and its filesystem has room for the output (estimated from the input's sizes). Then
 the input: it exists, describes a supported architecture, agrees with its MANIFEST.json (when it
 has one: the input's checksums); the layout fits the model. hf-to-megatron at a layout of more
@@ -36,7 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_rl.checkpoint.atomic_dir import AtomicDirectory, refuse_existing
+from megatron_rl.checkpoint.atomic_dir import AtomicDirectory
 from megatron_rl.checkpoint.format import (
     REDOWNLOAD_OR_CONVERT,
     USE_ANOTHER,
@@ -49,6 +51,7 @@ from megatron_rl.checkpoint.format import (
     unloadable,
     weights_path,
 )
+from megatron_rl.checkpoint.output_guard import refuse_existing, refuse_overlap
 from megatron_rl.config import RunConfig
 from megatron_rl.errors import ConfigError
 from megatron_rl.model.hf_config import load_hf_config
@@ -78,8 +81,13 @@ DISK_FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the dis
 SHORT_WRITE = ("unexpected pos", "basic_ios::clear")
 
 
-def hf_to_megatron_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="HF safetensors directory -> Megatron torch_dist checkpoint")
+HF_TO_MEGATRON = "HF safetensors directory -> Megatron torch_dist checkpoint"
+MEGATRON_TO_HF = "Megatron torch_dist checkpoint -> HF safetensors directory (one process, whatever layout the " \
+                 "checkpoint was saved at)"
+
+
+def hf_to_megatron_parser(prog: str = "megatron-rl convert hf-to-megatron") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=HF_TO_MEGATRON)
     parser.add_argument("--hf-dir", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--precision", choices=["fp32", "bf16"], default=None,
@@ -88,9 +96,8 @@ def hf_to_megatron_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def megatron_to_hf_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Megatron torch_dist checkpoint -> HF safetensors directory "
-                                     "(one process, whatever layout the checkpoint was saved at)")
+def megatron_to_hf_parser(prog: str = "megatron-rl convert megatron-to-hf") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=MEGATRON_TO_HF)
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--hf-template", default=None, help="copy tokenizer files from here (default: the checkpoint's)")
@@ -145,14 +152,19 @@ class Output:
     path: Path
     force: bool
     existing: Path
+    owner: str  # the command, named by the output's marker: what --force may replace
     needed: int = 0  # bytes the output will take, about (estimated from the input)
 
 
-def check_output_location(out: str, force: bool) -> Output:
-    """Refuse, before any input file is read: an existing output (unless --force), and a parent
-    that is not a directory this process can write into."""
+def check_output_location(out: str, force: bool, owner: str, inputs: dict[str, str | Path | None],
+                          inside_ok: tuple[str, ...] = ()) -> Output:
+    """Refuse, before any input file is read: an output that is, contains or lies inside one of
+    `inputs` ({flag: path}; `inside_ok`: those it may lie inside), whatever --force says; an
+    existing output (with --force: unless `owner` wrote it); a parent that is not a directory this
+    process can write into."""
+    refuse_overlap(out, inputs, inside_ok=inside_ok)
     out = Path(out)
-    refuse_existing(out, force)
+    refuse_existing(out, force, owner)
     existing = _nearest_existing(out.parent)
     if not existing.is_dir():
         raise ConfigError(f"cannot write {out}: {existing} is a file, not a directory; pass an --out inside a "
@@ -160,7 +172,7 @@ def check_output_location(out: str, force: bool) -> Output:
     if not os.access(existing, os.W_OK | os.X_OK):
         why = "is on a read-only filesystem" if _read_only(existing) else "is not writable by this user"
         raise ConfigError(f"cannot write {out}: {existing} {why}; pass an --out in a directory you can write to")
-    return Output(out, force, existing)
+    return Output(out, force, existing, owner)
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -207,12 +219,12 @@ def megatron_to_hf_bytes(ckpt: Path, template_dir: str | Path) -> int:
     Adam's moments, fp32 main weights and the KL reference, each under the weight's own key with
     a prefix (optimizer.exp_avg.KEY, reference.KEY: model/optimizer_state.keyed_like); those are
     not exported, so a key that ends in another key is left out."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from megatron_rl.checkpoint.unpickling import read_torch_dist_index
 
     try:
-        storage = FileSystemReader(str(weights_path(ckpt))).read_metadata().storage_data
+        storage = read_torch_dist_index(weights_path(ckpt)).storage_data
     except Exception:
-        return 0  # an unreadable index: check_weight_files names it next
+        return 0  # an unreadable or refused index: check_weight_files names it next
     names = {index.fqn.split("/")[0] for index in storage}
     weights = {name for name in names if not _keyed_like_another(name, names)}
     model = sum(item.length for index, item in storage.items() if index.fqn.split("/")[0] in weights)
@@ -243,7 +255,7 @@ def written_atomically(output: Output):
     A failed write removes what this run created: the staging directory (AtomicDirectory) and
     the parent directories it made; nothing that existed before. A disk filling up is named."""
     try:
-        with AtomicDirectory(output.path, force=output.force) as staging, _disk_full_named(output):
+        with AtomicDirectory(output.path, force=output.force, owner=output.owner) as staging, _disk_full_named(output):
             checksums: dict[str, dict] = {}
             yield staging, checksums
             everyone = _gathered(checksums)
@@ -329,9 +341,10 @@ def disk_full_reason(exc: BaseException, space_left: bool = False) -> str | None
 # ---- the two conversions ------------------------------------------------------------------------
 
 
-def hf_to_megatron(argv: list[str]) -> None:
-    args = hf_to_megatron_parser().parse_args(argv)
-    output = check_output_location(args.out, args.force)
+def hf_to_megatron(argv: list[str], prog: str = "megatron-rl convert hf-to-megatron") -> None:
+    args = hf_to_megatron_parser(prog).parse_args(argv)
+    output = check_output_location(args.out, args.force, "megatron-rl convert hf-to-megatron",
+                                   {"--hf-dir": args.hf_dir})
     raw, _ = load_hf_config(args.hf_dir)  # a clear error for a missing or unsupported config
     precision = args.precision or _precision_of(raw)
     config = hf_model_config(args.hf_dir, args, precision)
@@ -375,15 +388,19 @@ def _resolved_for_conversion(given: str) -> Path:
     return ckpt
 
 
-def megatron_to_hf(argv: list[str]) -> None:
-    args = megatron_to_hf_parser().parse_args(argv)
+def megatron_to_hf(argv: list[str], prog: str = "megatron-rl convert megatron-to-hf") -> None:
+    args = megatron_to_hf_parser(prog).parse_args(argv)
     if args.layout_flag:
         raise ConfigError(f"{args.layout_flag} is not needed: megatron-to-hf reads a checkpoint saved at any layout "
                           "in one process (torch_dist stores every tensor whole); drop the layout flags")
     if args.bucket_mb < 1:
         raise ConfigError(f"--bucket-mb must be at least 1 (MiB of weights read at a time), not {args.bucket_mb}")
     ckpt = _resolved_for_conversion(args.ckpt)
-    output = check_output_location(args.out, args.force)
+    # A run directory given as --ckpt stands for its newest checkpoint: the output may lie inside
+    # the run (not inside that checkpoint), but neither be it nor contain it.
+    output = check_output_location(args.out, args.force, "megatron-rl convert megatron-to-hf",
+                                   {"--ckpt": args.ckpt, "checkpoint": ckpt, "--hf-template": args.hf_template},
+                                   inside_ok=("--ckpt",) if ckpt.resolve() != Path(args.ckpt).resolve() else ())
     metadata = read_metadata(ckpt)
     hf_config = str(ckpt / "hf_config")
     template = args.hf_template or hf_config
@@ -415,12 +432,25 @@ def megatron_to_hf(argv: list[str]) -> None:
 
 
 COMMANDS = {"hf-to-megatron": hf_to_megatron, "megatron-to-hf": megatron_to_hf}
+USAGE = f"usage: megatron-rl convert {{{','.join(COMMANDS)}}} ..."
 
 
-def main(argv: list[str] | None = None) -> int:
+def usage_text() -> str:
+    """`megatron-rl convert --help`."""
+    return (f"{USAGE}\n\nHF safetensors <-> Megatron torch_dist checkpoint conversion.\n\ncommands:\n"
+            f"  hf-to-megatron  {HF_TO_MEGATRON}\n  megatron-to-hf  {MEGATRON_TO_HF}\n\n"
+            "megatron-rl convert COMMAND --help lists a command's options.\n")
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """`prog`: the program name a command's usage shows (default `megatron-rl convert COMMAND`;
+    the tools scripts pass their own)."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage_text(), end="")
+        return 0
     if not argv or argv[0] not in COMMANDS:
-        print(f"usage: megatron-rl convert {{{','.join(COMMANDS)}}} ...", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return 2
     # Quiet like the CLI (the tools scripts and the ranks torchrun starts come here directly);
     # MEGATRON_RL_VERBOSE=1 keeps the dependencies' warnings.
@@ -430,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         quiet_dependencies()
     try:
         with signals_raise():
-            COMMANDS[argv[0]](argv[1:])
+            COMMANDS[argv[0]](argv[1:], prog or f"megatron-rl convert {argv[0]}")
     except ConfigError as exc:
         print(f"megatron-rl convert: {exc}", file=sys.stderr)
         return 2

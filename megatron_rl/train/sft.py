@@ -24,6 +24,9 @@ its Adam moments on to RL), so its start weights equal those of an in-train warm
 same settings, while its RL updates are not bit-identical to that run's.
 Bad settings (warm_start.steps < 1, missing data, prompts without a reference response, an
 existing DIR without --force, a layout that does not fit) are refused before any model is built.
+A DIR that is, contains or lies inside an input (checkpoint.init_from, the data, model.hf_config)
+is refused with or without --force, and --force replaces only an earlier `megatron-rl sft` output
+(checkpoint/output_guard.py): never a training run or anything else that happens to be there.
 The output appears atomically: a failed run leaves no DIR.
 """
 
@@ -37,8 +40,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_rl.checkpoint.output_guard import refuse_existing, refuse_overlap
 from megatron_rl.config import RunConfig
 from megatron_rl.errors import ConfigError
+
+OWNER = "megatron-rl sft"  # the marker its outputs carry: what its --force may replace
 
 
 @dataclass
@@ -61,14 +67,31 @@ def preflight(config: RunConfig, output: Path, force: bool = False):
     steps = config.warm_start.steps
     if steps < 1:
         raise ConfigError(f"warm_start.steps must be >= 1 for megatron-rl sft, got {steps}")
-    if output.exists() and not force:
-        raise ConfigError(f"output directory {output} already exists; pass --force to replace it")
+    inputs, inside_ok = _inputs(config)
+    refuse_overlap(output, inputs, inside_ok=inside_ok)
+    refuse_existing(output, force, OWNER)
     check_layout_and_paths(config, rl=False)
     if config.data.train != "synthetic" and not Path(config.data.train).exists():
         raise ConfigError(f"data.train: {config.data.train} does not exist")
     train_set, _ = load_datasets(config.data)
     check_targets(train_set)
     return train_set
+
+
+def _inputs(config: RunConfig) -> tuple[dict[str, str | Path | None], tuple[str, ...]]:
+    """What sft reads that a path names ({key: path}), and the keys the output may lie inside: a run
+    directory given as checkpoint.init_from stands for its newest checkpoint, also an input."""
+    from megatron_rl.checkpoint.format import names_megatron_checkpoint, resolve_checkpoint
+
+    init_from = config.checkpoint.init_from
+    train = None if config.data.train == "synthetic" else config.data.train  # the built-in task, not a path
+    inputs = {"checkpoint.init_from": init_from, "data.train": train, "data.heldout": config.data.heldout,
+              "model.hf_config": config.model.hf_config}
+    if init_from and names_megatron_checkpoint(init_from):
+        inputs["the checkpoint checkpoint.init_from names"] = resolve_checkpoint(init_from)
+        if Path(inputs["the checkpoint checkpoint.init_from names"]).resolve() != Path(init_from).resolve():
+            return inputs, ("checkpoint.init_from",)
+    return inputs, ()
 
 
 def run_sft(config: RunConfig, output: str | Path | None = None, force: bool = False) -> SftResult:
@@ -113,7 +136,7 @@ def run_sft(config: RunConfig, output: str | Path | None = None, force: bool = F
             losses = warm_start(policy, tokenizer, train_set, config, runtime, console, on_step=on_step, label="sft")
             extra = {"sft": {"steps": settings.steps, "batch_size": settings.batch_size, "lr": settings.lr,
                              "data": train_set.source, "first_loss": losses[0], "final_loss": losses[-1]}}
-            with AtomicDirectory(output, force=force) as staging:
+            with AtomicDirectory(output, force=force, owner=OWNER) as staging:
                 save_megatron_checkpoint(policy.module, policy.raw_hf_config, staging, config,
                                          tokenizer_dir=tokenizer_dir, source=source, extra=extra)
                 if runtime.is_driver:

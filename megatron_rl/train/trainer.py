@@ -27,19 +27,21 @@ from megatron_rl.algorithms.from_config import recipe_for
 from megatron_rl.checkpoint.manager import CheckpointManager
 from megatron_rl.config import RunConfig, to_dict
 from megatron_rl.data import build_sampler, encode_prompt
-from megatron_rl.errors import TrainingStopped
+from megatron_rl.errors import ConfigError, TrainingStopped
 from megatron_rl.model.policy import Policy
 from megatron_rl.observability.metrics_log import MetricsLog
 from megatron_rl.observability.plotting import learning_summary
 from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.rollout.engine_model import load_engine_tokenizer, write_engine_model_dir
 from megatron_rl.runtime import start_runtime
+from megatron_rl.runtime.launch_env import read_launch_env
 from megatron_rl.train.agent_failures import check_agent_failures, describe_source
 from megatron_rl.train.async_rollout import AsyncCollector
 from megatron_rl.train.collect import SyncCollector
 from megatron_rl.train.evaluate import evaluate
 from megatron_rl.train.generation import Generation
 from megatron_rl.train.experience import PackedStep, expand_segments, group_advantages, pack_step
+from megatron_rl.train import run_lock
 from megatron_rl.train.preflight import preflight
 from megatron_rl.train.reward_failures import check_reward_failures
 from megatron_rl.train.routing_replay import RoutingReplay
@@ -62,12 +64,31 @@ class TrainResult:
 
 
 def train(config: RunConfig) -> TrainResult:
-    datasets = preflight(config)
-    runtime = start_runtime(config)
+    # The driver holds OUTPUT_DIR/run.lock first (run_lock.py): a second run in the directory is
+    # refused before it reads or writes anything there; a single process stops at once, the ranks
+    # of a larger world all stop once their process group exists.
+    launch = read_launch_env()
+    lock = refusal = None
+    if launch.rank == 0:
+        try:
+            lock = run_lock.acquire(config.output_dir, notify=lambda line: print(line, flush=True))
+        except ConfigError as exc:
+            if launch.world_size == 1:
+                raise
+            refusal = str(exc)
     try:
-        return Trainer(config, runtime, datasets).run()
+        datasets = preflight(config) if refusal is None else None
+        runtime = start_runtime(config)
+        try:
+            refusal = runtime.from_driver(refusal)
+            if refusal is not None:
+                raise ConfigError(refusal)
+            return Trainer(config, runtime, datasets).run()
+        finally:
+            runtime.shutdown()
     finally:
-        runtime.shutdown()
+        if lock is not None:
+            lock.release()
 
 
 class Trainer:

@@ -76,15 +76,10 @@ def warm_start(policy, tokenizer, dataset, config, runtime, log, on_step=None, l
         def loss_fn(logprobs, entropy, batch):
             return -(logprobs * batch.loss_mask[0]).sum() / normalizer, {}
 
-<<<<<<< HEAD
         # The demonstrations' likelihood under the model's own distribution (temperature 1): the
         # sampling temperature is RL's (rl.temperature, train/update.py).
         result = policy.train_step(batches, loss_fn, lr=settings.lr, temperature=1.0)
-        guard.check(step, 0, result)  # a NaN loss here would otherwise skip every update silently
-=======
-        result = policy.train_step(batches, loss_fn, lr=settings.lr)
         guard.check(step, 0, result)  # a NaN loss or exploding weights would otherwise go on silently
->>>>>>> d43b
         losses.append(result.loss)
         if on_step is not None:
             on_step(step, result)

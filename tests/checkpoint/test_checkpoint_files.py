@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
 from megatron_rl.checkpoint.store import LATEST, MANIFEST, STATE, STATE_VERSION, _inventory, _prune, find_resumable, verify
 from megatron_rl.checkpoint.manager import check_run_directory, config_differences
@@ -21,6 +23,8 @@ def fake_checkpoint(root: Path, step: int, config: dict | None = None) -> Path:
     path = root / f"step_{step:06d}"
     (path / "weights").mkdir(parents=True)
     (path / "weights" / "shard.distcp").write_bytes(b"x" * (100 + step))
+    # a real torch_dist index beside it: resuming reads it (checkpoint/unpickling.py)
+    dcp.save({"weight": torch.zeros(2)}, checkpoint_id=str(path / "weights"), no_dist=True)
     (path / STATE).write_text(json.dumps({"step": step, "version": STATE_VERSION, "config": config or {}}))
     (path / MANIFEST).write_text(json.dumps({"step": step, "files": _inventory(path)}))
     return path

@@ -112,10 +112,34 @@ def test_fake_sbatch_rejection_shows_its_error_and_a_hint(tmp_path):
     assert "hint:" in result.stderr and "--partition" in result.stderr
 
 
+def test_a_directory_whose_job_still_runs_is_refused_before_its_config_is_rewritten(tmp_path):
+    """run.lock names SLURM job 77 (train/run_lock.py); a fake squeue says whether it still runs."""
+    out, bin_dir = tmp_path / "run", tmp_path / "bin"
+    out.mkdir()
+    bin_dir.mkdir()
+    (out / "config.yaml").write_text("# the running job's config\n")
+    (out / "run.lock").write_text(json.dumps({"host": "node-a", "pid": 4242, "started": "2026-01-01 00:00:00 +0000",
+                                              "pid_start": 1, "boot_id": "b", "slurm_job_id": "77"}))
+    for name, body in (("squeue", "echo RUNNING"), ("sbatch", "echo 78")):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    result = cli("launch", "slurm", "--nodes", "1", "--output-dir", str(out), env=env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"output directory {out} is in use by a run: pid 4242 on node-a, SLURM job 77" in result.stderr
+    assert (out / "config.yaml").read_text() == "# the running job's config\n"
+    (bin_dir / "squeue").write_text("#!/bin/sh\n")  # the job has ended: nothing listed
+    result = cli("launch", "slurm", "--nodes", "1", "--output-dir", str(out), env=env)
+    assert result.returncode == 0 and "submitted job 78" in result.stdout, result.stdout + result.stderr
+    assert "Resolved config of the submitted job" in (out / "config.yaml").read_text()
+
+
 def test_launch_local_dry_run_and_layout_check(tmp_path):
     result = cli("launch", "local", "--nproc-per-node", "2", "--dry-run", "--output-dir", str(tmp_path), "rl.steps=2")
     assert result.returncode == 0, result.stderr
-    assert "torch.distributed.run --standalone --nproc-per-node=2 -m megatron_rl.cli train" in result.stdout
+    # torchrun's rendezvous on loopback only (launch/torchrun.py; tests/runtime/test_rendezvous.py)
+    assert re.search(r"-m megatron_rl\.launch\.torchrun --master-addr=127\.0\.0\.1 --master-port=\d+ "
+                     r"--nproc-per-node=2 -m megatron_rl\.cli train", result.stdout), result.stdout
     assert f"output_dir={tmp_path}" in result.stdout
     refused = cli("launch", "local", "--nproc-per-node", "3", "--dry-run")
     assert refused.returncode == 2 and "KV heads" in refused.stderr

@@ -33,6 +33,11 @@ def returns_nan(prompt, response, answer, **metadata):
     return float("nan")
 
 
+def returns_huge(prompt, response, answer, sign=1.0, **metadata):
+    """Finite, but a group of such rewards has an infinite mean: the advantages would be NaN."""
+    return sign * 1e308
+
+
 def scaled_length(prompt, response, answer, scale=1.0, **metadata):
     return len(response) * scale
 

@@ -113,12 +113,21 @@ def test_crashing_worker_counts_as_error_and_is_replaced():
     assert "died (exit code 7)" in result.first_error
 
 
-@pytest.mark.parametrize("name, message", [("reward_fixtures:returns_text", "returned '1.0' (str)"),
-                                           ("reward_fixtures:returns_nan", "returned nan")])
-def test_non_numeric_rewards_are_errors(name, message):
-    with RewardScorer([RewardTerm(name)], timeout_s=5, num_workers=1) as scorer:
+HUGE = "beyond the largest reward magnitude 1e+30: the group's mean and variance of such rewards overflow"
+
+
+@pytest.mark.parametrize("name, params, message", [
+    ("reward_fixtures:returns_text", {}, "returned '1.0' (str)"),
+    ("reward_fixtures:returns_nan", {}, "returned nan"),
+    ("reward_fixtures:returns_huge", {}, f"returned 1e+308, {HUGE}"),
+    ("reward_fixtures:returns_huge", {"sign": -1.0}, f"returned -1e+308, {HUGE}"),
+])
+def test_non_numeric_or_overflowing_rewards_are_errors(name, params, message):
+    """Each counts as an error of its sample (scored 0): when every call fails, the run stops with
+    this message (train/reward_failures.py), as for NaN."""
+    with RewardScorer([RewardTerm(name, params=params)], timeout_s=5, num_workers=1) as scorer:
         result = scorer.score(inputs("a"))
-    assert result.rewards == [0.0] and result.errors == 1 and message in result.first_error
+    assert result.rewards == [0.0] and result.errors == 1 and message in result.first_error, result.first_error
 
 
 def test_unpicklable_metadata_is_an_error_for_that_sample_only():

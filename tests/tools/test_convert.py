@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from _support.processes import REPO, child_env, cli_command
+from megatron_rl.checkpoint.output_guard import MARKER
 
 sys.path.insert(0, str(REPO / "tests" / "bridge"))
 from test_bridge import family_configs, hf_logits, make_hf_model, read_checkpoint  # noqa: E402
@@ -111,15 +112,15 @@ def test_unknown_architecture_lists_supported(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_existing_output_needs_force(llama, tmp_path):
+def test_the_output_carries_the_marker_by_which_force_may_replace_it(llama, tmp_path):
+    """What --force may replace is an earlier output of the same conversion, told by this marker
+    (listed in the manifest); anything else it leaves alone (tests/checkpoint/test_output_guard.py)."""
     out = tmp_path / "mcore"
-    out.mkdir()
-    (out / "keep.txt").write_text("precious")
+    tool("convert_hf_to_megatron.py", "--hf-dir", str(llama), "--out", str(out))
+    assert json.loads((out / MARKER).read_text()) == {"command": "megatron-rl convert hf-to-megatron"}
+    assert MARKER in json.loads((out / "MANIFEST.json").read_text())["files"]
     result = tool("convert_hf_to_megatron.py", "--hf-dir", str(llama), "--out", str(out), check=False)
-    assert result.returncode == 2 and "already exists; pass --force" in result.stderr
-    assert (out / "keep.txt").read_text() == "precious"
-    tool("convert_hf_to_megatron.py", "--hf-dir", str(llama), "--out", str(out), "--force")
-    assert not (out / "keep.txt").exists() and (out / "megatron_rl.json").is_file()
+    assert result.returncode == 2 and "already exists; pass --force" in result.stderr, result.stderr
 
 
 def test_failed_conversion_leaves_no_partial_output(llama, tmp_path):

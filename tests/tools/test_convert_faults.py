@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_convert import llama  # noqa: E402,F401  (the tiny Llama: a fixture of the conversion tests)
 
 from megatron_rl.checkpoint.format import load_initial_weights  # noqa: E402
+from megatron_rl.checkpoint.output_guard import MARKER  # noqa: E402
 from megatron_rl.errors import ConfigError  # noqa: E402
 from megatron_rl.tools import convert  # noqa: E402
 
@@ -200,7 +201,7 @@ def test_existing_output_is_refused_before_any_input_file_is_read(llama, convert
     out.mkdir()
     (out / "keep.txt").write_text("precious")
     line = in_child(argv_for(direction, source, out), tmp_path).error_line()
-    assert f"output directory {out} already exists; pass --force to replace it" in line
+    assert f"output directory {out} already exists and it holds no {MARKER}" in line
     assert (out / "keep.txt").read_text() == "precious"
 
 

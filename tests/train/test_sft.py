@@ -182,4 +182,4 @@ def test_missing_reference_responses_and_existing_output_refused(tmp_path):
     assert result.returncode == 2 and "data.answer_key: training record 0" in result.stderr, result.stderr
     (tmp_path / "out").mkdir()
     result = cli("sft", "--output-dir", str(tmp_path / "out"), check=False, timeout=60)
-    assert result.returncode == 2 and "already exists; pass --force" in result.stderr, result.stderr
+    assert result.returncode == 2 and "already exists and it holds no" in result.stderr, result.stderr

@@ -128,6 +128,7 @@ def test_sigterm_to_the_whole_run_checkpoints_and_exits_0(tmp_path):
     assert Path(stopped.group(2)).name == f"step_{step:06d}" and Path(stopped.group(2)).is_dir()
     assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{step:06d}"
     assert json.loads((out / "run_state.json").read_text()) == {"step": step, "finished": False}
+    assert not (out / "run.lock").exists(), "the stopped run must release its directory (train/run_lock.py)"
     # wandb's helper died of the same signal: one line says so, metrics.jsonl kept every step.
     warnings = re.findall(r"^wandb (?:log|finish) failed \(.*metrics continue in .*metrics\.jsonl$", output, re.M)
     assert len(warnings) == 1, output[-4000:]

@@ -54,17 +54,21 @@ def stop_with_sigterm(out: Path, *overrides: str, after_step: int) -> str:
     while time.monotonic() < deadline and process.poll() is None:
         path = out / "metrics.jsonl"
         if path.is_file() and any(json.loads(line)["step"] >= after_step for line in path.read_text().splitlines() if line):
+            # the running trainer holds the directory (train/run_lock.py)
+            assert json.loads((out / "run.lock").read_text())["pid"] == process.pid
             process.send_signal(signal.SIGTERM)
             break
         time.sleep(0.2)
     output, _ = process.communicate(timeout=600)
     assert process.returncode == 0, output[-4000:]
+    assert not (out / "run.lock").exists(), "a run stopped by SIGTERM must release its directory"
     return output
 
 
 def test_exact_resume_after_sigterm(tmp_path):
     whole = tmp_path / "whole"
     run(whole)
+    assert not (whole / "run.lock").exists(), "a finished run must release its directory"
     reference = metrics(whole)
     assert max(reference) == 5 and "eval/accuracy" in reference[0] and "eval/accuracy" in reference[5]
 

@@ -47,11 +47,12 @@ class GroupSpec:
 
 
 def host_store(host: str, port: int, timeout_s: float):
-    """The TCP store on trainer rank 0 (it must outlive every group built on it)."""
-    import torch.distributed as dist
+    """The TCP store on trainer rank 0 (it must outlive every group built on it), listening on the
+    address the engines reach it at, `host` (runtime/rendezvous.py): loopback when the trainer's
+    rendezvous is, not every interface."""
+    from megatron_rl.runtime.rendezvous import store_server
 
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
+    return store_server(host, port, timeout_s=timeout_s)
 
 
 def join_stage_group(spec: GroupSpec, stage: int, rank: int, store=None):
