@@ -78,8 +78,8 @@ class SandboxResult:
     more than the limit and were killed), disk_limit (it failed with "No space left on device":
     the disk quota's bytes or files), output_limit (more output than the cap), killed (another
     signal), sandbox_error (the jail itself failed: not the snippet's doing; `stderr` says
-    what). `memory_mb`: the most its processes held together at one reading (None without
-    namespaces)."""
+    what). `memory_mb`: the most its processes held together at one of the readings every 10 ms
+    (0 for a program that ended before the first; None without namespaces)."""
 
     status: str
     exit_code: int | None
