@@ -33,7 +33,7 @@ def printed(result, key: str) -> list[int]:
 
 
 FORKED_CHILDREN = """
-import os
+import os, time
 done = os.pipe()
 for _ in range(6):  # six children of 80 MB each: every one within the address-space limit
     if os.fork() == 0:
@@ -41,8 +41,9 @@ for _ in range(6):  # six children of 80 MB each: every one within the address-s
         for _ in range(10):
             held.append(b'x' * (8 << 20))  # written, so resident
             os.write(done[1], b'8')
+            time.sleep(0.005)  # a reading falls between two chunks even on a loaded machine
         os.write(done[1], b'd')
-        import time; time.sleep(30)
+        time.sleep(30)
 os.close(done[1])
 total = finished = 0
 while finished < 6:
