@@ -38,7 +38,9 @@ def python(code: str) -> str:
     detail = {"timeout": f"the program ran past {LIMITS.wall_seconds:g} s and was stopped",
               "cpu_limit": f"the program used more than {LIMITS.cpu_seconds} s of CPU and was stopped",
               "output_limit": f"the program printed more than {LIMITS.output_bytes} bytes and was stopped",
-              "memory_limit": f"the program ran out of memory ({LIMITS.memory_mb} MB)"}.get(result.status)
+              "memory_limit": f"the program ran out of memory ({LIMITS.memory_mb} MB)",
+              "disk_limit": f"the program ran out of disk ({LIMITS.disk_mb} MB or {LIMITS.disk_files} files in "
+                            "/work and /tmp)"}.get(result.status)
     if detail is None:
         detail = f"the program failed ({result.status}, exit code {result.exit_code})"
     # the end of the traceback says what went wrong (the registry cuts error observations short)

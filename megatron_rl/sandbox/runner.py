@@ -1,11 +1,13 @@
 """Run model-written Python in a sandbox: one fresh process per call, in its own user, mount,
 PID, IPC, UTS and network namespaces (sandbox/launcher.py creates them and builds the jail).
 
-What a call gets: a new, empty working directory (`/work`, removed afterwards) holding the
-snippet and any files given; the interpreter and /usr read-only and nothing else of the host's
-files; a network namespace with only a loopback that is down (no address is reachable, the
-host's 127.0.0.1 included); an environment of PATH, HOME, TMPDIR and LANG only; limits on wall
-time, CPU seconds, address space, process count, file size, open files and captured output.
+What a call gets: a new, empty working directory (`/work`) holding the snippet and any files
+given, and a `/tmp`, both on one tmpfs of the disk quota (gone with the call); the interpreter
+and /usr read-only and nothing else of the host's files; a network namespace with only a
+loopback that is down (no address is reachable, the host's 127.0.0.1 included); an environment
+of PATH, HOME, TMPDIR and LANG only; limits on wall time, CPU seconds, memory (all its processes
+together, SysV shared memory included), process count, file size, disk, open files and captured
+output.
 Whatever happens inside, the call returns a SandboxResult; the caller (a tool, a reward) never
 sees an exception from the snippet.
 
@@ -29,7 +31,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Literal
 
 from megatron_rl.sandbox.launcher import NAMESPACES
@@ -51,14 +53,17 @@ class SandboxUnavailable(RuntimeError):
 class SandboxLimits:
     wall_seconds: float = 10.0
     cpu_seconds: int = 5
-    memory_mb: int = 512  # address space of each process
+    memory_mb: int = 512  # all its processes together, and the address space of each one
     processes: int = 32  # processes and threads of the sandbox together
     output_bytes: int = 64 * 1024  # captured of stdout and of stderr each; more ends the call
-    file_mb: int = 16  # the largest file it may write; also the size of its /tmp
+    file_mb: int = 16  # the largest file it may write
+    disk_mb: int = 64  # /work and /tmp together, the given files included (held in memory)
+    disk_files: int = 4096  # files and directories in /work and /tmp together
     open_files: int = 64
 
     def __post_init__(self):
-        for name in ("wall_seconds", "cpu_seconds", "memory_mb", "processes", "output_bytes", "file_mb", "open_files"):
+        for name in ("wall_seconds", "cpu_seconds", "memory_mb", "processes", "output_bytes", "file_mb", "disk_mb",
+                     "disk_files", "open_files"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"SandboxLimits.{name} must be a number > 0, got {value!r}")
@@ -69,9 +74,12 @@ class SandboxLimits:
 @dataclass
 class SandboxResult:
     """How one call ended. `status`: ok (exit 0), error (another exit code), timeout (wall time),
-    cpu_limit, memory_limit (the snippet died of MemoryError), output_limit (more output than
-    the cap), killed (another signal), sandbox_error (the jail itself failed: not the snippet's
-    doing; `stderr` says what)."""
+    cpu_limit, memory_limit (the snippet died of MemoryError, or its processes together held
+    more than the limit and were killed), disk_limit (it failed with "No space left on device":
+    the disk quota's bytes or files), output_limit (more output than the cap), killed (another
+    signal), sandbox_error (the jail itself failed: not the snippet's doing; `stderr` says
+    what). `memory_mb`: the most its processes held together at one of the readings every 10 ms
+    (0 for a program that ended before the first; None without namespaces)."""
 
     status: str
     exit_code: int | None
@@ -80,6 +88,7 @@ class SandboxResult:
     stderr: str
     wall_seconds: float
     cpu_seconds: float | None = None
+    memory_mb: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -105,9 +114,8 @@ def namespaces_available() -> str | None:
 @dataclass
 class _Jail:
     """One launcher started ahead of its call: namespaces made and the jail built, waiting on
-    `go` (its PID 1 reads one byte before it starts the program)."""
+    `go` (its PID 1 reads the call's go and files from it before it starts the program)."""
 
-    work: Path
     root: Path
     process: subprocess.Popen
     status: int  # read end of the status pipe
@@ -122,7 +130,6 @@ class _Jail:
             self.process.wait()
         for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
             stream.close()
-        shutil.rmtree(self.work, ignore_errors=True)
         shutil.rmtree(self.root, ignore_errors=True)
 
 
@@ -174,18 +181,18 @@ class Sandbox:
     def run_python(self, source: str, *, stdin: str = "", files: dict[str, str] | None = None) -> SandboxResult:
         """Run `source` as a Python program (`python -I -S main.py` in its work directory) with
         `stdin` as its standard input and `files` (relative name -> text) beside it."""
+        program = _program_files(source, files, self.limits)
         if self.isolation == "none":
             work = Path(tempfile.mkdtemp(prefix="sandbox-work-"))
             try:
-                _write_files(work, source, files)
+                _write_files(work, program)
                 result = self._run_open(work, stdin.encode())
             finally:
                 shutil.rmtree(work, ignore_errors=True)
         else:
             jail = self._take()
             try:
-                _write_files(jail.work, source, files)
-                result = self._run_jail(jail, stdin.encode())
+                result = self._run_jail(jail, stdin.encode(), program)
             finally:
                 jail.discard()
                 self._refill()
@@ -195,36 +202,35 @@ class Sandbox:
 
     # ---------------------------------------------------------------- the jail
 
-    def _spec(self, work: Path, root: Path) -> dict:
+    def _spec(self, root: Path) -> dict:
         limits = self.limits
         env = _program_env(home="/work", tmp="/tmp")
-        return {"work": str(work), "root": str(root), "ro": self._read_only_dirs(),
+        return {"root": str(root), "ro": self._read_only_dirs(),
                 "argv": [self.python, "-I", "-S", "/work/main.py"], "env": env,
                 "limits": {"memory_bytes": limits.memory_mb << 20, "processes": limits.processes,
                            "file_bytes": limits.file_mb << 20, "open_files": limits.open_files,
-                           "cpu_seconds": int(limits.cpu_seconds), "tmp_bytes": limits.file_mb << 20}}
+                           "cpu_seconds": int(limits.cpu_seconds), "disk_bytes": limits.disk_mb << 20,
+                           "disk_files": limits.disk_files}}
 
     def _start_jail(self) -> _Jail:
-        work = Path(tempfile.mkdtemp(prefix="sandbox-work-"))
         root = Path(tempfile.mkdtemp(prefix="sandbox-root-"))
         status_read, status_write = os.pipe()
         go_read, go_write = os.pipe()
-        spec = marshal.dumps(self._spec(work, root)).hex()
+        spec = marshal.dumps(self._spec(root)).hex()
         try:
             process = subprocess.Popen(
                 [self.python, "-I", "-S", str(LAUNCHER), spec, str(status_write), str(go_read)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=work, env=_host_env(),
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=root, env=_host_env(),
                 pass_fds=(status_write, go_read), start_new_session=True)  # its own group: killed as one
         except BaseException:
             for fd in (status_read, go_write):
                 os.close(fd)
-            shutil.rmtree(work, ignore_errors=True)
             shutil.rmtree(root, ignore_errors=True)
             raise
         finally:
             os.close(status_write)
             os.close(go_read)
-        return _Jail(work, root, process, status_read, go_write)
+        return _Jail(root, process, status_read, go_write)
 
     def _take(self) -> _Jail:
         with self._lock:
@@ -257,10 +263,12 @@ class Sandbox:
             self._refills.add(thread)
         thread.start()
 
-    def _run_jail(self, jail: _Jail, stdin: bytes) -> SandboxResult:
+    def _run_jail(self, jail: _Jail, stdin: bytes, program: dict[str, bytes]) -> SandboxResult:
         def go():
             try:
-                os.write(jail.go, b"g")
+                data = marshal.dumps(program)
+                with open(jail.go, "wb", closefd=False) as pipe:  # the whole of it, however large
+                    pipe.write(b"g" + len(data).to_bytes(8, "little") + data)
             except OSError:
                 pass  # the launcher already failed; its stderr says why
             os.close(jail.go)
@@ -297,14 +305,27 @@ def _discard_all(ready: collections.deque) -> None:
         ready.popleft().discard()
 
 
-def _write_files(work: Path, source: str, files: dict[str, str] | None) -> None:
-    (work / "main.py").write_text(source)
+def _program_files(source: str, files: dict[str, str] | None, limits: SandboxLimits) -> dict[str, bytes]:
+    """{relative path: bytes}: main.py, then `files`, checked before any jail is used: each name
+    inside the work directory, all of them within the disk quota."""
+    program = {"main.py": source.encode()}
     for name, text in (files or {}).items():
-        path = (work / name).resolve()
-        if work.resolve() not in path.parents:
+        path = PurePosixPath(name)
+        if path.is_absolute() or not path.parts or ".." in path.parts:
             raise ValueError(f"sandbox file {name!r} is outside the work directory")
+        program[str(path)] = text.encode()
+    size = sum(len(data) for data in program.values())
+    if size > limits.disk_mb << 20 or len(program) > limits.disk_files:
+        raise ValueError(f"the sandbox's program and files ({len(program)} files, {size} bytes) are more than "
+                         f"SandboxLimits.disk_mb ({limits.disk_mb} MB) or disk_files ({limits.disk_files}) allow")
+    return program
+
+
+def _write_files(work: Path, program: dict[str, bytes]) -> None:
+    for name, data in program.items():
+        path = work / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        path.write_bytes(data)
 
 
 @dataclass
@@ -404,8 +425,10 @@ def _kill(process) -> None:
 
 
 def _result(ended: _Ended, report: dict | None, inside: bool, limits: SandboxLimits) -> SandboxResult:
+    memory = report["memory_peak_kb"] / 1024 if report else None
+
     def result(status, exit_code=None, sig=None, cpu=None):
-        return SandboxResult(status, exit_code, sig, ended.stdout, ended.stderr, ended.wall_seconds, cpu)
+        return SandboxResult(status, exit_code, sig, ended.stdout, ended.stderr, ended.wall_seconds, cpu, memory)
 
     if ended.overflowed:
         return result("output_limit")
@@ -416,6 +439,8 @@ def _result(ended: _Ended, report: dict | None, inside: bool, limits: SandboxLim
         if report is None:  # the launcher could not build the jail (its stderr line says why)
             return result("sandbox_error", exit_code=returncode)
         code, sig, cpu = report.get("exit_code"), report.get("signal"), report.get("cpu_seconds")
+        if report["memory_exceeded"]:  # its processes together held more than the limit: PID 1 killed them
+            return result("memory_limit", exit_code=code, sig=sig, cpu=cpu)
     else:
         code, sig, cpu = (returncode, None, None) if returncode >= 0 else (None, -returncode, None)
     if sig is not None:
@@ -426,4 +451,6 @@ def _result(ended: _Ended, report: dict | None, inside: bool, limits: SandboxLim
         return result("ok", exit_code=0, cpu=cpu)
     if "MemoryError" in ended.stderr[-2000:]:
         return result("memory_limit", exit_code=code, cpu=cpu)
+    if "No space left on device" in ended.stderr[-2000:]:  # ENOSPC: the disk quota's bytes or files
+        return result("disk_limit", exit_code=code, cpu=cpu)
     return result("error", exit_code=code, cpu=cpu)

@@ -31,6 +31,7 @@ def test_failing_and_hostile_programs_are_counted_tool_errors():
     environment.reset({"prompt": "x"})
     cases = {"1 / 0": "ZeroDivisionError", "import time\ntime.sleep(60)": "ran past 10 s",
              "x = bytearray(10 * 1024**3)": "ran out of memory",
+             "for i in range(5):\n    open(f'f{i}', 'wb').write(b'x' * (16 << 20))": "ran out of disk (64 MB",
              "import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)": "Network is unreachable"}
     for code, expected in cases.items():
         observation = environment.step(call(code), [])

@@ -28,9 +28,9 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-import torch.distributed as dist
 
 from _support.processes import free_port
+from _support.world import world  # noqa: F401  (the one-rank world the transports need)
 from megatron_rl.rollout import EngineError, EnginePool, SamplingParams
 from megatron_rl.rollout.protocol import EngineDied, EngineUnavailable
 from megatron_rl.rollout.engines.vllm_server import VllmServerEngine
@@ -42,20 +42,6 @@ from test_pool_mock_http import fakes  # noqa: E402,F401  (the fixture of fake s
 pytestmark = pytest.mark.engine
 
 POOL_LOGGER = "megatron_rl.rollout.pool"
-
-
-@pytest.fixture
-def world():
-    """A one-rank torch.distributed world: the transports share the driver's outcome through it."""
-    if dist.is_initialized():
-        assert dist.get_world_size() == 1
-        yield
-        return
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 # ---- live: a real server killed mid-request ----------------------------------------------------

@@ -3,17 +3,15 @@
 Why a fake: SGLang cannot be installed or run on these machines (it pins a CUDA build of torch and
 its kernel package ships GPU kernels only). The fake implements the endpoints the engine uses with
 the request and response shapes of SGLang's documentation and source, and behaves consistently:
-its "model" is a seeded function of (prompt, sampling_seed), a pushed checkpoint is read back from
-the files, and broadcast weights arrive through a real torch.distributed (gloo) group. What it
-cannot show is that a live SGLang server agrees; the engine's docstring says so.
+its "model" is a seeded function of (prompt, sampling_seed) and a pushed checkpoint is read back
+from the files. What it cannot show is that a live SGLang server agrees; the engine's docstring
+says so.
 """
 
 from __future__ import annotations
 
 import base64
-import datetime
 import json
-import multiprocessing
 import random
 import threading
 import time
@@ -24,8 +22,10 @@ import pytest
 import torch
 
 from _support.processes import free_port
-from megatron_rl.rollout.protocol import EngineError, EngineTimeout, EngineUnavailable, RolloutEngine, SamplingParams
+from _support.world import world  # noqa: F401  (the one-rank world the transports need)
 from megatron_rl.config import load_config
+from megatron_rl.errors import ConfigError
+from megatron_rl.rollout.protocol import EngineError, EngineTimeout, EngineUnavailable, RolloutEngine, SamplingParams
 from megatron_rl.rollout.engines.sglang import SglangServerEngine, SglangServerProcess
 from megatron_rl.rollout.factory import check_sampling_logprobs
 
@@ -51,37 +51,6 @@ def top_logprobs(temperature: float, count: int, original: bool) -> list[list]:
     return [[float(value), int(token), None] for value, token in zip(values, ids)]
 
 
-def _weight_group_peer(conn, address: str, port: int, rank: int, world_size: int, group_name: str, backend: str):
-    """The server side of the weight group, in its own process like SGLang's workers.
-
-    Joins the way SGLang's `init_custom_process_group` does (TCP rendezvous, store prefixed with
-    the group name, group registered under that name), written out here rather than imported from
-    the engine, so the test does not compare the engine's code with itself."""
-    import inspect
-
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
-
-    timeout = datetime.timedelta(seconds=30)
-    store, rank, world_size = next(rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    parameters = inspect.signature(_new_process_group_helper).parameters
-    options = "backend_options" if "backend_options" in parameters else "pg_options"
-    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                         group_name=group_name, timeout=timeout, **{options: None})
-    _world.pg_group_ranks[group] = {index: index for index in range(world_size)}
-    conn.send("joined")
-    while (message := conn.recv()) != "stop":
-        names, dtypes, shapes = message
-        received = {}
-        for name, dtype, shape in zip(names, dtypes, shapes):
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-            dist.broadcast(tensor, src=0, group=group)
-            received[name] = tensor
-        conn.send(received)
-    dist.destroy_process_group(group)
-
-
 class FakeSglang:
     """Speaks the part of SGLang's native HTTP API the engine uses; records every request."""
 
@@ -96,7 +65,6 @@ class FakeSglang:
         self.seen_checkpoint_files: list[str] = []
         self.weight_version = "0"
         self.return_original_logprob = False  # SGLANG_RETURN_ORIGINAL_LOGPROB on the server
-        self._peer = None
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -131,11 +99,6 @@ class FakeSglang:
         self._thread.start()
 
     def stop(self):
-        if self._peer is not None:
-            conn, process = self._peer
-            conn.send("stop")
-            process.join(timeout=30)
-            self._peer = None
         self.server.shutdown()
         self.server.server_close()
 
@@ -153,8 +116,6 @@ class FakeSglang:
             ("GET", "/get_server_info"): lambda: (200, self.server_info),
             ("POST", "/generate"): lambda: self.generate(body),
             ("POST", "/update_weights_from_disk"): lambda: self.update_from_disk(body),
-            ("POST", "/init_weights_update_group"): lambda: self.init_group(body),
-            ("POST", "/update_weights_from_distributed"): lambda: self.update_from_distributed(body),
             # SGLang answers flush_cache with plain text, not JSON.
             ("POST", "/flush_cache"): lambda: (200, "Cache flushed.\nPlease check backend logs for more details.\n"),
             ("POST", "/pause_generation"): lambda: self.set_paused(True),
@@ -221,24 +182,6 @@ class FakeSglang:
         self.weights = loaded
         self.weight_version = body.get("weight_version", self.weight_version)
         return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
-
-    def init_group(self, body):
-        parent, child = multiprocessing.get_context("spawn").Pipe()
-        process = multiprocessing.get_context("spawn").Process(target=_weight_group_peer, args=(
-            child, body["master_address"], body["master_port"], body["rank_offset"], body["world_size"],
-            body["group_name"], body["backend"]), daemon=True)
-        process.start()
-        self._peer = (parent, process)
-        if not parent.poll(60):
-            return 400, {"success": False, "message": "weight group peer did not join"}
-        parent.recv()
-        return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
-
-    def update_from_distributed(self, body):
-        conn, _ = self._peer
-        conn.send((body["names"], body["dtypes"], body["shapes"]))
-        self.weights.update(conn.recv())
-        return 200, {"success": True, "message": "Succeeded to update parameter online."}
 
     def set_paused(self, paused: bool):
         self.paused = paused
@@ -371,43 +314,34 @@ def test_rejected_disk_update_raises_server_message_and_cleans_up(fake, tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
-def test_update_weights_distributed_broadcasts_over_a_weight_group(fake, tmp_path):
-    """The distributed transport: init_weights_update_group once, then per bucket the metadata
-    request while rank 0 broadcasts; then a cache flush. Checked with gloo on CPU.
-
-    A fake server stands in because SGLang cannot run here (CUDA-only torch and kernels); its
-    receiving side is a separate process that joins a real torch.distributed group."""
-    engine = make_engine(fake, tmp_path, weight_transport="distributed", master_address="127.0.0.1",
-                         master_port=free_port(), group_backend="gloo")
-    stream = weight_stream()
-    try:
-        assert engine.update_weights(iter(stream), bucket_bytes=64) == len(stream)
-        second = [(name, tensor + 1) for name, tensor in stream]
-        assert engine.update_weights(iter(second), bucket_bytes=1 << 20) == len(stream)
-    finally:
-        engine.shutdown()
-
-    [init] = fake.bodies("/init_weights_update_group")
-    assert init == {"master_address": "127.0.0.1", "master_port": engine.master_port, "rank_offset": 1,
-                    "world_size": 2, "group_name": "sglang-test-weights", "backend": "gloo"}
-    updates = fake.bodies("/update_weights_from_distributed")
-    assert len(updates) > 2  # the first push came in several buckets
-    assert [name for body in updates for name in body["names"]] == [name for name, _ in stream] * 2
-    assert updates[0]["dtypes"][0] == "float32" and updates[0]["shapes"][0] == [6, 4]
-    assert all(body["group_name"] == "sglang-test-weights" and body["flush_cache"] is False for body in updates)
-    for name, tensor in second:
-        assert fake.weights[name].dtype == tensor.dtype and torch.equal(fake.weights[name], tensor)
-    assert fake.paths().count("/flush_cache") == 2
-
-
-def test_tensor_transport_refuses_cpu_tensors(fake, tmp_path):
-    """CUDA IPC handles cannot describe CPU tensors; the engine says so instead of sending garbage.
+def test_a_run_configured_for_sglang_takes_weights_through_the_files_transport_only(fake, tmp_path, world):
+    """What a run with `rollout.engine: sglang` builds (rollout/factory.py): its engines and the
+    files transport, the one weight path SGLang has; every other transport is refused by name
+    before anything starts.
 
     A fake server stands in because SGLang cannot run here (CUDA-only torch and kernels)."""
-    engine = make_engine(fake, tmp_path, weight_transport="tensor")
-    with pytest.raises(EngineError, match="sglang-test.*CUDA tensors"):
-        engine.update_weights(iter(weight_stream()))
-    assert "/update_weights_from_tensor" not in fake.paths()
+    from megatron_rl.rollout.factory import build_engines, build_transport
+
+    sglang = ["rollout.engine=sglang", "rollout.mode=server", f"rollout.server_urls=[{fake.url}]",
+              f"output_dir={tmp_path}"]
+    config = load_config(None, sglang)
+    [engine] = build_engines(config, tmp_path / "hf", local_rank=0, seed=0)
+    transport = build_transport(config, "127.0.0.1")
+    assert transport.name == "files"
+    transport.connect([engine])
+    stream = weight_stream()
+    assert transport.push(iter(stream)) == len(stream)
+    for name, tensor in stream:
+        assert torch.equal(fake.weights[name], tensor)
+    assert fake.paths().count("/update_weights_from_disk") == 1 and fake.paths()[-1] == "/flush_cache"
+    for kind in ("collective", "nccl"):
+        with pytest.raises(ConfigError, match=f"weight_transport={kind}: SGLang servers take weights through files"):
+            load_config(None, [*sglang, f"rollout.weight_transport={kind}"])
+    for kind in ("distributed", "tensor"):  # the engine's own transports before issue 43: gone, and never config values
+        with pytest.raises(ConfigError, match=f"rollout.weight_transport.*{kind}"):
+            load_config(None, [*sglang, f"rollout.weight_transport={kind}"])
+    with pytest.raises(EngineError, match="sglang-0: SGLang servers take the trainer's weights through files"):
+        engine.weight_receivers()
 
 
 def test_pause_and_resume_hit_their_endpoints(fake, tmp_path):

@@ -16,38 +16,29 @@ request, each with its own `sampling_seed`: SGLang serves `n > 1` by copying the
 with its sampling parameters, so under `--enable-deterministic-inference` (the only mode in which
 SGLang honours `sampling_seed`) all n copies would share one seed and come back identical.
 
-Weight transports (`weight_transport=`):
-- "disk" (any setup where trainer and server share a filesystem): the stream is written as an
-  HF-style safetensors checkpoint into `staging_dir`, the server reloads it in place
-  (`/update_weights_from_disk`), and the files are deleted afterwards.
-- "distributed" (GPU): trainer rank 0 joins the server's workers in a torch.distributed group
-  (`/init_weights_update_group`) and broadcasts every tensor while the server receives it
-  (`/update_weights_from_distributed`). Works with "gloo" too, which is how the test checks the
-  protocol on CPU.
-- "tensor" (GPU, same node only): CUDA IPC handles of the tensors travel in the request
-  (`/update_weights_from_tensor`); the server maps the trainer's GPU memory, so it cannot work
-  across nodes or with CPU tensors.
-After any of them the radix (prefix) cache is flushed, so no request reuses KV computed with the
-old weights.
+Weights arrive as files, the one transport a run configures for SGLang (`rollout.weight_transport:
+files`, the default for it): the trainer's files transport (rollout/weights/transport.py) writes
+each push once as an HF-style safetensors directory on a filesystem the trainer and the servers
+share, and every server reloads it in place (`/update_weights_from_disk`, `load_weight_files`);
+`update_weights` does the same for one engine by hand. The collective transports are refused for
+SGLang by the config check: their receiving side is our vLLM worker extension, and SGLang's
+workers run none of our code. Afterwards the radix (prefix) cache is flushed, so no request
+reuses KV computed with the old weights.
 """
 
 from __future__ import annotations
 
 import base64
-import datetime
-import io
 import json
 import os
 import shutil
 import sys
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from megatron_rl.bridge.export import buckets
 from megatron_rl.rollout.engines.http import JsonClient
 from megatron_rl.rollout.protocol import (
     EngineError,
@@ -57,13 +48,12 @@ from megatron_rl.rollout.protocol import (
 )
 from megatron_rl.rollout.engines.server_process import ServerEngineBase, ServerProcess
 
-WeightTransport = Literal["disk", "distributed", "tensor"]
 # SGLang returns log softmax(logits / temperature) for a sampled token (before its top-p / top-k
 # filter, which training refuses: config/rl.py) unless its server runs with this variable set.
 RETURN_ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 # Top logprobs of one next token that SglangServerEngine.check_sampling_logprobs compares.
 _PROBE_TOP = 8
-# Files the disk transport copies next to the weights, so the staging directory is a complete HF
+# Files the push copies next to the weights, so the staging directory is a complete HF
 # checkpoint for any loader that reads the model config from `model_path`.
 _HF_CONFIG_FILES = ("config.json", "generation_config.json")
 
@@ -110,38 +100,23 @@ class SglangServerEngine(ServerEngineBase):
 
     def __init__(
         self, url: str, *, name: str = "sglang-server", process: ServerProcess | None = None,
-        weight_transport: WeightTransport = "disk", staging_dir: str | Path | None = None,
-        hf_config_dir: str | Path | None = None, disk_load_format: str | None = None,
-        master_address: str | None = None, master_port: int | None = None, group_backend: str = "nccl",
-        engine_world_size: int | None = None, return_routed_experts: bool = False,
+        staging_dir: str | Path | None = None, hf_config_dir: str | Path | None = None,
+        disk_load_format: str | None = None, return_routed_experts: bool = False,
         pause_mode: Literal["abort", "retract"] = "abort", request_timeout_s: float = 900.0,
         max_retries: int = 2, max_concurrency: int = 64,
     ):
         self.name, self.url, self.process = name, url.rstrip("/"), process
-        self.weight_transport = weight_transport
         self.staging_dir = Path(staging_dir) if staging_dir else None
         self.hf_config_dir = Path(hf_config_dir) if hf_config_dir else None
         self.disk_load_format = disk_load_format
-        self.master_address, self.master_port, self.group_backend = master_address, master_port, group_backend
         self.return_routed_experts, self.pause_mode = return_routed_experts, pause_mode
         self.request_timeout_s, self.max_concurrency = request_timeout_s, max_concurrency
         self._client = JsonClient(name, url, timeout_s=request_timeout_s, max_retries=max_retries)
         self._pushes = 0
-        self._group = None  # the torch.distributed group of the "distributed" transport, made on first push
-        self._group_name = f"{name}-weights"
         self._closed = False
-        if weight_transport == "disk" and self.staging_dir is None:
-            raise EngineError(f"{name}: the disk weight transport needs a staging_dir shared with the server")
-        if weight_transport == "distributed" and (master_address is None or master_port is None):
-            raise EngineError(f"{name}: the distributed weight transport needs master_address and master_port")
         self.health()
         info = self._client.get("/get_server_info", timeout_s=30)
-        self.tp_size = int(info.get("tp_size") or 1)
         self.deterministic = bool(info.get("enable_deterministic_inference", False))
-        # Each server worker joins the weight group as rank_offset + its TP rank; pipeline stages
-        # and data-parallel replicas inside one server are not covered (untested), so callers
-        # with such servers pass the count themselves.
-        self.engine_world_size = engine_world_size or self.tp_size
 
     # ---- generation ---------------------------------------------------------------------------
 
@@ -279,26 +254,16 @@ class SglangServerEngine(ServerEngineBase):
     # ---- weights ------------------------------------------------------------------------------
 
     def update_weights(self, weights: WeightStream, *, bucket_bytes: int = 512 << 20) -> int:
-        self._pushes += 1
-        if self.weight_transport == "disk":
-            count = self._push_disk(weights, bucket_bytes)
-        elif self.weight_transport == "distributed":
-            count = self._push_distributed(weights, bucket_bytes)
-        elif self.weight_transport == "tensor":
-            count = self._push_tensor(weights, bucket_bytes)
-        else:
-            raise EngineError(f"{self.name}: unknown weight transport {self.weight_transport!r}")
-        if count == 0:
-            raise EngineError(f"{self.name}: weight update received no tensors")
-        return count
-
-    def _push_disk(self, weights: WeightStream, bucket_bytes: int) -> int:
+        """A whole push through files in `staging_dir` (the files transport for one engine)."""
         from megatron_rl.rollout.weights.transport import write_safetensors_dir
 
+        if self.staging_dir is None:
+            raise EngineError(f"{self.name}: no staging_dir (a directory the server can read) for the weight files")
+        self._pushes += 1
         push_dir = self.staging_dir / f"{self.name}-push-{self._pushes:06d}"
         try:
             if write_safetensors_dir(weights, push_dir, bucket_bytes) == 0:
-                return 0
+                raise EngineError(f"{self.name}: weight update received no tensors")
             return self.load_weight_files(str(push_dir))
         finally:
             shutil.rmtree(push_dir, ignore_errors=True)
@@ -320,9 +285,9 @@ class SglangServerEngine(ServerEngineBase):
     def reset_prefix_cache(self) -> None:
         self._flush_cache()
 
-    # The trainer's collective transport builds its groups on its own store (rollout/weights/group.py);
-    # SGLang's workers build theirs with SGLang's rendezvous, which is reachable through this
-    # engine's own `weight_transport="distributed"` only (untested live, see the module docstring).
+    # The collective transports' receiving side is our vLLM worker extension (rollout/worker/
+    # receiver.py); SGLang's workers run none of our code. The config check refuses them for
+    # SGLang (config/rollout.py), so these only answer a caller that asks anyway.
     def weight_receivers(self) -> int:
         raise EngineError(f"{self.name}: SGLang servers take the trainer's weights through files "
                           f"(rollout.weight_transport=files)")
@@ -332,82 +297,6 @@ class SglangServerEngine(ServerEngineBase):
 
     def receive_weights(self) -> int:
         return self.weight_receivers()
-
-    def _push_distributed(self, weights: WeightStream, bucket_bytes: int) -> int:
-        """GPU path (untested live): rank 0 broadcasts each bucket while the server receives it."""
-        import torch.distributed as dist
-
-        if self._group is None:
-            self._group = self._join_weight_group()
-        nccl = self.group_backend == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        count = 0
-        for bucket in buckets(weights, bucket_bytes):
-            tensors = [tensor.detach().to(device).contiguous() for _, tensor in bucket]
-            body = {
-                "names": [name for name, _ in bucket],
-                "dtypes": [str(tensor.dtype).removeprefix("torch.") for tensor in tensors],
-                "shapes": [list(tensor.shape) for tensor in tensors],
-                "group_name": self._group_name,
-                "flush_cache": False,  # once, after the last bucket
-            }
-            # The request returns only after the server received every tensor, so it runs on its
-            # own thread while this one broadcasts them in the same order. (src is a group rank
-            # too: the group maps its ranks onto themselves, see init_weight_update_group.)
-            with ThreadPoolExecutor(max_workers=1) as pool:
-                reply = pool.submit(self._client.post, "/update_weights_from_distributed", body)
-                for tensor in tensors:
-                    dist.broadcast(tensor, src=0, group=self._group)
-                self._check_success("/update_weights_from_distributed", reply.result())
-            count += len(tensors)
-        self._flush_cache()
-        return count
-
-    def _join_weight_group(self):
-        world_size = 1 + self.engine_world_size
-        body = {
-            "master_address": self.master_address, "master_port": int(self.master_port),
-            "rank_offset": 1, "world_size": world_size, "group_name": self._group_name, "backend": self.group_backend,
-        }
-        # Both sides block in the rendezvous until everyone arrived: the request runs on its own
-        # thread while this one joins as rank 0 (which hosts the rendezvous store).
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            reply = pool.submit(self._client.post, "/init_weights_update_group", body)
-            try:
-                group = init_weight_update_group(
-                    self.master_address, int(self.master_port), rank=0, world_size=world_size,
-                    group_name=self._group_name, backend=self.group_backend,
-                    timeout=datetime.timedelta(seconds=self.request_timeout_s),
-                )
-            except Exception as exc:
-                # The server's answer usually says why nobody joined (bad address, port taken).
-                answer = reply.exception() or reply.result()
-                raise EngineError(f"{self.name}: joining the weight group at {self.master_address}:"
-                                  f"{self.master_port} failed: {exc}; server said: {answer}") from exc
-            self._check_success("/init_weights_update_group", reply.result())
-        return group
-
-    def _push_tensor(self, weights: WeightStream, bucket_bytes: int) -> int:
-        """Same-node GPU path (untested live): CUDA IPC handles, not bytes, travel in the request."""
-        from multiprocessing.reduction import ForkingPickler
-
-        count = 0
-        for bucket in buckets(weights, bucket_bytes):
-            tensors = [(name, tensor.detach().contiguous()) for name, tensor in bucket]
-            if any(not tensor.is_cuda for _, tensor in tensors):
-                raise EngineError(f"{self.name}: the tensor weight transport needs CUDA tensors on the server's node; "
-                                  f"use the disk or distributed transport")
-            # The format of SGLang's MultiprocessingSerializer: a ForkingPickler dump of the list
-            # of (name, tensor), base64 for JSON, one copy per TP rank. The tensors stay referenced
-            # until the request returns, which is after the server copied them.
-            buffer = io.BytesIO()
-            ForkingPickler(buffer).dump(tensors)
-            payload = base64.b64encode(buffer.getvalue()).decode()
-            body = {"serialized_named_tensors": [payload] * self.tp_size, "flush_cache": False}
-            self._check_success("/update_weights_from_tensor", self._client.post("/update_weights_from_tensor", body))
-            count += len(tensors)
-        self._flush_cache()
-        return count
 
     def _check_success(self, path: str, result: Any) -> None:
         # Failures usually arrive as HTTP 400 (an EngineError from the client); a 200 with
@@ -449,38 +338,8 @@ class SglangServerEngine(ServerEngineBase):
         if self._closed:
             return
         self._closed = True
-        if self._group is not None:
-            import torch.distributed as dist
-
-            dist.destroy_process_group(self._group)
-            self._group = None
         if self.process is not None:
             self.process.stop()
-
-
-def init_weight_update_group(master_address: str, master_port: int, *, rank: int, world_size: int, group_name: str,
-                             backend: str, timeout: datetime.timedelta):
-    """A torch.distributed group beside the trainer's own, built the way SGLang's workers build theirs
-    (`init_custom_process_group`: a TCP rendezvous, a store prefixed with the group name, a process
-    group registered under that name) so both sides find each other's keys. Rank 0 hosts the store.
-
-    `torch.distributed.new_group` cannot do this: it only splits the already-initialized world,
-    and the server's workers are not part of the trainer's world."""
-    import inspect
-
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
-
-    init_method = f"tcp://{master_address}:{master_port}"
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)
-    # torch renamed pg_options to backend_options; pass whichever this version takes.
-    parameters = inspect.signature(_new_process_group_helper).parameters
-    options = "backend_options" if "backend_options" in parameters else "pg_options"
-    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                         timeout=timeout, **{options: None})
-    _world.pg_group_ranks[group] = {index: index for index in range(world_size)}
-    return group
 
 
 def _finish_reason(engine: str, reason: Any) -> str:
