@@ -22,6 +22,7 @@ import re
 
 import pytest
 
+from _support.processes import free_port
 from _support.rank_pool import RankPools
 
 # How the suite is spread over pytest-xdist workers.
@@ -80,33 +81,69 @@ def flip_bytes_in_place():
     return flip
 
 
+class TinyServer:
+    """The built-in tiny model's vLLM CPU server (dummy weights), started on first use and stopped
+    after the last of a run of tests that use it (`pytest_runtest_teardown` below): an idle vLLM
+    engine keeps about a quarter of a core busy, which the suite's other tests need."""
+
+    def __init__(self, root):
+        self.root, self.server = root, None
+
+    def get(self):
+        from megatron_rl.config import load_config
+        from megatron_rl.rollout.engine_model import write_engine_model_dir
+        from megatron_rl.rollout.engines.vllm_server import VllmServerProcess
+
+        if self.server is None:
+            model = self.root / "model"
+            if not model.exists():
+                write_engine_model_dir(load_config(), model)
+            self.server = VllmServerProcess.start(model, port=free_port(), log_path=self.root / "vllm.log",
+                                                  load_format="dummy", max_model_len=1024, seed=0)
+        return self.server.url, self.root / "model"
+
+    def stop(self):
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+TINY_SERVER = pytest.StashKey[TinyServer]()
+
+
 @pytest.fixture(scope="session")
-def tiny_vllm_server(tmp_path_factory):
+def tiny_server_handle(request, tmp_path_factory):
+    handle = request.config.stash[TINY_SERVER] = TinyServer(tmp_path_factory.mktemp("tiny-vllm-server"))
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_vllm_server(tiny_server_handle):
     """One vLLM CPU server of the built-in tiny model (dummy weights), shared by the tests that
-    push their own weights into it first (partial rollouts, asynchronous RL): one start-up (about
-    40 s on 2 cores) instead of one per test. Yields (url, model directory)."""
+    push their own weights into it first (partial rollouts, asynchronous RL, agents): one start-up
+    (about 40 s on 2 cores) for the modules that use it, which run one after the other
+    (tests/_support/scheduling.py). Yields (url, model directory)."""
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
-    import socket
-
-    from megatron_rl.config import load_config
-    from megatron_rl.rollout.engine_model import write_engine_model_dir
-    from megatron_rl.rollout.engines.vllm_server import VllmServerProcess
-
-    root = tmp_path_factory.mktemp("tiny-vllm-server")
-    write_engine_model_dir(load_config(), root / "model")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = VllmServerProcess.start(root / "model", port=port, log_path=root / "vllm.log", load_format="dummy",
-                                     max_model_len=1024, seed=0)
-    yield server.url, root / "model"
-    server.stop()
+    yield tiny_server_handle.get()
 
 
-@pytest.fixture(scope="session")
+@pytest.hookimpl(hookwrapper=True, trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test of a run of tests using the tiny server (and its fixtures' teardown),
+    the server stops; a later user would start it again."""
+    yield
+    uses = lambda test: test is not None and "tiny_vllm_server" in getattr(test, "fixturenames", ())  # noqa: E731
+    if uses(item) and not uses(nextitem) and TINY_SERVER in item.config.stash:
+        item.config.stash[TINY_SERVER].stop()
+
+
+@pytest.fixture(scope="module")
 def rank_pools(tmp_path_factory):
     """torchrun rank pools that run the tests' worker scripts job after job: one start-up per
-    world size per test run instead of one per case (tests/_support/rank_pool.py)."""
+    world size per module instead of one per case (tests/_support/rank_pool.py). Stopped at the
+    module's end: an idle pool's leftover gloo threads kept about a third of a core busy per rank
+    while the worker ran other modules."""
     pools = RankPools(tmp_path_factory.mktemp("rank-pools"))
     yield pools
     pools.stop()

@@ -2,7 +2,7 @@
 every JOBS_PER_POOL jobs), instead of one torchrun (and one import of torch, Megatron-Core and
 transformers per rank, about 12 s for two ranks) per case.
 
-    def test_something(rank_pools):                       # the session fixture (tests/conftest.py)
+    def test_something(rank_pools):                       # the module fixture (tests/conftest.py)
         result = rank_pools.run(WORKER, 2, "--out", str(out), paths=[WORKER.parent])
         assert result.returncode == 0, result.stderr
 
@@ -106,7 +106,7 @@ class RankPool:
 
 
 class RankPools:
-    """The session's pools, one per world size, started on first use."""
+    """A test module's pools, one per world size, started on first use."""
 
     def __init__(self, root: Path):
         self.root, self.pools = root, {}

@@ -82,6 +82,10 @@ def pytest_collection_modifyitems(config, items):
                                 f"one worker and one server")
     units = [unit_of(item.nodeid) for item in items]
     heavy = {unit for unit, item in zip(units, items) if any(item.get_closest_marker(m) for m in HEAVY_MARKS)}
-    # Stable: a module's tests keep their order and stay contiguous.
-    order = sorted(range(len(items)), key=lambda index: units[index] not in heavy)
+    # A unit's tests stay together, in their order, its modules one after the other (so a server
+    # the unit shares is started once in a run without workers too); heavy units first.
+    first = {}
+    for index, unit in enumerate(units):
+        first.setdefault(unit, index)
+    order = sorted(range(len(items)), key=lambda index: (units[index] not in heavy, first[units[index]]))
     items[:] = [items[index] for index in order]
