@@ -107,21 +107,23 @@ class _Parameter:
         return self.placement.param.numel() * self.placement.param.element_size()
 
 
-def write_hf_from_torch_dist(module, arch: ArchitectureSpec, weights: Path, staging: Path, *, precision: str,
+def write_hf_from_torch_dist(module, arch: ArchitectureSpec, weights: Path, index, staging: Path, *, precision: str,
                              file_bytes: int = 2 << 30, bucket_bytes: int = 512 << 20) -> dict[str, dict]:
     """The safetensors files and model.safetensors.index.json of the torch_dist checkpoint in
     `weights`, written into `staging`. `module`: the whole model (TP1, PP1, EP1) on the meta
     device, built at the checkpoint's precision and padded vocabulary, with Megatron's parallel
     state still up. A bf16 checkpoint's fp32 parameters (Megatron-Core's local spec keeps RMSNorm
     weights in fp32) are written in bf16 as `save_pretrained` writes them; buffers (the routers'
-    fp32 expert bias) keep their dtype. Returns each written file's size and CRC-32."""
+    fp32 expert bias) keep their dtype. `index`: the directory's torch_dist index (.metadata), as
+    the caller read it (checkpoint/unpickling.py: torch's own reader unpickles it in full, so it is
+    never used here). Returns each written file's size and CRC-32."""
     parameters = _parameters(module, arch)
     planned = []
     for item in parameters:
         for name, piece in zip(item.hf_names, _hf_pieces(item, item.placement.param, arch)):
             planned.append((name, _output_dtype(item.placement, precision), tuple(piece.shape)))
     files = plan_files(planned, file_bytes)
-    reader = _IndexReadOnce(str(weights))
+    reader = _IndexReadOnce(str(weights), index)
     with SafetensorsStream(staging, files) as out:
         for bucket in _buckets(parameters, bucket_bytes):
             values = _load(bucket, reader)
@@ -279,16 +281,15 @@ class _ChunkReads(DefaultLoadPlanner):
 
 
 class _IndexReadOnce(FileSystemReader):
-    """A reader of a torch_dist directory that parses its index (.metadata) once, not at every
-    bucket's load."""
+    """A reader of a torch_dist directory that uses the index its caller read (once, safely), not
+    torch's reading of it at every bucket's load."""
+
+    def __init__(self, path: str, index):
+        super().__init__(path)
+        self._parsed = index
+        if getattr(self._parsed, "storage_meta", None) is None:
+            self._parsed.storage_meta = StorageMeta()
 
     def read_metadata(self):
-        if getattr(self, "_parsed", None) is None:
-            from megatron_rl.checkpoint.unpickling import read_torch_dist_index
-
-            # torch's own read_metadata unpickles the index in full (checkpoint/unpickling.py)
-            self._parsed = read_torch_dist_index(Path(self.path))
-            if getattr(self._parsed, "storage_meta", None) is None:
-                self._parsed.storage_meta = StorageMeta()
-            self._parsed.storage_meta.load_id = self.load_id  # as torch's read_metadata does
+        self._parsed.storage_meta.load_id = self.load_id  # as torch's read_metadata does
         return self._parsed

@@ -68,7 +68,7 @@ def check_run_directory(config: RunConfig) -> None:
         if problem:
             raise ConfigError(f"checkpoint.resume: {setting}: {problem}")
         _check_same_run(config, Path(setting))
-        ckpt.check_unpickled_files(Path(setting))
+        check_unpickled_files(Path(setting))
         return
     found = ckpt.candidates(root)
     if not found:
@@ -78,7 +78,31 @@ def check_run_directory(config: RunConfig) -> None:
     if not usable:
         raise ConfigError(unusable_message(root, [f"{path}: {problem}" for path, problem in verdicts]))
     _check_same_run(config, usable[0])
-    ckpt.check_unpickled_files(usable[0])  # a file that would run code on resume: refused, not skipped
+    check_unpickled_files(usable[0])  # a file that would run code on resume: refused, not skipped
+
+
+def check_unpickled_files(path: Path) -> None:
+    """Collective when a process group exists: ConfigError on every rank (naming the file) when
+    any file of checkpoint `path` that is unpickled on load, on any rank, names a callable that
+    would run (checkpoint/unpickling.py). Before anything is loaded."""
+    import torch.distributed as dist
+
+    from megatron_rl.checkpoint.format import check_weight_files
+    from megatron_rl.checkpoint.unpickling import read_rng_state
+
+    problem = None
+    try:
+        for rng_file in sorted((path / "rng").glob("rank_*.pt")):
+            read_rng_state(rng_file)
+        check_weight_files(path / "weights")
+    except ConfigError as exc:
+        problem = str(exc)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p), None)
+    if problem:
+        raise ConfigError(problem)
 
 
 def unusable_message(root: Path, problems: list[str]) -> str:
@@ -253,6 +277,7 @@ class CheckpointManager:
             self._load_initial_weights()
             return None
         prefixes = ("reference",) if self._uses_kl else ()
+        check_unpickled_files(path)  # every rank refuses together, before anything is loaded
         state, extra = ckpt.load_checkpoint(path, self.policy, keyed_like_weights=prefixes)
         if "reference" in extra:
             from megatron_rl.model.reference import ReferenceWeights

@@ -49,7 +49,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.checkpoint.unpickling import read_rng_state
-from megatron_rl.errors import ConfigError
 
 MANIFEST = "MANIFEST.json"
 STATE = "trainer_state.json"
@@ -381,7 +380,6 @@ def load_checkpoint(path: Path, policy, keyed_like_weights: tuple[str, ...] = ()
     tensors asked for ({prefix: {name: tensor}}; a prefix the checkpoint lacks is left out)."""
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
-    check_unpickled_files(path)  # every rank refuses together, before anything is loaded
     state = json.loads((path / STATE).read_text())
     if state.get("world_size") != dist.get_world_size() and dist.get_rank() == 0:
         print(f"resume: checkpoint was written by {state.get('world_size')} ranks, now {dist.get_world_size()}; "
@@ -396,27 +394,6 @@ def load_checkpoint(path: Path, policy, keyed_like_weights: tuple[str, ...] = ()
     if rng_file.is_file() and state.get("world_size") == dist.get_world_size():
         restore_rng(read_rng_state(rng_file))
     return state, extra
-
-
-def check_unpickled_files(path: Path) -> None:
-    """Collective when a process group exists: ConfigError on every rank (naming the file) when
-    any file of checkpoint `path` that is unpickled on load, on any rank, names a callable that
-    would run (checkpoint/unpickling.py). Before anything is loaded."""
-    from megatron_rl.checkpoint.format import check_weight_files
-
-    problem = None
-    try:
-        for rng_file in sorted((path / "rng").glob("rank_*.pt")):
-            read_rng_state(rng_file)
-        check_weight_files(path / "weights")
-    except ConfigError as exc:
-        problem = str(exc)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        problems = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)
-        problem = next((p for p in problems if p), None)
-    if problem:
-        raise ConfigError(problem)
 
 
 def capture_rng() -> dict[str, Any]:

@@ -23,7 +23,7 @@ import sys
 
 import psutil
 
-from megatron_rl.launch import torchrun
+from megatron_rl.runtime import torchrun
 from megatron_rl.launch.slurm import resolve_config
 from megatron_rl.runtime.launch_env import free_port
 from megatron_rl.train.stop_signals import StopSignals, block_stop_signals
@@ -34,7 +34,7 @@ ABORT_SIGNALS = (signal.SIGINT, signal.SIGHUP)  # torchrun's own session no long
 
 def torchrun_command(nproc_per_node: int, train_args: list[str], python: str | None = None,
                      port: int | None = None) -> list[str]:
-    """torchrun on this host, its rendezvous store on loopback only (launch/torchrun.py)."""
+    """torchrun on this host, its rendezvous store on loopback only (runtime/torchrun.py)."""
     return torchrun.command(python or sys.executable, "--master-addr=127.0.0.1",
                             f"--master-port={port or free_port()}", f"--nproc-per-node={nproc_per_node}",
                             "-m", "megatron_rl.cli", "train", *train_args)

@@ -25,9 +25,9 @@ import psutil
 def torchrun_command(python: str, nproc_per_node: int, train_args: list[str], environ=os.environ) -> list[str]:
     nnodes = int(environ.get("SLURM_NNODES") or environ.get("SLURM_JOB_NUM_NODES") or 1)
     node_rank = int(environ.get("SLURM_NODEID", 0))
-    # torchrun's store listens on MASTER_ADDR only (launch/torchrun.py)
+    # torchrun's store listens on MASTER_ADDR only (runtime/torchrun.py)
     return [
-        python, "-m", "megatron_rl.launch.torchrun",
+        python, "-m", "megatron_rl.runtime.torchrun",
         f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--nproc-per-node={nproc_per_node}",
         f"--master-addr={environ.get('MASTER_ADDR', '127.0.0.1')}",
         f"--master-port={environ.get('MASTER_PORT', '29500')}",

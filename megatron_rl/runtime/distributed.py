@@ -32,7 +32,7 @@ def resolve_device(requested: str) -> torch.device:
 
 
 def init_process_group(device: torch.device, env: LaunchEnv, timeout_s: int = 600) -> None:
-    """Under torchrun the ranks join torchrun's own store (started by megatron_rl.launch.torchrun,
+    """Under torchrun the ranks join torchrun's own store (started by megatron_rl.runtime.torchrun,
     it listens on MASTER_ADDR only); otherwise rank 0 hosts the store, listening on the address the
     other ranks reach it at (runtime/rendezvous.py), never on every interface."""
     if dist.is_initialized():

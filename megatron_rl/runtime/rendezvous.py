@@ -14,7 +14,7 @@ socket bound to the address its clients are told to use:
   really meant, e.g. MASTER_ADDR is a name this host does not resolve to its own address).
 
 `bound_stores()` makes torchrun's own stores (its rendezvous, which the ranks use under torchrun)
-follow the same rule: see megatron_rl/launch/torchrun.py.
+follow the same rule: see megatron_rl/runtime/torchrun.py.
 """
 
 from __future__ import annotations

@@ -413,6 +413,7 @@ def megatron_to_hf(argv: list[str], prog: str = "megatron-rl convert megatron-to
     check_weight_files(weights_path(ckpt))
 
     from megatron_rl.bridge.hf_checkpoint import write_hf_config
+    from megatron_rl.checkpoint.unpickling import read_torch_dist_index
     from megatron_rl.bridge.streamed import TorchDistUnreadable, write_hf_from_torch_dist
 
     # The whole model on the meta device names every torch_dist key; the weights pass through one
@@ -421,7 +422,8 @@ def megatron_to_hf(argv: list[str], prog: str = "megatron-rl convert megatron-to
     with model_on_this_rank(config, meta=True) as (runtime, built):
         with written_atomically(output) as (staging, checksums):
             try:
-                checksums.update(write_hf_from_torch_dist(built.module, built.arch, weights, staging,
+                checksums.update(write_hf_from_torch_dist(built.module, built.arch, weights,
+                                                          read_torch_dist_index(weights), staging,
                                                           precision=metadata["precision"],
                                                           bucket_bytes=args.bucket_mb << 20))
             except TorchDistUnreadable as exc:

@@ -76,10 +76,10 @@ def torchrun(world: int, module: str, argv: list[str], env: dict[str, str] | Non
     """`python -m module *argv` on `world` local ranks under torchrun (also `megatron-rl verify-hf`);
     its exit code. `env`: extra environment variables for the ranks. One thread per rank unless
     OMP_NUM_THREADS says otherwise: the ranks share this machine's cores."""
-    from megatron_rl.launch import torchrun as bound_torchrun
+    from megatron_rl.runtime import torchrun as bound_torchrun
     from megatron_rl.runtime.distributed import free_port
 
-    # its rendezvous store on loopback only (launch/torchrun.py)
+    # its rendezvous store on loopback only (runtime/torchrun.py)
     command = bound_torchrun.command(sys.executable, f"--nproc-per-node={world}", "--master-addr=127.0.0.1",
                                      f"--master-port={free_port()}", "-m", module, *argv)
     threads = os.environ.get("OMP_NUM_THREADS", "1")

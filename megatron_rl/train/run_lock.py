@@ -57,14 +57,21 @@ def this_process(environ=os.environ) -> Holder:
 
 
 class RunLock:
-    """A held lock; `release()` removes it if it is still this process's."""
+    """A held lock; `release()` removes it if it is still this process's, and the output directory
+    too if taking the lock made it and the run left nothing else there (a run refused at start-up
+    writes nothing)."""
 
-    def __init__(self, path: Path, holder: Holder):
-        self.path, self.holder = path, holder
+    def __init__(self, path: Path, holder: Holder, made_directory: bool = False):
+        self.path, self.holder, self.made_directory = path, holder, made_directory
 
     def release(self) -> None:
         if _read(self.path) == self.holder:
             self.path.unlink(missing_ok=True)
+            if self.made_directory:
+                try:
+                    self.path.parent.rmdir()  # only if empty
+                except OSError:
+                    pass
 
 
 def acquire(directory: str | Path, notify: Callable[[str], None] = print, me: Holder | None = None) -> RunLock:
@@ -72,6 +79,7 @@ def acquire(directory: str | Path, notify: Callable[[str], None] = print, me: Ho
     naming the holder while it may still run."""
     directory = Path(directory)
     path, me = directory / LOCK, me or this_process()
+    made_directory = not directory.exists()
     for _ in range(50):
         try:
             directory.mkdir(parents=True, exist_ok=True)
@@ -80,7 +88,7 @@ def acquire(directory: str | Path, notify: Callable[[str], None] = print, me: Ho
             raise ConfigError(f"cannot write into the output directory {directory} ({exc.strerror}): pass an "
                               "--output-dir this user can write to") from None
         if created:
-            return RunLock(path, me)
+            return RunLock(path, me, made_directory)
         text = _text(path)
         if text is None:
             continue  # released meanwhile

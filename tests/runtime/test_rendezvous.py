@@ -1,6 +1,6 @@
 """The job's TCP stores listen on the address they are reached at (runtime/rendezvous.py), never
 on every interface unasked: the process group's store a rank hosts, torchrun's own store (started
-through launch/torchrun.py), the weight transport's group store. Seen in /proc/net/tcp{,6}: what a
+through runtime/torchrun.py), the weight transport's group store. Seen in /proc/net/tcp{,6}: what a
 socket is bound to, whatever the machine's network lets through."""
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def test_torchruns_own_store_listens_on_its_master_address_only(tmp_path):
     rendezvous store they join."""
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
-    command = [sys.executable, "-m", "megatron_rl.launch.torchrun", "--nproc-per-node=1", "--master-addr=127.0.0.1",
+    command = [sys.executable, "-m", "megatron_rl.runtime.torchrun", "--nproc-per-node=1", "--master-addr=127.0.0.1",
                f"--master-port={free_port()}", str(worker), str(REPO)]
     result = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

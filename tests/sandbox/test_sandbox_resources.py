@@ -175,7 +175,10 @@ def test_socket_buffers_count_against_the_limit(sandbox):
     result = sandbox.run_python(SOCKET_BUFFERS)
     assert printed(result, "sndbuf_refused") == [1], result.stdout[:200]  # refused: EPERM
     queued = printed(result, "queued")
-    assert result.status == "memory_limit" and "all queued" not in result.stdout, (result.status, queued[-1:])
+    # Ended by the memory limit (the sockets' charge), with at most the limit's worth queued. Whether
+    # the children had finished queueing before the 10 ms reading that ends them depends on the
+    # machine's load (the suite's other worker): it is not asserted.
+    assert result.status == "memory_limit", (result.status, queued[-1:])
     assert max(queued, default=0) <= LIMITS.memory_mb, queued[-1]  # before: 672 MB in kernel buffers
 
 

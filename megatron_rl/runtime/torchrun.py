@@ -1,6 +1,6 @@
 """torchrun whose rendezvous store listens on its master address only.
 
-    python -m megatron_rl.launch.torchrun [torchrun's arguments]
+    python -m megatron_rl.runtime.torchrun [torchrun's arguments]
 
 torchrun's rendezvous (static: `--master-addr/--master-port`) hosts a TCP store that every rank
 joins; torch listens for it on every interface and has no option to change that. This runs
@@ -18,7 +18,7 @@ from megatron_rl.runtime.rendezvous import bound_stores
 
 def command(python: str, *torchrun_args: str) -> list[str]:
     """The command line that runs torchrun with `torchrun_args` through this module."""
-    return [python, "-m", "megatron_rl.launch.torchrun", *torchrun_args]
+    return [python, "-m", "megatron_rl.runtime.torchrun", *torchrun_args]
 
 
 def main(argv: list[str] | None = None) -> None:
