@@ -33,12 +33,12 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Literal, Mapping, Sequence
 
+from megatron_rl.errors import raised_at
 from megatron_rl.rewards.functions import as_batch_rewards, as_reward
 
 __all__ = ["BatchCall", "Call", "Outcome", "WorkerPool", "WorkerStartError", "default_start_method"]
@@ -105,9 +105,7 @@ def _exit_when_orphaned(conn, busy: threading.Event) -> None:
 
 
 def _describe(exc: BaseException) -> str:
-    where = traceback.extract_tb(exc.__traceback__)
-    origin = f" (at {where[-1].filename}:{where[-1].lineno})" if where else ""
-    return f"{type(exc).__name__}: {exc}{origin}"
+    return f"{type(exc).__name__}: {exc}{raised_at(exc)}"
 
 
 def _worker_main(conn, specs: Sequence[tuple[str, dict]], sys_path: list[str]) -> None:
