@@ -138,7 +138,7 @@ def test_launch_local_dry_run_and_layout_check(tmp_path):
     result = cli("launch", "local", "--nproc-per-node", "2", "--dry-run", "--output-dir", str(tmp_path), "rl.steps=2")
     assert result.returncode == 0, result.stderr
     # torchrun's rendezvous on loopback only (runtime/torchrun.py; tests/runtime/test_rendezvous.py)
-    assert re.search(r"-m megatron_rl\.launch\.torchrun --master-addr=127\.0\.0\.1 --master-port=\d+ "
+    assert re.search(r"-m megatron_rl\.runtime\.torchrun --master-addr=127\.0\.0\.1 --master-port=\d+ "
                      r"--nproc-per-node=2 -m megatron_rl\.cli train", result.stdout), result.stdout
     assert f"output_dir={tmp_path}" in result.stdout
     refused = cli("launch", "local", "--nproc-per-node", "3", "--dry-run")
