@@ -193,12 +193,10 @@ def loss_metrics(
     ``actor/pg_loss``, ``actor/clip_frac`` (``_low``, ``_high``), ``actor/ratio_mean`` / ``_max``
     / ``_min`` and ``actor/ppo_kl`` = mean of ``logp_old - logp`` (k1 estimate of
     KL(pi_old || pi), Schulman's approx_kl). With their inputs: ``actor/clip_frac_dual``,
-    ``actor/kl`` / ``actor/kl_loss``, ``actor/entropy`` / ``actor/entropy_loss``, the TIS
-    weight's ``tis/weight_mean`` / ``_max`` / ``_min``, ``tis/truncated_frac``,
-    ``tis/masked_frac``, and the train/rollout mismatch ``mismatch/logp_abs_diff_mean`` / ``_max``
-    (|log pi_old_train - log pi_rollout|) and ``mismatch/kl``: the k3 estimate (Schulman 2020,
-    "Approximating KL Divergence") of KL(pi_rollout || pi_train), ``(w - 1) - log w`` with
-    ``w = pi_train / pi_rollout`` on tokens the rollout engine sampled. With ``old_logprobs``
+    ``actor/kl`` / ``actor/kl_loss``, ``actor/entropy`` / ``actor/entropy_loss``. ``valid`` is
+    the tokens the loss trains on (after the off-policy masks); the train/rollout mismatch and
+    the importance weight's metrics (``mismatch/*``, ``tis/*``) are ``offpolicy.mismatch_metrics``,
+    over the loss-mask tokens before those masks (``policy_loss`` adds them). With ``old_logprobs``
     (``policy_loss`` always passes them): ``actor/up_clipped/tokens`` (the count of valid tokens
     clipped at the upper bound, ``surrogate.clip_high``) and ``actor/up_clipped/old_prob``, the
     mean over those tokens of the OLD policy's probability ``exp(logp_old)`` (left out of the

@@ -108,8 +108,8 @@ def test_deepseek_v32_sequence_mask_drops_negative_samples_far_from_mu():
 
 
 def test_sequence_mask_measures_the_policy_being_updated():
-    """The KL is against pi_theta (opsm_logprobs: the update-start logprobs the normaliser used),
-    not pi_old: with pi_theta = mu on sample 0 its KL is 0 and it stays."""
+    """The KL is against pi_theta (the update-start logprobs the normaliser used), not pi_old:
+    with pi_theta = mu on sample 0 its KL is 0 and it stays."""
     cfg = PolicyLossConfig(opsm_delta=0.2)
     keep = off_policy_keep(OPSM_MASK, cfg, old_logprobs=OPSM_LP, rollout_logprobs=OPSM_MU, advantages=OPSM_ADV,
                            logprobs=OPSM_LP)
@@ -118,8 +118,20 @@ def test_sequence_mask_measures_the_policy_being_updated():
     keep = off_policy_keep(OPSM_MASK, cfg, old_logprobs=OPSM_LP, rollout_logprobs=OPSM_MU, advantages=OPSM_ADV,
                            logprobs=theta)
     assert keep.tolist() == OPSM_MASK.tolist()
-    loss, _, _ = run(cfg, lp=OPSM_LP, old=OPSM_LP, mu=OPSM_MU, adv=OPSM_ADV, mask=OPSM_MASK, opsm_logprobs=theta)
-    assert loss == pytest.approx((1 + 1 + 1 + 2 + 2 - 1) / 6, rel=1e-12, abs=0)
+    # In the loss: pi_old = mu (so a KL against pi_old would be 0 and drop nothing), pi_theta =
+    # the logprobs: sample 0 leaves, exactly as if it were not in the step.
+    cases = dict(old=OPSM_MU, mu=OPSM_MU, adv=OPSM_ADV)
+    loss, g, out = run(cfg, lp=OPSM_LP, mask=OPSM_MASK, **cases)
+    without = OPSM_MASK.clone()
+    without[0] = False
+    ref, g_ref, _ = run(PolicyLossConfig(), lp=OPSM_LP, mask=without, **cases)
+    assert out["mismatch/opsm_seq_frac"] == pytest.approx(1 / 3)
+    assert loss == pytest.approx(ref, rel=1e-12, abs=0)
+    torch.testing.assert_close(g, g_ref, rtol=1e-12, atol=0)
+    # opsm_logprobs (the update-start pi_theta the normaliser used) decides, not this forward's
+    loss, _, out = run(cfg, lp=OPSM_LP, mask=OPSM_MASK, opsm_logprobs=OPSM_MU, **cases)
+    assert out["mismatch/opsm_seq_frac"] == 0
+    assert loss == pytest.approx(run(PolicyLossConfig(), lp=OPSM_LP, mask=OPSM_MASK, **cases)[0], rel=1e-12, abs=0)
     with pytest.raises(ValueError, match="opsm_delta=0.2 needs logprobs"):
         off_policy_keep(OPSM_MASK, cfg, old_logprobs=OPSM_LP, rollout_logprobs=OPSM_MU, advantages=OPSM_ADV)
 
