@@ -8,7 +8,8 @@ Public API (kept stable: the trainer and outside checks call it; see docs/algori
   ``is_truncated``, ``mask_truncated``, ``zero_spread_groups``, ``dynamic_sampling_keep``.
 * loss: ``policy_loss(logprobs, old_logprobs, advantages, mask, config, *, normalizer, ...)``
   -> ``(loss, metrics)``, ``PolicyLossConfig``, ``recipe(name, **overrides)``.
-* step normalization: ``compute_step_normalizer(masks, ...)`` -> ``StepNormalizer``.
+* step normalization: ``compute_step_normalizer(masks, ...)`` -> ``StepNormalizer``; with
+  off-policy masks, of ``off_policy_keep(mask, config, ...)`` (masked tokens leave it).
 * metrics: ``reduce_metrics(dicts, group=None)``, ``length_bias_metrics(rewards, lengths)``.
 * helpers: ``kl_penalty``, ``agg_loss``, ``segments_to_padded``.
 * names (``names.py``, no torch): every algorithm name a config may write, declared once;
@@ -44,6 +45,7 @@ __all__ = [
     "recipe",
     "StepNormalizer",
     "compute_step_normalizer",
+    "off_policy_keep",
     "reduce_metrics",
     "length_bias_metrics",
     "kl_penalty",
@@ -70,6 +72,7 @@ _MODULE_OF = {
     "reduce_metrics": "metrics",
     "StepNormalizer": "normalization",
     "compute_step_normalizer": "normalization",
+    "off_policy_keep": "offpolicy",
     "policy_loss": "loss",
     "RECIPES": "recipes",
     "Recipe": "recipes",

@@ -53,13 +53,16 @@ class PolicyLossConfig:
         kl_input_clamp, kl_output_clamp: clamps of the KL estimator (None = off).
         entropy_coef: weight of the entropy bonus (loss -= coef * entropy; needs ``entropy``).
 
-    Train/inference mismatch (truncated importance sampling against rollout-engine logprobs,
-    Yao et al. 2025 "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"):
-        tis_level: None (off), ``"token"`` (w_t = pi_old_train/pi_rollout per token) or
+    Off-policy corrections against the rollout engine's logprobs mu (``offpolicy.py``):
+        tis_level: None (off), ``"token"`` (w_t = pi_old_train/mu per token) or
             ``"sequence"`` (w_i = product over the sample's tokens).
-        tis_mode: ``"truncate"`` (w <- min(w, tis_upper), TIS) or ``"mask"`` (w <- 0 outside
-            [tis_lower, tis_upper], IcePop-style rejection).
+        tis_mode: ``"truncate"`` (w <- min(w, tis_upper), TIS, Yao et al. 2025) or ``"mask"``
+            (w <- 0 outside [tis_lower, tis_upper]: IcePop at token level with both bounds, MIS
+            at token or sequence level with tis_lower None). A masked token leaves the loss and
+            its normaliser (``offpolicy.off_policy_keep``).
         tis_upper, tis_lower: thresholds (tis_lower None = no lower bound).
+        opsm_delta: DeepSeek-V3.2's off-policy sequence mask (None = off): samples with a
+            negative advantage whose KL(mu || pi_theta) estimate exceeds delta leave the loss.
 
     Robustness:
         on_nonfinite: NaN/inf in a valid token's logprob/advantage/entropy: ``"raise"`` a
@@ -84,6 +87,7 @@ class PolicyLossConfig:
     tis_mode: str = "truncate"
     tis_upper: float = 2.0
     tis_lower: float | None = None
+    opsm_delta: float | None = None
     on_nonfinite: str = "raise"
 
     def __post_init__(self):
@@ -112,6 +116,7 @@ class PolicyLossConfig:
         finite_number(self.tis_lower, "tis_lower", low=0.0, low_open=True, allow_none=True)
         if self.tis_lower is not None and self.tis_lower >= self.tis_upper:
             raise ValueError(f"tis_lower={self.tis_lower} must be < tis_upper={self.tis_upper}")
+        finite_number(self.opsm_delta, "opsm_delta", low=0.0, allow_none=True)
         if self.policy_loss_type == "cispo":
             if self.ratio_level != "token":
                 raise ValueError(f"ratio_level={self.ratio_level!r} is not defined for CISPO (a token-level IS weight)")
@@ -122,6 +127,11 @@ class PolicyLossConfig:
                 f"l_norm={self.l_norm} is only used by loss_agg_mode='seq-mean-token-sum-norm', "
                 f"got loss_agg_mode={self.loss_agg_mode!r}"
             )
+
+    @property
+    def masks_tokens(self) -> bool:
+        """Whether an off-policy correction can take tokens out of the loss (and its normaliser)."""
+        return (self.tis_level is not None and self.tis_mode == "mask") or self.opsm_delta is not None
 
     # ------------------------------------------------------------------ dict / alias input
     @classmethod

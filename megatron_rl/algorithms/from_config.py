@@ -1,6 +1,7 @@
 """The recipe a run's `rl` config section selects: the named recipe with the section's overrides,
 and the defaults that follow from the run (overlong shaping at the run's response budget, token
-TIS for asynchronous runs, Dr. GRPO's L_norm = the generation budget).
+TIS for asynchronous runs, Dr. GRPO's L_norm = the generation budget), and rl.off_policy's
+corrections as loss fields.
 
 No torch at import: the config calls `overlong_lengths` while it validates, before torch is
 imported; `recipe_for` builds the Recipe (which imports torch) when the trainer asks for it.
@@ -53,6 +54,22 @@ def overlong_lengths(rl, recipe_max: int | None, recipe_buffer: int | None, wher
     return {"overlong_max_length": length, "overlong_buffer_length": buffer}
 
 
+# rl.off_policy.high when null, per method: TIS's cap (Yao et al.), IcePop's band [0.5, 5] (Ring-1T).
+_DEFAULT_HIGH = {"tis": 2.0, "icepop": 5.0, "mis": 2.0}
+
+
+def off_policy_overrides(off) -> dict[str, Any]:
+    """The PolicyLossConfig fields that rl.off_policy (an OffPolicyConfig with a method) selects:
+    tis -> truncate, icepop -> a token-level mask with both bounds, mis -> a mask at its level."""
+    if off.method == "off":
+        return {"tis_level": None}
+    level = "token" if off.method == "icepop" else (off.level or "token")
+    lower = off.low if off.low is not None else (0.5 if off.method == "icepop" else None)
+    upper = off.high if off.high is not None else _DEFAULT_HIGH[off.method]
+    return {"tis_level": level, "tis_mode": "truncate" if off.method == "tis" else "mask", "tis_upper": upper,
+            "tis_lower": lower}
+
+
 def recipe_for(rl, response_budget: int | None = None):
     """The Recipe (megatron_rl.algorithms.Recipe) that `rl` (an RLConfig) selects, for
     trajectories of at most `response_budget` model tokens (RunConfig.response_budget; None:
@@ -66,7 +83,9 @@ def recipe_for(rl, response_budget: int | None = None):
     overrides = {name: getattr(rl, name) for name in OVERRIDABLE if getattr(rl, name) is not None}
     budget = rl.max_response_tokens if response_budget is None else response_budget
     overrides.update(overlong_lengths(rl, base.overlong_max_length, base.overlong_buffer_length, budget=budget))
-    if rl.tis_level == "off":
+    if rl.off_policy.method is not None:
+        overrides.update(off_policy_overrides(rl.off_policy))
+    elif rl.tis_level == "off":
         overrides["tis_level"] = None
     elif rl.tis_level is not None:
         overrides["tis_level"] = rl.tis_level
@@ -74,6 +93,8 @@ def recipe_for(rl, response_budget: int | None = None):
         # tis_upper alone turns token-level TIS on; so does an asynchronous run (AReaL's
         # decoupled objective: the behaviour weight pi_prox / pi_behav, truncated).
         overrides["tis_level"] = "token"
+    if rl.off_policy.opsm_delta is not None:
+        overrides["opsm_delta"] = rl.off_policy.opsm_delta
     tis_on = overrides.get("tis_level", base.loss.tis_level) is not None
     if not tis_on and (rl.tis_mode is not None or rl.tis_lower is not None):
         name = "tis_mode" if rl.tis_mode is not None else "tis_lower"

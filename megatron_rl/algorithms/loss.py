@@ -18,11 +18,11 @@ Per valid token (sample i, position t), with A the advantage and r the importanc
 * Ratio: token ``r_t = exp(logp_t - logp_old_t)``; sequence (GSPO, arXiv:2507.18071 Eq. 7)
   ``s_i = exp(mean_t (logp - logp_old))`` over the sample's valid tokens; sequence_token
   (GSPO-token, Eq. 13) ``exp(logp_t - sg(logp_t) + sg(log s_i))``.
-* Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
-  You Off-Policy RL Training"; IcePop for the mask mode): ``l *= w`` with
-  ``w = pi_old / pi_rollout`` (token, or product over the sample), truncated or masked.
-  With asynchronous rollouts this is AReaL's decoupled PPO objective (arXiv:2505.24298 Eq. 5),
-  see ``policy_loss``.
+* Off-policy corrections against the engine's logprobs (``offpolicy.py``): ``l *= w`` with
+  ``w = pi_old / pi_rollout`` (token, or product over the sample), truncated (TIS) or masked
+  (IcePop, MIS); DeepSeek-V3.2's sequence mask. Masked tokens leave the loss and its normaliser.
+  With asynchronous rollouts token TIS is AReaL's decoupled PPO objective (arXiv:2505.24298
+  Eq. 5), see ``policy_loss``.
 * KL to the reference (DeepSeekMath arXiv:2402.03300 Eq. 3-4): ``+ kl_coef * KL_t``.
 * Entropy bonus: ``- entropy_coef * H_t``.
 
@@ -36,17 +36,19 @@ does that first, so NaN/inf in padding never reaches any arithmetic).
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl.algorithms._checks import check_float, check_mask, check_same_shape
+from megatron_rl.algorithms._cp import cp_world, masked_max, masked_min, sum_over_cp
 from megatron_rl.algorithms.aggregation import token_weights
 from megatron_rl.algorithms.config import PolicyLossConfig
 from megatron_rl.algorithms.kl import kl_penalty
 from megatron_rl.algorithms.normalization import StepNormalizer, compute_step_normalizer, sequence_lengths
+from megatron_rl.algorithms.offpolicy import (ImportanceWeight, mismatch_metrics, off_policy_correction,
+                                              truncated_importance_weight)
 
 __all__ = [
     "policy_loss",
@@ -60,51 +62,6 @@ __all__ = [
 ]
 
 
-def _cp_world(cp_group) -> int:
-    return dist.get_world_size(cp_group) if cp_group is not None else 1
-
-
-class _AllReduceSum(torch.autograd.Function):
-    """Differentiable SUM all-reduce: the backward of a sum over ranks is again a sum over ranks
-    (every rank's loss depends on every rank's tokens through the per-sample sum)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-def _sum_over_cp(x: torch.Tensor, cp_group, differentiable: bool) -> torch.Tensor:
-    """Sum per-sample partial sums over context-parallel ranks (each holds a slice of the sample)."""
-    if _cp_world(cp_group) <= 1:
-        return x
-    if differentiable:
-        return _AllReduceSum.apply(x, cp_group)
-    x = x.clone()
-    dist.all_reduce(x, group=cp_group)
-    return x
-
-
-def _masked_max(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    if x.numel() == 0:
-        return torch.tensor(float("-inf"), dtype=torch.float64, device=x.device)
-    return x.detach().double().masked_fill(~valid, float("-inf")).max()
-
-
-def _masked_min(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    if x.numel() == 0:
-        return torch.tensor(float("inf"), dtype=torch.float64, device=x.device)
-    return x.detach().double().masked_fill(~valid, float("inf")).min()
-
-
 # ------------------------------------------------------------------------------------ the pieces
 class Surrogate(NamedTuple):
     """Per-token policy-gradient term and where its clip binds (bool, valid tokens only)."""
@@ -113,14 +70,6 @@ class Surrogate(NamedTuple):
     clip_low: torch.Tensor
     clip_high: torch.Tensor
     dual_active: torch.Tensor | None = None  # PPO with dual clip only
-
-
-class ImportanceWeight(NamedTuple):
-    """Truncated importance weight per token, and which valid tokens it truncated / rejected."""
-
-    weight: torch.Tensor
-    truncated: torch.Tensor
-    rejected: torch.Tensor
 
 
 def importance_ratio(
@@ -152,7 +101,7 @@ def importance_ratio(
     if ratio_level == "token":
         log_ratio = tok_log_ratio
     else:
-        seq_sum = _sum_over_cp(tok_log_ratio.sum(-1), cp_group, differentiable=True)
+        seq_sum = sum_over_cp(tok_log_ratio.sum(-1), cp_group, differentiable=True)
         seq_log_ratio = seq_sum / seq_len.clamp(min=1.0)
         if ratio_level == "sequence":
             log_ratio = seq_log_ratio.unsqueeze(-1).expand_as(logprobs)
@@ -217,45 +166,6 @@ def cispo_surrogate(
     return Surrogate(pg, valid & (ratio < lo), valid & (ratio > hi))
 
 
-def truncated_importance_weight(
-    log_weight: torch.Tensor,
-    valid: torch.Tensor,
-    level: str = "token",
-    mode: str = "truncate",
-    upper: float = 2.0,
-    lower: float | None = None,
-    cp_group=None,
-) -> ImportanceWeight:
-    """Importance weight of the trainer's old policy over the sampling (rollout) policy.
-
-    ``log_weight`` is the per-token ``log pi_old - log pi_rollout`` (zero at invalid tokens).
-
-    * ``level="token"``: ``w_t = pi_old(y_t) / pi_rollout(y_t)``; ``"sequence"``: the product
-      over the sample's tokens (summed over ``cp_group`` under CP), broadcast to its tokens.
-    * ``mode="truncate"`` (TIS, Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
-      You Off-Policy RL Training"): ``w <- clip(w, lower, upper)`` (``lower`` None = 0).
-    * ``mode="mask"`` (IcePop-style rejection): ``w <- 0`` outside ``[lower, upper]``.
-
-    The weight is a constant (no gradient). With rollouts from older policy versions (async RL)
-    the token-level truncated weight is the behaviour correction of AReaL's decoupled PPO
-    objective (arXiv:2505.24298 Eq. 5), ``pi_prox / pi_behav``.
-    """
-    if level == "token":
-        log_w = log_weight
-    else:
-        log_w = _sum_over_cp(log_weight.sum(-1), cp_group, differentiable=False)
-        log_w = log_w.unsqueeze(-1).expand_as(log_weight)
-    log_hi = math.log(upper)
-    log_lo = math.log(lower) if lower is not None else -math.inf
-    outside = (log_w > log_hi) | (log_w < log_lo)
-    if mode == "truncate":
-        w = torch.exp(log_w.clamp(min=log_lo, max=log_hi))
-        return ImportanceWeight(w, valid & outside, torch.zeros_like(valid))
-    zero = torch.zeros((), dtype=log_w.dtype, device=log_w.device)
-    w = torch.where(outside, zero, torch.exp(log_w.clamp(max=log_hi)))
-    return ImportanceWeight(w, torch.zeros_like(valid), valid & outside)
-
-
 def loss_metrics(
     valid: torch.Tensor,
     seq_len: torch.Tensor,
@@ -270,8 +180,6 @@ def loss_metrics(
     kl_loss: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     entropy_loss: torch.Tensor | None = None,
-    tis: ImportanceWeight | None = None,
-    train_vs_rollout: torch.Tensor | None = None,
     old_logprobs: torch.Tensor | None = None,
     cp_group=None,
 ) -> dict[str, torch.Tensor]:
@@ -285,12 +193,10 @@ def loss_metrics(
     ``actor/pg_loss``, ``actor/clip_frac`` (``_low``, ``_high``), ``actor/ratio_mean`` / ``_max``
     / ``_min`` and ``actor/ppo_kl`` = mean of ``logp_old - logp`` (k1 estimate of
     KL(pi_old || pi), Schulman's approx_kl). With their inputs: ``actor/clip_frac_dual``,
-    ``actor/kl`` / ``actor/kl_loss``, ``actor/entropy`` / ``actor/entropy_loss``, the TIS
-    weight's ``tis/weight_mean`` / ``_max`` / ``_min``, ``tis/truncated_frac``,
-    ``tis/masked_frac``, and the train/rollout mismatch ``mismatch/logp_abs_diff_mean`` / ``_max``
-    (|log pi_old_train - log pi_rollout|) and ``mismatch/kl``: the k3 estimate (Schulman 2020,
-    "Approximating KL Divergence") of KL(pi_rollout || pi_train), ``(w - 1) - log w`` with
-    ``w = pi_train / pi_rollout`` on tokens the rollout engine sampled. With ``old_logprobs``
+    ``actor/kl`` / ``actor/kl_loss``, ``actor/entropy`` / ``actor/entropy_loss``. ``valid`` is
+    the tokens the loss trains on (after the off-policy masks); the train/rollout mismatch and
+    the importance weight's metrics (``mismatch/*``, ``tis/*``) are ``offpolicy.mismatch_metrics``,
+    over the loss-mask tokens before those masks (``policy_loss`` adds them). With ``old_logprobs``
     (``policy_loss`` always passes them): ``actor/up_clipped/tokens`` (the count of valid tokens
     clipped at the upper bound, ``surrogate.clip_high``) and ``actor/up_clipped/old_prob``, the
     mean over those tokens of the OLD policy's probability ``exp(logp_old)`` (left out of the
@@ -310,7 +216,7 @@ def loss_metrics(
         return x.detach().to(torch.float64)
 
     # Under CP every rank sees every sample: count sequences on CP rank 0 only.
-    cp_rank = dist.get_rank(cp_group) if _cp_world(cp_group) > 1 else 0
+    cp_rank = dist.get_rank(cp_group) if cp_world(cp_group) > 1 else 0
     n_seqs = (seq_len > 0).sum().to(torch.float64) * (1.0 if cp_rank == 0 else 0.0)
     clip_low, clip_high = surrogate.clip_low, surrogate.clip_high
     metrics: dict[str, torch.Tensor] = {
@@ -323,8 +229,8 @@ def loss_metrics(
         "actor/clip_frac_low/tok_sum": count(clip_low),
         "actor/clip_frac_high/tok_sum": count(clip_high),
         "actor/ratio_mean/tok_sum": tok_sum(ratio),
-        "actor/ratio_max/max": _masked_max(ratio, valid),
-        "actor/ratio_min/min": _masked_min(ratio, valid),
+        "actor/ratio_max/max": masked_max(ratio, valid),
+        "actor/ratio_min/min": masked_min(ratio, valid),
         "actor/ppo_kl/tok_sum": tok_sum(-token_log_ratio),  # k1 estimate of KL(pi_old || pi)
     }
     if surrogate.dual_active is not None:
@@ -335,20 +241,6 @@ def loss_metrics(
     if entropy_loss is not None:
         metrics["actor/entropy/tok_sum"] = tok_sum(entropy)
         metrics["actor/entropy_loss/sum"] = d(entropy_loss)
-    if tis is not None:
-        metrics["tis/weight_mean/tok_sum"] = tok_sum(tis.weight)
-        metrics["tis/weight_max/max"] = _masked_max(tis.weight, valid)
-        metrics["tis/weight_min/min"] = _masked_min(tis.weight, valid)
-        metrics["tis/truncated_frac/tok_sum"] = count(tis.truncated)
-        metrics["tis/masked_frac/tok_sum"] = count(tis.rejected)
-    if train_vs_rollout is not None:
-        diff = train_vs_rollout.detach()
-        metrics["mismatch/logp_abs_diff_mean/tok_sum"] = tok_sum(diff.abs())
-        metrics["mismatch/logp_abs_diff_max/max"] = _masked_max(diff.abs(), valid)
-        # k3 estimate of KL(pi_rollout || pi_train) from tokens sampled by the rollout engine:
-        # with r = pi_train / pi_rollout = exp(diff), KL ~ (r - 1) - log r (always >= 0).
-        bounded = diff.clamp(-20.0, 20.0)
-        metrics["mismatch/kl/tok_sum"] = tok_sum(torch.expm1(bounded) - bounded)
     if old_logprobs is not None:
         # Always both keys (even at zero count): every rank must pass the same key set.
         up = clip_high & valid
@@ -385,6 +277,8 @@ def _check_inputs(logprobs, old_logprobs, advantages, mask, optional: dict, cfg:
         raise ValueError(f"entropy_coef={cfg.entropy_coef} != 0 needs entropy")
     if cfg.tis_level is not None and optional["rollout_logprobs"] is None:
         raise ValueError(f"tis_level={cfg.tis_level!r} needs rollout_logprobs")
+    if cfg.opsm_delta is not None and optional["rollout_logprobs"] is None:
+        raise ValueError(f"opsm_delta={cfg.opsm_delta} needs rollout_logprobs (the sampling policy's logprobs)")
     return m
 
 
@@ -403,18 +297,25 @@ def _check_normalizer(normalizer, m: torch.Tensor, cfg: PolicyLossConfig, cp_gro
     return normalizer
 
 
-def _valid_tokens(named: dict[str, torch.Tensor], m: torch.Tensor, normalizer: StepNormalizer, on_nonfinite: str,
-                  cp_group, dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(valid, nonfinite, seq_len)``: the tokens that enter the loss, the valid tokens with a
-    NaN/inf in any input, and |o_i| over the full mask (all CP slices). ``"raise"``: a ValueError
-    naming each tensor's count (and a normalizer that cannot contain this micro-batch), in one
-    host sync; ``"mask"``: such tokens leave the loss (denominators unchanged)."""
+def _valid_tokens(named: dict[str, torch.Tensor], m: torch.Tensor, on_nonfinite: str, cp_group,
+                  dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """``(valid, nonfinite, seq_len, finite)``: the tokens that enter the loss (``"mask"``: those
+    with a NaN/inf in any input leave it, denominators unchanged; ``"raise"``: all of ``m``,
+    checked by ``_raise_on_bad``), the valid tokens with a NaN/inf, |o_i| over the full mask (all
+    CP slices) and each input's finite flags. No host sync."""
     finite = {k: torch.isfinite(v.detach()) for k, v in named.items()}
     bad_any = m & ~torch.stack(list(finite.values())).all(0)
     seq_len = sequence_lengths(m, cp_group).to(dt)
-    if on_nonfinite != "raise":
-        return m & ~bad_any, bad_any, seq_len
-    counts = torch.stack([(m & ~f).sum() for f in finite.values()] + [m.sum(), (seq_len > 0).sum()]).tolist()
+    valid = m if on_nonfinite == "raise" else m & ~bad_any
+    return valid, bad_any, seq_len, finite
+
+
+def _raise_on_bad(finite: dict[str, torch.Tensor], m: torch.Tensor, kept: torch.Tensor, kept_len: torch.Tensor,
+                  normalizer: StepNormalizer) -> None:
+    """``on_nonfinite="raise"``, in one host sync: a ValueError naming each input's count of
+    NaN/inf at valid tokens, or a normalizer that cannot contain this micro-batch's tokens that
+    stay in the loss (after the off-policy masks)."""
+    counts = torch.stack([(m & ~f).sum() for f in finite.values()] + [kept.sum(), (kept_len > 0).sum()]).tolist()
     bad = {k: int(c) for k, c in zip(finite, counts) if c}
     if bad:
         detail = ", ".join(f"{k}: {c}" for k, c in bad.items())
@@ -423,9 +324,8 @@ def _valid_tokens(named: dict[str, torch.Tensor], m: torch.Tensor, normalizer: S
         raise ValueError(
             f"this micro-batch has {int(counts[-2])} tokens / {int(counts[-1])} sequences but the "
             f"normalizer counts {normalizer.num_tokens:g} / {normalizer.num_sequences:g} for the whole "
-            f"step: it was computed from other masks"
+            f"step: it was computed from other masks (with off-policy masks: from off_policy_keep's)"
         )
-    return m, bad_any, seq_len
 
 
 # ------------------------------------------------------------------------------------ the loss
@@ -440,6 +340,7 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     rollout_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    opsm_logprobs: torch.Tensor | None = None,
     cp_group=None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one micro-batch (its share of the step loss) and its combinable metrics.
@@ -472,7 +373,8 @@ def policy_loss(
             parallelism, across CP ranks only, with ``cp_group`` given).
         config: ``PolicyLossConfig`` (None = defaults).
         normalizer: the step's ``StepNormalizer`` from ``compute_step_normalizer`` over every
-            micro-batch and rank of the step. None = this call is the whole step (counts from
+            micro-batch and rank of the step. With off-policy masks (``config.masks_tokens``) it must
+            count the masks ``offpolicy.off_policy_keep`` returns (masked tokens leave it). None = this call is the whole step (counts from
             ``mask``, communication only over ``cp_group``).
         ref_logprobs: ``[batch, seq]`` reference-policy logprobs (needed when kl_coef > 0; if
             given with kl_coef == 0 the KL is only reported).
@@ -480,6 +382,10 @@ def policy_loss(
             TIS; if given, train/rollout mismatch metrics are reported either way).
         entropy: ``[batch, seq]`` per-token entropy (needed when entropy_coef != 0; reported if
             given). Differentiable.
+        opsm_logprobs: ``[batch, seq]`` pi_theta for DeepSeek-V3.2's sequence mask
+            (``opsm_delta``): the logprobs of the policy being updated, at the update's start, the
+            same tensor given to ``off_policy_keep`` for the normaliser. None = ``logprobs``
+            (detached), which is the same policy when this call is the whole step.
         cp_group: context-parallel group when each CP rank holds a slice of every sample's
             tokens; per-sample sums (lengths, GSPO log-ratio, sequence TIS) are all-reduced
             over it. None = samples are whole on this rank.
@@ -502,7 +408,9 @@ def policy_loss(
         raise ValueError(f"config must be a PolicyLossConfig, got {type(cfg).__name__}")
     optional = {"ref_logprobs": ref_logprobs, "rollout_logprobs": rollout_logprobs, "entropy": entropy}
     m = _check_inputs(logprobs, old_logprobs, advantages, mask, optional, cfg)
-    normalizer = _check_normalizer(normalizer, m, cfg, cp_group)
+    if opsm_logprobs is not None:
+        check_float(opsm_logprobs, "opsm_logprobs")
+        check_same_shape(opsm_logprobs, logprobs, "opsm_logprobs", "logprobs")
 
     # Inputs in the compute dtype; only logprobs and entropy carry gradients.
     dt = torch.float64 if logprobs.dtype == torch.float64 else torch.float32
@@ -512,48 +420,58 @@ def policy_loss(
     adv = adv.unsqueeze(-1).expand_as(lp) if adv.dim() == 1 else adv
     extra = {k: (v.to(dt) if k == "entropy" else v.detach().to(dt)) for k, v in optional.items() if v is not None}
     named = {"logprobs": lp, "old_logprobs": old, "advantages": adv, **extra}
-    valid, bad_any, seq_len = _valid_tokens(named, m, normalizer, cfg.on_nonfinite, cp_group, dt)
+    valid, bad_any, seq_len, finite = _valid_tokens(named, m, cfg.on_nonfinite, cp_group, dt)
     zero = torch.zeros((), dtype=dt, device=logprobs.device)
 
-    def clean(x: torch.Tensor) -> torch.Tensor:
-        # Zero every invalid position BEFORE any arithmetic: NaN/inf in padding must neither
-        # reach the loss nor the gradient (where() sends zero gradient to the unselected side).
-        return torch.where(valid, x, zero)
+    def clean(x: torch.Tensor, where: torch.Tensor = valid) -> torch.Tensor:
+        # Zero every position outside the loss BEFORE any arithmetic: NaN/inf in padding must
+        # neither reach the loss nor the gradient (where() sends zero gradient to the unselected side).
+        return torch.where(where, x, zero)
 
     lp_c, old_c, adv_c = clean(lp), clean(old), clean(adv)
-    ratio, tok_log_ratio = importance_ratio(lp_c, old_c, seq_len, cfg.ratio_level, cfg.log_ratio_clamp, cp_group)
-    if cfg.policy_loss_type == "ppo":
-        sur = ppo_surrogate(ratio, adv_c, valid, cfg.eps_low, cfg.eps_high, cfg.dual_clip_c)
-    else:
-        sur = cispo_surrogate(ratio, adv_c, lp_c, valid, cfg.eps_low, cfg.eps_high)
-    pg = sur.loss
-    # log(pi_old_train / pi_rollout) per token: the TIS weight's log and the mismatch metrics
-    train_vs_rollout = old_c - clean(extra["rollout_logprobs"]) if rollout_logprobs is not None else None
-    tis = None
-    if cfg.tis_level is not None:
-        tis = truncated_importance_weight(train_vs_rollout, valid, cfg.tis_level, cfg.tis_mode, cfg.tis_upper,
-                                          cfg.tis_lower, cp_group)
-        pg = pg * tis.weight
+    roll_c = clean(extra["rollout_logprobs"]) if rollout_logprobs is not None else None
+    # Off-policy corrections against the engine's logprobs: an importance weight, and the tokens
+    # that leave the loss (kept: what stays; its per-sample length and the normaliser follow).
+    theta = clean(opsm_logprobs.detach().to(dt)) if opsm_logprobs is not None else lp_c.detach()
+    corr = off_policy_correction(cfg, valid, old_c, roll_c, adv_c, theta, seq_len, cp_group)
+    kept, kept_len = valid, seq_len
+    if corr is not None and cfg.masks_tokens:
+        kept = corr.keep
+        kept_len = seq_len - sum_over_cp((valid & ~kept).sum(-1).to(dt), cp_group, differentiable=False)
+        lp_c, old_c, adv_c = clean(lp_c, kept), clean(old_c, kept), clean(adv_c, kept)
+    normalizer = _check_normalizer(normalizer, m & (kept | ~valid), cfg, cp_group)
+    if cfg.on_nonfinite == "raise":
+        _raise_on_bad(finite, m, kept, kept_len, normalizer)
 
-    # Aggregation and regularizers, all with the same per-token weights.
-    weights = token_weights(valid, seq_len, normalizer, dt)
+    ratio, tok_log_ratio = importance_ratio(lp_c, old_c, kept_len, cfg.ratio_level, cfg.log_ratio_clamp, cp_group)
+    if cfg.policy_loss_type == "ppo":
+        sur = ppo_surrogate(ratio, adv_c, kept, cfg.eps_low, cfg.eps_high, cfg.dual_clip_c)
+    else:
+        sur = cispo_surrogate(ratio, adv_c, lp_c, kept, cfg.eps_low, cfg.eps_high)
+    pg = sur.loss
+    if corr is not None and corr.tis is not None:
+        pg = pg * corr.tis.weight.to(dt)
+
+    # Aggregation and regularizers, all with the same per-token weights (zero off the kept tokens).
+    weights = token_weights(kept, kept_len, normalizer, dt)
     pg_loss = (pg * weights).sum()
     loss = pg_loss
     kl_tok = kl_loss = ent_c = ent_loss = None
     if ref_logprobs is not None:
-        kl_tok = kl_penalty(lp_c, clean(extra["ref_logprobs"]), cfg.kl_loss_type,
+        kl_tok = kl_penalty(lp_c, clean(extra["ref_logprobs"], kept), cfg.kl_loss_type,
                             input_clamp=cfg.kl_input_clamp, output_clamp=cfg.kl_output_clamp)
         kl_loss = (kl_tok * weights).sum()
         if cfg.kl_coef > 0:
             loss = loss + cfg.kl_coef * kl_loss
     if entropy is not None:
-        ent_c = clean(extra["entropy"])
+        ent_c = clean(extra["entropy"], kept)
         ent_loss = (ent_c * weights).sum()
         if cfg.entropy_coef != 0:
             loss = loss - cfg.entropy_coef * ent_loss
 
-    metrics = loss_metrics(valid, seq_len, bad_any, loss=loss, pg_loss=pg_loss, ratio=ratio,
+    metrics = loss_metrics(kept, kept_len, bad_any, loss=loss, pg_loss=pg_loss, ratio=ratio,
                            token_log_ratio=tok_log_ratio, surrogate=sur, kl=kl_tok, kl_loss=kl_loss,
-                           entropy=ent_c, entropy_loss=ent_loss, tis=tis, train_vs_rollout=train_vs_rollout,
-                           old_logprobs=old_c, cp_group=cp_group)
+                           entropy=ent_c, entropy_loss=ent_loss, old_logprobs=old_c, cp_group=cp_group)
+    if roll_c is not None:
+        metrics.update(mismatch_metrics(valid, seq_len, clean(old) - roll_c, corr, cp_group))
     return loss, metrics

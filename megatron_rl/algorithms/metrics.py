@@ -14,6 +14,7 @@ suffix            combine step value (key without the suffix)
 ``/sub_tok_sum``  sum     sum / ``<parent>/tokens``: the token mean over a
                           sub-population (``a/b/x/sub_tok_sum`` is divided by
                           the step's ``a/b/tokens/sum``)
+``/sub_seq_sum``  sum     sum / ``<parent>/sequences``: the same per sample
 ``/max``          max     the max
 ``/min``          min     the min
 ================= ======= ==================================================
@@ -36,8 +37,8 @@ from megatron_rl.algorithms._checks import finite_number
 
 __all__ = ["METRIC_SUFFIXES", "reduce_metrics", "length_bias_metrics"]
 
-METRIC_SUFFIXES = ("/sub_tok_sum", "/sum", "/tok_sum", "/seq_sum", "/max", "/min")
-_SUM_KINDS = ("/sum", "/tok_sum", "/seq_sum", "/sub_tok_sum")
+METRIC_SUFFIXES = ("/sub_tok_sum", "/sub_seq_sum", "/sum", "/tok_sum", "/seq_sum", "/max", "/min")
+_SUM_KINDS = ("/sum", "/tok_sum", "/seq_sum", "/sub_tok_sum", "/sub_seq_sum")
 
 
 def _split(key: str) -> tuple[str, str]:
@@ -122,9 +123,9 @@ def reduce_metrics(
         v = values[k]
         if suffix == "/sum":
             out[name] = v
-        elif suffix == "/sub_tok_sum":
+        elif suffix in ("/sub_tok_sum", "/sub_seq_sum"):
             parent = name.rpartition("/")[0]
-            count = f"{parent}/tokens/sum"
+            count = f"{parent}/{'tokens' if suffix == '/sub_tok_sum' else 'sequences'}/sum"
             if count not in values:
                 raise ValueError(f"metric {k!r} needs {count!r} in the same dicts")
             if values[count] > 0:

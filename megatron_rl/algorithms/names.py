@@ -20,6 +20,8 @@ LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
 RatioLevel = Literal["token", "sequence", "sequence_token"]
 TisLevel = Literal["token", "sequence"]
 TisMode = Literal["truncate", "mask"]
+# rl.off_policy.method: the correction against the engine's logprobs (algorithms/offpolicy.py).
+OffPolicyMethod = Literal["tis", "icepop", "mis", "off"]
 
 RECIPE_NAMES: tuple[str, ...] = get_args(RecipeName)
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
@@ -27,3 +29,4 @@ LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
 RATIO_LEVELS: tuple[str, ...] = get_args(RatioLevel)
 TIS_LEVELS: tuple[str, ...] = get_args(TisLevel)
 TIS_MODES: tuple[str, ...] = get_args(TisMode)
+OFF_POLICY_METHODS: tuple[str, ...] = get_args(OffPolicyMethod)

@@ -12,7 +12,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from megatron_rl.algorithms.names import LossAggMode, OutcomeAdvantageEstimator, RatioLevel, RecipeName, TisLevel, TisMode
+from megatron_rl.algorithms.names import (LossAggMode, OffPolicyMethod, OutcomeAdvantageEstimator, RatioLevel,
+                                          RecipeName, TisLevel, TisMode)
 from megatron_rl.errors import ConfigError
 
 # The estimators a run can use (a config names them as algorithms/names.py does).
@@ -44,6 +45,66 @@ def _check_choice(where: str, name: str, value: Any, hint: Any) -> None:
     if value is not None and value not in allowed:
         raise ConfigError(f"{where}.{name}: {value!r} is not one of {', '.join(map(repr, allowed))} (or null for "
                           f"the recipe's value)")
+
+
+# The legacy spelling of the correction (rl.tis_*), refused beside rl.off_policy.method.
+LEGACY_TIS_KEYS = ("tis_level", "tis_mode", "tis_upper", "tis_lower")
+
+
+@dataclass
+class OffPolicyConfig:
+    """rl.off_policy: corrections against the rollout engine's own per-token logprobs mu, with
+    rho = pi_old / mu per token (algorithms/offpolicy.py, docs/algorithms.md). Any of them combines
+    with every recipe, loss and aggregation; a masked token leaves the loss and its normaliser."""
+
+    # tis     truncated importance sampling: the loss times min(rho, high) (token) or the
+    #         truncated product over the sample (sequence); low, if set, floors the weight
+    # icepop  Ring-1T: a token whose rho leaves [low, high] is masked, inside the band rho corrects
+    #         (token level; low 0.5, high 5.0 when null)
+    # mis     masked importance sampling: a weight above high drops the token (token level) or the
+    #         whole sample (sequence level: the product over its tokens) instead of truncating it;
+    #         low, if set, drops weights below it too
+    # off     none (also where the recipe has one); null: the recipe's, or the legacy rl.tis_* keys
+    method: OffPolicyMethod | None = field(default=None, metadata={"coerce": lambda value: "off" if value is False
+                                                                    else value})
+    level: TisLevel | None = None  # token | sequence (tis, mis); null: token
+    low: float | None = None  # in (0, 1)
+    high: float | None = None  # > 1; null: 2.0 (tis, mis), 5.0 (icepop)
+    # DeepSeek-V3.2's off-policy sequence mask, with any method: a sample with a negative
+    # advantage whose KL from the sampling policy, mean over its tokens of log mu - log pi_theta
+    # (pi_theta: the policy being updated), exceeds this delta leaves the loss. null: off.
+    opsm_delta: float | None = None
+
+    def validate(self, where: str, rl: "RLConfig") -> None:
+        where = f"{where}.off_policy"
+        _check_choice(where, "method", self.method, OffPolicyMethod)
+        _check_choice(where, "level", self.level, TisLevel)
+        for name in ("low", "high", "opsm_delta"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value < 0):
+                raise ConfigError(f"{where}.{name} must be a finite number >= 0 (or null), got {value!r}")
+        if self.low is not None and self.high is not None and self.low >= self.high:
+            raise ConfigError(f"{where}.low={self.low} must be < high={self.high}")
+        if self.low is not None and not 0 < self.low < 1:
+            raise ConfigError(f"{where}.low={self.low} must be in (0, 1): the band must hold rho = 1, an "
+                              f"on-policy token")
+        if self.high is not None and not self.high > 1:
+            raise ConfigError(f"{where}.high={self.high} must be > 1: the band must hold rho = 1, an on-policy "
+                              f"token")
+        given = [name for name in ("level", "low", "high") if getattr(self, name) is not None]
+        if self.method in (None, "off") and given:
+            raise ConfigError(f"{where}.{given[0]} has no effect without a correction; set {where}.method to tis, "
+                              f"icepop or mis")
+        if self.method == "icepop" and self.level == "sequence":
+            raise ConfigError(f"{where}.level=sequence: icepop masks tokens; for a sequence-level mask use "
+                              f"{where}.method=mis with level sequence")
+        legacy = [name for name in LEGACY_TIS_KEYS if getattr(rl, name) is not None]
+        if self.method is not None and legacy:
+            raise ConfigError(f"{where}.method and rl.{legacy[0]} both choose the off-policy correction; keep "
+                              f"rl.off_policy (rl.tis_level / tis_mode / tis_upper / tis_lower are its former spelling: "
+                              f"tis_mode truncate is method tis, mask is mis (icepop with a tis_lower at token "
+                              f"level), tis_upper is high, tis_lower is low)")
 
 
 @dataclass
@@ -90,6 +151,9 @@ class RLConfig:
     tis_mode: TisMode | None = None
     tis_upper: float | None = None
     tis_lower: float | None = None
+    # The off-policy corrections by name (tis, icepop, mis) and DeepSeek-V3.2's sequence mask; the
+    # tis_* keys above are their former spelling (not both).
+    off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
     # Samples may come from a policy at most this many versions older than the one being
     # updated; 0 = synchronous. At >= 1, unless tis_level is set, the loss is AReaL's decoupled
     # objective (arXiv:2505.24298): the PPO ratio against the proximal policy (old logprobs the
@@ -210,6 +274,7 @@ class RLConfig:
             raise ConfigError(f"{where}.tis_upper must be > 1 (or null), got {self.tis_upper}")
         if self.tis_lower is not None and not 0 < self.tis_lower < 1:
             raise ConfigError(f"{where}.tis_lower must be in (0, 1) (or null for no lower bound), got {self.tis_lower}")
+        self.off_policy.validate(where, self)
         if self.tis_level == "off":
             given = [name for name in ("tis_mode", "tis_upper", "tis_lower") if getattr(self, name) is not None]
             if given:

@@ -21,6 +21,7 @@ from megatron_rl.algorithms import (
     compute_advantages,
     compute_step_normalizer,
     length_bias_metrics,
+    off_policy_keep,
     policy_loss,
     segments_to_padded,
     zero_spread_groups,
@@ -40,6 +41,9 @@ class Trajectory:
     advantage: float = 0.0
     old_logprobs: torch.Tensor | None = None  # the policy's before this step's updates
     ref_logprobs: torch.Tensor | None = None  # the reference policy's (KL only)
+    # DeepSeek-V3.2's off-policy sequence mask (rl.off_policy.opsm_delta): the logprobs of the
+    # policy the current update trains, at the update's start (update.store_update_logprobs).
+    update_logprobs: torch.Tensor | None = None
     # R3 (rl.routing_replay: rollout): the engine's MoE routes of every token it ran, int
     # [prompt + response - 1, MoE layers, k] (model/routing.py replays them).
     routed_experts: torch.Tensor | None = None
@@ -250,6 +254,39 @@ def response_masks(batches: list[PackedBatch], trajectories: list[Trajectory], r
     return masks
 
 
+def _padded(values: list[torch.Tensor], width: int, device) -> torch.Tensor:
+    out = torch.zeros(len(values), width, dtype=torch.float32, device=device)
+    for row, value in enumerate(values):
+        out[row, : value.numel()] = value.to(device)
+    return out
+
+
+def _advantages(rows: list[Trajectory], device) -> torch.Tensor:
+    return torch.tensor([t.advantage for t in rows], dtype=torch.float32, device=device)
+
+
+def kept_masks(batches: list[PackedBatch], trajectories: list[Trajectory], recipe: Recipe,
+               masks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`masks` (response_masks) less the tokens the off-policy corrections take out of the loss
+    (rl.off_policy: IcePop, MIS, DeepSeek-V3.2's sequence mask), decided from the same stored
+    tensors the loss reads, so that masked tokens leave the step normaliser. Needs the old (and,
+    for the sequence mask, the update-start) logprobs: on the last pipeline stage."""
+    if not recipe.loss.masks_tokens:
+        return masks
+    out = []
+    for batch, mask in zip(batches, masks):
+        rows = [trajectories[i] for i in batch.sample_ids]
+        width = mask.shape[1]
+        theta = (_padded([t.update_logprobs for t in rows], width, mask.device)
+                 if recipe.loss.opsm_delta is not None else None)
+        out.append(off_policy_keep(mask, recipe.loss, old_logprobs=_padded([t.old_logprobs for t in rows], width,
+                                                                           mask.device),
+                                   rollout_logprobs=_padded([torch.tensor(t.rollout_logprobs) for t in rows], width,
+                                                            mask.device),
+                                   advantages=_advantages(rows, mask.device), logprobs=theta))
+    return out
+
+
 def step_normalizer(masks: list[torch.Tensor], recipe: Recipe, group, device):
     return compute_step_normalizer([m.to(device) for m in masks], recipe.loss.loss_agg_mode, recipe.loss.l_norm,
                                    group=group, device=device)
@@ -267,7 +304,9 @@ def make_loss_fn(trajectories: list[Trajectory], recipe: Recipe, normalizer, *, 
     """The micro-batch loss for Policy.train_step: this micro-batch's share of the step loss.
 
     `old_from_forward`: with one update per rollout the old policy IS the current one, so the
-    old logprobs are this forward's own, detached (ratio exactly 1, no extra forward pass).
+    old logprobs are this forward's own, detached (ratio exactly 1, no extra forward pass). Not
+    with off-policy masks: `normalizer` must then count `kept_masks`, which need the old logprobs
+    before the update (and `Trajectory.update_logprobs` for the sequence mask).
 
     `max_staleness` >= 1 (asynchronous RL, `policy_version` = the version being updated): the
     metrics also hold, for every staleness d in 0..max_staleness (policy_version minus the
@@ -285,12 +324,6 @@ def make_loss_fn(trajectories: list[Trajectory], recipe: Recipe, normalizer, *, 
         raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
     if max_staleness and policy_version is None and any(t.versions is not None for t in trajectories):
         raise ValueError("trajectories carry policy versions but make_loss_fn got no policy_version")
-
-    def padded(values: list[torch.Tensor], width: int, device) -> torch.Tensor:
-        out = torch.zeros(len(values), width, dtype=torch.float32, device=device)
-        for row, value in enumerate(values):
-            out[row, : value.numel()] = value.to(device)
-        return out
 
     def staleness(rows: list[Trajectory], width: int) -> torch.Tensor:
         """[n, width] int64 staleness of each response token (0 past a sample's end), on the CPU."""
@@ -336,13 +369,14 @@ def make_loss_fn(trajectories: list[Trajectory], recipe: Recipe, normalizer, *, 
         for row, trajectory in enumerate(rows):
             mask[row, : trajectory.length] = trajectory.token_mask(recipe.mask_truncated)
         mask = mask.to(device)
-        old = current.detach() if old_from_forward else padded([t.old_logprobs for t in rows], width, device)
-        rollout = padded([torch.tensor(t.rollout_logprobs) for t in rows], width, device)
-        ref = padded([t.ref_logprobs for t in rows], width, device) if use_ref else None
+        old = current.detach() if old_from_forward else _padded([t.old_logprobs for t in rows], width, device)
+        rollout = _padded([torch.tensor(t.rollout_logprobs) for t in rows], width, device)
+        ref = _padded([t.ref_logprobs for t in rows], width, device) if use_ref else None
         ent = segments_to_padded(entropy, segments)[0] if entropy is not None else None
-        advantages = torch.tensor([t.advantage for t in rows], dtype=torch.float32, device=device)
-        loss, metrics = policy_loss(current, old, advantages, mask, recipe.loss, normalizer=normalizer,
-                                    ref_logprobs=ref, rollout_logprobs=rollout, entropy=ent)
+        theta = (_padded([t.update_logprobs for t in rows], width, device)
+                 if recipe.loss.opsm_delta is not None else None)
+        loss, metrics = policy_loss(current, old, _advantages(rows, device), mask, recipe.loss, normalizer=normalizer,
+                                    ref_logprobs=ref, rollout_logprobs=rollout, entropy=ent, opsm_logprobs=theta)
         if max_staleness:
             metrics.update(mismatch_by(old, rollout, mask, staleness(rows, width).to(device), range(max_staleness + 1),
                                        "staleness"))

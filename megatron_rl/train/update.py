@@ -26,6 +26,7 @@ from megatron_rl.model.packing import PackedBatch
 from megatron_rl.train.experience import (
     PackedStep,
     Trajectory,
+    kept_masks,
     make_loss_fn,
     response_masks,
     step_normalizer,
@@ -45,7 +46,9 @@ class LossSettings:
 
     recipe: Recipe
     # One update per rollout: the old policy IS the updated one, so the loss takes the old
-    # logprobs from the update's own forward (ratio exactly 1) and no old-logprob pass runs.
+    # logprobs from the update's own forward (ratio exactly 1) and no old-logprob pass runs;
+    # except with off-policy masks, whose tokens leave the normaliser before the update's first
+    # backward, so they are decided from old logprobs computed before it.
     old_from_forward: bool
     use_ref: bool  # KL: the trajectories hold ref_logprobs
     # rl.temperature: the engines sample from softmax(logits / temperature), so the loss's
@@ -58,7 +61,8 @@ class LossSettings:
     @classmethod
     def for_run(cls, config: RunConfig, recipe: Recipe) -> LossSettings:
         rollout = config.rollout
-        return cls(recipe, old_from_forward=config.rl.updates_per_rollout == 1, use_ref=recipe.loss.kl_coef > 0,
+        old_from_forward = config.rl.updates_per_rollout == 1 and not recipe.loss.masks_tokens
+        return cls(recipe, old_from_forward=old_from_forward, use_ref=recipe.loss.kl_coef > 0,
                    temperature=config.rl.temperature, max_staleness=config.rl.max_staleness,
                    max_turns=rollout.max_turns if rollout.multi_turn else 0)
 
@@ -78,6 +82,23 @@ def store_step_logprobs(policy: Policy, experience: PackedStep, attribute: str, 
         store_logprobs(outputs[offset: offset + len(batches)], batches, trajectories, attribute)
 
 
+def store_update_logprobs(policy: Policy, batches: list[PackedBatch], trajectories: list[Trajectory],
+                          loss: LossSettings, routing: RoutingReplay, *, offset: int) -> None:
+    """DeepSeek-V3.2's sequence mask compares the engine's logprobs with pi_theta, the policy this
+    update trains; its logprobs at the update's start go to `Trajectory.update_logprobs`. The
+    step's first update (offset 0) starts from the weights the old logprobs were computed with, so
+    it takes those; a later one runs a forward of its mini-batch at the current weights, under the
+    update's own routing (the routes its training forward will take)."""
+    if offset == 0:
+        for trajectory in trajectories:
+            trajectory.update_logprobs = trajectory.old_logprobs
+        return
+    with routing.update(offset) as trace:
+        outputs = policy.logprobs(batches, with_entropy=False, routing=trace, temperature=loss.temperature)
+    if policy.is_last_stage:
+        store_logprobs(outputs, batches, trajectories, "update_logprobs")
+
+
 def run_update(policy: Policy, runtime: Runtime, batches: list[PackedBatch], trajectories: list[Trajectory],
                loss: LossSettings, routing: RoutingReplay, *, offset: int, policy_version: int) -> StepResult:
     """One optimizer update on one mini-batch: its loss normalizer (collective over the DP
@@ -85,8 +106,12 @@ def run_update(policy: Policy, runtime: Runtime, batches: list[PackedBatch], tra
     under the routing the run's rl.routing_replay asks for. `offset`: the index of the update's
     first micro-batch in the step, where its recorded routes start."""
     recipe = loss.recipe
-    normalizer = step_normalizer(response_masks(batches, trajectories, recipe), recipe, policy.dp_group,
-                                 runtime.device)
+    if recipe.loss.opsm_delta is not None:
+        store_update_logprobs(policy, batches, trajectories, loss, routing, offset=offset)
+    masks = response_masks(batches, trajectories, recipe)
+    if policy.is_last_stage:  # where the logprobs are, and the only stage whose loss uses the normalizer
+        masks = kept_masks(batches, trajectories, recipe, masks)
+    normalizer = step_normalizer(masks, recipe, policy.dp_group, runtime.device)
     loss_fn = make_loss_fn(trajectories, recipe, normalizer, old_from_forward=loss.old_from_forward,
                         use_ref=loss.use_ref, policy_version=policy_version, max_staleness=loss.max_staleness,
                         max_turns=loss.max_turns)

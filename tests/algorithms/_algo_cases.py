@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from megatron_rl.algorithms import LOSS_AGG_MODES, PolicyLossConfig
+from megatron_rl.algorithms import LOSS_AGG_MODES, PolicyLossConfig, off_policy_keep
 
 
 # ----------------------------------------------------------------------------- data
@@ -71,8 +71,11 @@ def config_cases():
     regularizers and TIS variants rotated through them, plus bare configs."""
     variants = [("ppo", "token"), ("ppo", "sequence"), ("ppo", "sequence_token"), ("cispo", "token")]
     kl_types = ["k1", "k2", "k3", "k3+"]
+    # TIS, a two-sided sequence mask, IcePop, TIS with a floor, none, MIS token, MIS sequence:
+    # every aggregation mode meets at least two masking corrections.
     tis = [("token", "truncate", 1.3, None), ("sequence", "mask", 2.5, 0.4), ("token", "mask", 1.2, 0.8),
-           ("sequence", "truncate", 1.5, 0.7), (None, "truncate", 2.0, None)]
+           ("sequence", "truncate", 1.5, 0.7), (None, "truncate", 2.0, None), ("token", "mask", 1.3, None),
+           ("sequence", "mask", 3.0, None)]
     cases, k = [], 0
     for mode in LOSS_AGG_MODES:
         for loss_type, level in variants:
@@ -83,6 +86,7 @@ def config_cases():
                 kl_coef=0.05, kl_loss_type=kl_types[k % 4], entropy_coef=0.01,
                 tis_level=tis_level, tis_mode=tis_mode, tis_upper=up, tis_lower=lo,
                 l_norm=12.0 if (mode == "seq-mean-token-sum-norm" and k % 2) else None,
+                opsm_delta=0.05 if k % 3 == 1 else None,  # DeepSeek-V3.2's sequence mask, in every mode
             )
             if loss_type == "ppo" and k % 2 == 0:
                 kw["dual_clip_c"] = 1.2
@@ -98,9 +102,16 @@ def config_cases():
 def loss_inputs(part, cfg):
     """Keyword arguments for policy_loss from a (micro-)batch dict, only what the config uses."""
     kw = {"ref_logprobs": part["ref_logprobs"] if cfg.kl_coef > 0 else None,
-          "rollout_logprobs": part["rollout_logprobs"] if cfg.tis_level else None,
+          "rollout_logprobs": part["rollout_logprobs"] if cfg.tis_level or cfg.opsm_delta is not None else None,
           "entropy": part["entropy"] if cfg.entropy_coef else None}
     return kw
+
+
+def kept_masks(parts, cfg, cp_group=None):
+    """The masks a step's normaliser counts: each micro-batch's loss mask less the tokens the
+    off-policy corrections drop (pi_theta at the update's start = the parts' logprobs)."""
+    return [off_policy_keep(p["mask"], cfg, old_logprobs=p["old_logprobs"], rollout_logprobs=p["rollout_logprobs"],
+                            advantages=p["advantages"], logprobs=p["logprobs"], cp_group=cp_group) for p in parts]
 
 
 # ----------------------------------------------------------------------------- float64 oracle
@@ -123,19 +134,49 @@ def _kl(lp, ref, kind, cin, cout):
     return k2 - k2.detach() + out(k3).detach()
 
 
+def oracle_kept(data, cfg: PolicyLossConfig):
+    """The tokens that stay in the loss, per sample, from the papers' definitions (float64 loops):
+    a masking importance weight (IcePop / MIS) outside [lower, upper] drops the token, or (sequence
+    level) all the sample's tokens; DeepSeek-V3.2's sequence mask drops a token whose advantage is
+    negative when 1/|o_i| sum_t (log mu - log pi_theta) over its sample exceeds delta."""
+    mask = data["mask"]
+    kept = []
+    for i in range(mask.shape[0]):
+        toks = [t for t in range(mask.shape[1]) if mask[i, t]]
+        mu = {t: float(data["rollout_logprobs"][i, t]) for t in toks} if toks and cfg.masks_tokens else {}
+        seq_lw = sum(float(data["old_logprobs"][i, t]) - mu[t] for t in toks) if mu else 0.0
+        kl = sum(mu[t] - float(data["logprobs"][i, t].detach()) for t in toks) / len(toks) if mu else 0.0
+        row = []
+        for t in toks:
+            a = float(data["advantages"][i, t] if data["advantages"].dim() == 2 else data["advantages"][i])
+            if cfg.tis_level and cfg.tis_mode == "mask":
+                lw = float(data["old_logprobs"][i, t]) - mu[t] if cfg.tis_level == "token" else seq_lw
+                lo = cfg.tis_lower if cfg.tis_lower is not None else 0.0
+                if not lo <= math.exp(lw) <= cfg.tis_upper:
+                    continue
+            if cfg.opsm_delta is not None and a < 0 and kl > cfg.opsm_delta:
+                continue
+            row.append(t)
+        kept.append(row)
+    return kept
+
+
 def oracle_loss(data, cfg: PolicyLossConfig):
-    """Full-step loss from the papers' formulas, sample by sample, token by token (float64)."""
+    """Full-step loss from the papers' formulas, sample by sample, token by token (float64).
+    Masked tokens (oracle_kept) leave every count: N_tokens, |o_i|, N_seqs, the longest sample."""
     lp_all, old_all = data["logprobs"].double(), data["old_logprobs"].double()
     mask, adv_all = data["mask"], data["advantages"].double()
-    lens = [int(mask[i].sum()) for i in range(mask.shape[0])]
+    kept = oracle_kept(data, cfg)
+    lens = [len(row) for row in kept]
     samples = [i for i, n in enumerate(lens) if n > 0]
     n_tok, n_seq = sum(lens), len(samples)
     l_norm = cfg.l_norm if cfg.l_norm is not None else max(lens)
     total = lp_all.new_zeros(())
     for i in samples:
-        toks = [t for t in range(mask.shape[1]) if mask[i, t]]
+        toks = kept[i]
         seq_lr = sum(lp_all[i, t] - old_all[i, t] for t in toks) / len(toks)
-        seq_tis = sum(old_all[i, t] - data["rollout_logprobs"][i, t].double() for t in toks) if cfg.tis_level else None
+        every = [t for t in range(mask.shape[1]) if mask[i, t]]  # the sequence weight: all its tokens
+        seq_tis = sum(old_all[i, t] - data["rollout_logprobs"][i, t].double() for t in every) if cfg.tis_level else None
         for t in toks:
             lp, old = lp_all[i, t], old_all[i, t]
             a = adv_all[i, t] if adv_all.dim() == 2 else adv_all[i]

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from _algo_cases import (config_cases, grads_of, loss_inputs, make_step, max_rel_err, oracle_loss,
+from _algo_cases import (config_cases, grads_of, kept_masks, loss_inputs, make_step, max_rel_err, oracle_loss,
                          split_rows)
 from _support.processes import free_port
 from megatron_rl.algorithms import compute_step_normalizer, policy_loss, reduce_metrics
@@ -92,7 +92,7 @@ def test_oracle_and_microbatch_invariance(case_id, cfg, per_token_adv):
     # 2) Any split into whole-sample micro-batches gives the same step.
     for sizes in SPLITS:
         parts = split_rows(data, sizes)
-        norm = compute_step_normalizer([p["mask"] for p in parts], cfg.loss_agg_mode, cfg.l_norm)
+        norm = compute_step_normalizer(kept_masks(parts, cfg), cfg.loss_agg_mode, cfg.l_norm)
         total, part_grads, metric_list = split_step(parts, cfg, norm)
         assert abs(total - loss.item()) <= TOL * max(1.0, abs(loss.item())), (sizes, total, loss)
         for key in ("logprobs", "entropy"):
@@ -113,7 +113,7 @@ def test_float32_inputs_match_float64_oracle():
         assert max_rel_err(grads["logprobs"], o_grads["logprobs"]) <= 1e-5, case_id
         # fp32 micro-batch split: same gradient to fp32 rounding.
         parts = split_rows(data32, [2, 5])
-        norm = compute_step_normalizer([p["mask"] for p in parts], cfg.loss_agg_mode, cfg.l_norm)
+        norm = compute_step_normalizer(kept_masks(parts, cfg), cfg.loss_agg_mode, cfg.l_norm)
         _, part_grads, _ = split_step(parts, cfg, norm)
         assert max_rel_err(reassemble(part_grads, "logprobs", 9), grads["logprobs"]) <= 1e-6, case_id
 
@@ -151,7 +151,7 @@ def _worker(rank, world, port):
                 rows = [(0, 3), (3, 7)][rank]
                 local = {k: v[rows[0]:rows[1]] for k, v in data.items()}
                 parts = split_rows(local, [[1, 2], [3, 1]][rank])
-                norm = compute_step_normalizer([p["mask"] for p in parts], cfg.loss_agg_mode, cfg.l_norm, group=group)
+                norm = compute_step_normalizer(kept_masks(parts, cfg), cfg.loss_agg_mode, cfg.l_norm, group=group)
                 total, part_grads, metric_list = split_step(parts, cfg, norm)
                 summed = torch.tensor([total], dtype=torch.float64)
                 dist.all_reduce(summed)
@@ -166,7 +166,7 @@ def _worker(rank, world, port):
                 cols = [(0, 4), (4, 9)][rank]
                 local = {k: (v[:, cols[0]:cols[1]] if v.dim() == 2 else v) for k, v in data.items()}
                 parts = split_rows(local, [3, 4], trim=False)
-                norm = compute_step_normalizer([p["mask"] for p in parts], cfg.loss_agg_mode, cfg.l_norm,
+                norm = compute_step_normalizer(kept_masks(parts, cfg, group), cfg.loss_agg_mode, cfg.l_norm,
                                                group=group, cp_group=group)
                 total, part_grads, metric_list = split_step(parts, cfg, norm, cp_group=group)
                 summed = torch.tensor([total], dtype=torch.float64)
