@@ -11,6 +11,7 @@
 #   core/    transformer_engine_cu13's wheel without its 463 MB library, and that library pruned to
 #            sm_90 (Hopper) by prune_fatbin.py and xz-compressed; kit.py assemble-core rejoins them
 #   src/     transformer_engine_torch's source (PyPI has no wheel of it: it is built on the GPU)
+#   pip/     pip's wheel, which run.sh runs pip from (whatever pip the GPU machine has, if any)
 #   manifest.json, MANIFEST.md: every file's package, version, size and sha256
 # Downloads and the unpruned library stay in the cache ($GPU_KIT_CACHE, default ~/.cache/megatron_rl/gpu_kit).
 set -euo pipefail
@@ -32,6 +33,7 @@ WHEELS=(
     torchao==0.17.0
     ninja==1.13.0 setuptools==80.9.0 wheel==0.45.1
 )
+PIP_WHEEL=pip==25.3  # run from its wheel on the GPU machine: a known pip whatever the machine has
 CORE_WHEEL="transformer_engine_cu13-$TE_VERSION-py3-none-manylinux_2_28_x86_64.whl"
 # The sdist's sha256 as the registry serves it: pip checks the download against it.
 TE_TORCH_SDIST="transformer-engine-torch==$TE_VERSION --hash=sha256:b58d6322bdf885dfab0646da572aff9cf090b332ad470559aa58883c231e1816"
@@ -39,7 +41,7 @@ TE_TORCH_SDIST="transformer-engine-torch==$TE_VERSION --hash=sha256:b58d6322bdf8
 say() { echo "pack: $*"; }
 pip_download() { nice -n 19 "$PYTHON" -m pip download --quiet --disable-pip-version-check --no-deps "$@"; }
 
-mkdir -p "$CACHE/downloads" "$PACKED/wheels" "$PACKED/core" "$PACKED/src"
+mkdir -p "$CACHE/downloads" "$PACKED/wheels" "$PACKED/core" "$PACKED/src" "$PACKED/pip"
 
 # 1. Binary wheels (pip skips a file already in the folder; nothing is fetched when all are there).
 wheel_present() {  # a requirement name==version has its wheel in the cache
@@ -47,7 +49,7 @@ wheel_present() {  # a requirement name==version has its wheel in the cache
     compgen -G "$CACHE/downloads/${name//-/_}-$version-*.whl" > /dev/null
 }
 missing=()
-for requirement in "${WHEELS[@]}" "transformer-engine-cu13==$TE_VERSION"; do
+for requirement in "${WHEELS[@]}" "$PIP_WHEEL" "transformer-engine-cu13==$TE_VERSION"; do
     wheel_present "$requirement" || missing+=("$requirement")
 done
 if ((${#missing[@]})); then
@@ -58,6 +60,7 @@ for requirement in "${WHEELS[@]}"; do
     name="${requirement%%==*}" version="${requirement##*==}"
     cp -u "$CACHE/downloads/${name//-/_}-$version-"*.whl "$PACKED/wheels/"
 done
+cp -u "$CACHE/downloads/pip-${PIP_WHEEL##*==}-"*.whl "$PACKED/pip/"
 
 # 2. The core library: pruned to sm_90, compressed, and the wheel around it without it.
 core_dir="$CACHE/core"

@@ -50,7 +50,8 @@ mkdir -p "$LOGS" "$WORK"
 
 # 1. Install, without network. --target: no virtual environment or system install is needed.
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INDEX=1 PIP_BREAK_SYSTEM_PACKAGES=1
-pip_install() { "$PYTHON" -m pip install --no-index --no-deps --no-compile "$@" >> "$LOGS/install.log" 2>&1; }
+PIP=("$PYTHON" "$(ls "$PACKED"/pip/pip-*.whl)/pip")  # pip runs from its own wheel
+pip_install() { "${PIP[@]}" install --no-index --no-deps --no-compile "$@" >> "$LOGS/install.log" 2>&1; }
 base_wheels=()
 for wheel in "$PACKED"/wheels/*.whl; do
     [[ $(basename "$wheel") == transformer_engine-* ]] || base_wheels+=("$wheel")
@@ -79,18 +80,9 @@ if [[ -z ${CUDA_HOME:-} ]] && command -v nvcc > /dev/null; then
     top="$(cd "$WORK" && nvcc --dryrun -c -x cu /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$ TOP=//p' | head -1)"
     [[ -n $top && -d $top ]] && export CUDA_HOME="$(cd "$top" && pwd -P)"
 fi
-say "CUDA_HOME=${CUDA_HOME:-unset}, cuDNN headers: ${cudnn_include:-none}"
 tar -xzf "$PACKED/src/transformer_engine_torch-$TE_VERSION.tar.gz" -C "$WORK"
-setsid bash -c '
-    echo "build started $(date -u +%T)"
-    NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_NO_LOCAL_VERSION=1 MAX_JOBS=16 CPLUS_INCLUDE_PATH="$1${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}" \
-        "$2" -m pip install -v --no-index --no-deps --no-build-isolation --target "$3/te_torch" "$3/transformer_engine_torch-$4"
-    rc=$?
-    # TE looks for its extension beside the transformer_engine package.
-    if [[ $rc == 0 ]]; then mv "$3"/te_torch/transformer_engine_torch* "$3/te/" || rc=1; fi
-    echo "build ended $(date -u +%T) with $rc"
-    echo "$rc" > "$5.partial" && mv "$5.partial" "$5"
-' build "$cudnn_include" "$PYTHON" "$WORK" "$TE_VERSION" "$LOGS/te_build.rc" > "$LOGS/te_build.log" 2>&1 &
+setsid bash "$HERE/build_te_torch.sh" "$PYTHON" "${PIP[1]%/pip}" "$WORK/transformer_engine_torch-$TE_VERSION" "$WORK/te" \
+    "$LOGS/te_build.rc" "$cudnn_include" > "$LOGS/te_build.log" 2>&1 &
 build_pid=$!
 say "building transformer_engine_torch in the background (log: $LOGS/te_build.log)"
 
