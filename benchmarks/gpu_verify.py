@@ -5,7 +5,8 @@
     python benchmarks/gpu_verify.py --out DIR [--dry-run] [--stages abc] [--timeout b=90] [--deadline-s 520]
 
 Stages (benchmarks/gpu_verify_stages.py):
-  a  versions: torch, CUDA, cuDNN, NCCL, Transformer Engine, megatron-core; GPU name and memory
+  a  versions: torch, CUDA, cuDNN, NCCL, Transformer Engine, megatron-core; GPU name and memory;
+     the pruned TE core library loads (its own process: a-c run without TE on their path)
   b  the tiny MoE policy's step (TP1) on the GPU vs on the CPU, fp32 with TF32 off, then bf16:
      logprobs, loss, grad norm, the update, against stated tolerances
   c  FP8 export (bridge/fp8_export.py) on the GPU vs the CPU: scales and values bit for bit
@@ -75,7 +76,8 @@ def run_stage(stage: str, args, budget: float) -> dict:
     report.parent.mkdir(exist_ok=True)
     report.unlink(missing_ok=True)
     command = [sys.executable, __file__, "--child", stage, "--out", args.out, "--device", args.device,
-               "--timeout", f"{stage}={budget}"] + (["--te-build-rc", args.te_build_rc] if args.te_build_rc else [])
+               "--timeout", f"{stage}={budget}"] + (["--te-build-rc", args.te_build_rc] if args.te_build_rc else []) \
+        + (["--te-site", args.te_site] if args.te_site else [])
     started = time.perf_counter()
     with (logs / f"{stage}.log").open("w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=stage_env(stage, args.te_site),
@@ -111,7 +113,7 @@ def child(stage: str, args) -> int:
     import gpu_verify_stages as stages
 
     options = {"out_dir": args.out, "timeout_s": parse_timeouts(args.timeout).get(stage, TIMEOUTS[stage]),
-               "te_build_rc": args.te_build_rc}
+               "te_build_rc": args.te_build_rc, "te_site": args.te_site}
     report_path = Path(args.out) / "stages" / f"{stage}.json"
     try:
         if stage in NEEDS_TE:

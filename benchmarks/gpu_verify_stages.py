@@ -60,13 +60,30 @@ def stage_versions(device: str, options: dict) -> dict:
     checks = []
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
+        nccl = torch.cuda.nccl.version()
         figures.update({"GPU": props.name, "GPU memory GiB": round(props.total_memory / 2**30, 1),
-                        "compute capability": f"{props.major}.{props.minor}",
-                        "cuDNN": torch.backends.cudnn.version(), "NCCL": ".".join(map(str, torch.cuda.nccl.version()))})
+                        "compute capability": f"{props.major}.{props.minor}", "cuDNN": torch.backends.cudnn.version(),
+                        "NCCL": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)})
         checks.append(check("a CUDA GPU is visible", 0, 0, ok=True))
+    if options.get("te_site"):
+        loaded, detail = core_library_loads(options["te_site"])
+        figures["TE core library (pruned to sm_90) loads"] = detail
+        checks.append(check("TE core library loads (dlopen, its CUDA libraries, fat binaries registered)", 0, 0, ok=loaded))
     else:
         figures.update({"GPU": "none (dry run on CPU)", "cuDNN": torch.backends.cudnn.version()})
     return {"figures": figures, "checks": checks}
+
+
+def core_library_loads(te_site: str) -> tuple[bool, str]:
+    """Import transformer_engine.common (it loads cuDNN, NVRTC, cuRAND, then the core library) in a
+    process of its own: this stage's path has no TE while the extension builds."""
+    code = "import transformer_engine.common as c; print(c._TE_LIB_CTYPES._name)"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([te_site, os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, env=env,
+                            timeout=120)
+    if result.returncode == 0:
+        return True, f"yes: {result.stdout.strip()}"
+    return False, "no: " + " | ".join(result.stderr.strip().splitlines()[-3:])
 
 
 # ------------------------------------------------------------------------------------------------
