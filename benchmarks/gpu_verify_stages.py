@@ -350,7 +350,7 @@ def run_fp8_moe(args: list[str], out_dir: Path, label: str, timeout_s: float) ->
     command = [sys.executable, str(REPO / "benchmarks" / "fp8_moe.py"), *args, "--out", str(md), "--json", str(js)]
     print("$", " ".join(command), flush=True)
     subprocess.run(command, check=True, timeout=timeout_s)
-    return json.loads(js.read_text())
+    return {**json.loads(js.read_text()), "label": label}
 
 
 def summarize_fp8_moe(result: dict, tolerance: float, split: bool) -> dict:
@@ -362,10 +362,14 @@ def summarize_fp8_moe(result: dict, tolerance: float, split: bool) -> dict:
             if "error" in r:
                 checks.append(check(f"{r['variant']} ran", 1, 0))
             continue
-        line = {"tokens/s": round(r["tokens_per_s"]), "MFU": r.get("mfu"), "peak GiB": round(r["peak_memory_gib"], 1),
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a (unknown peak)"
+        line = {"tokens/s": round(r["tokens_per_s"]), "MFU": mfu, "peak GiB": round(r["peak_memory_gib"], 1),
                 "final loss": round(r["losses"][-1], 4), "layers": r["layers"], "grouped GEMM": r["grouped_gemm"]}
         if split and "split" in r:
-            line.update(r["split"])
+            part = r["split"]
+            for name, key in (("MoE layers", "decoder"), ("output head", "head")):
+                line[f"{name} s/step"] = round(part[f"{key}_s"], 4)
+                line[f"{name} MFU"] = f"{part[f'{key}_mfu']:.1%}" if f"{key}_mfu" in part else "n/a"
         if bf16 and r is not bf16:
             diff = sum(abs(a - b) / abs(b) for a, b in zip(r["losses"], bf16["losses"])) / len(bf16["losses"])
             line["mean rel. loss diff vs BF16"] = round(diff, 4)
