@@ -29,6 +29,8 @@ written as markdown to benchmarks/results/fp8_moe_<gpu>.md.
     python benchmarks/fp8_moe.py                   # the full matrix (not yet timed on a GPU)
     python benchmarks/fp8_moe.py --quick           # a tiny model, 6 steps: checks the pipeline
     python benchmarks/fp8_moe.py --recipes bf16 blockwise --steps 100
+    python benchmarks/fp8_moe.py ... --json OUT.json --split-time   # figures for gpu_verify.py; the MoE
+                                                 # layers' and the output head's time apart (CUDA events)
 
 Needs a CUDA GPU with Transformer Engine; elsewhere it exits with status 2 and says so.
 """
@@ -90,6 +92,66 @@ def step_flops(hf: dict, sample_lengths: list[int]) -> float:
     tokens = sum(sample_lengths)
     attention = 6 * hf["num_hidden_layers"] * hf["num_attention_heads"] * hf["head_dim"] * sum(s * s for s in sample_lengths)
     return 6 * active_params_per_token(hf) * tokens + attention
+
+
+def head_flops(hf: dict, tokens: int) -> float:
+    """The output head's share of step_flops: its GEMM forward and backward."""
+    return 6 * hf["vocab_size"] * hf["hidden_size"] * tokens
+
+
+class SplitTimer:
+    """CUDA-event time of the decoder layers (the MoE layers) and of the output head, forward and
+    backward, summed over a step's micro-batches (--split-time).
+
+    Module hooks mark the forward (decoder in, decoder out, head out); gradient hooks on the same
+    tensors mark the backward: the head's starts when the logits' gradient is ready and ends when
+    the decoder output's is, the decoder's ends when its input's (the embedding's output) is. What
+    is in neither part: the embedding, the loss and logprobs, the optimizer step."""
+
+    def __init__(self, model):
+        self.marks: list[tuple[str, torch.cuda.Event]] = []
+        model.decoder.register_forward_pre_hook(self._decoder_in, with_kwargs=True)
+        model.decoder.register_forward_hook(self._decoder_out)
+        model.output_layer.register_forward_hook(self._head_out)
+
+    def _mark(self, label: str) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.marks.append((label, event))
+
+    def _on_grad(self, tensor, label: str) -> None:
+        if torch.is_grad_enabled() and tensor is not None and tensor.requires_grad:
+            tensor.register_hook(lambda grad: self._mark(label))
+
+    def _decoder_in(self, module, args, kwargs):
+        self._mark("decoder forward start")
+        self._on_grad(kwargs.get("hidden_states", args[0] if args else None), "decoder backward end")
+
+    def _decoder_out(self, module, args, output):
+        self._mark("decoder forward end")
+        self._on_grad(output[0] if isinstance(output, tuple) else output, "decoder backward start")
+
+    def _head_out(self, module, args, output):
+        self._mark("head forward end")
+        self._on_grad(output[0] if isinstance(output, tuple) else output, "head backward start")
+
+    # Each end mark closes the interval opened by the latest mark of its pair.
+    PAIRS = {"decoder forward end": ("decoder forward start", "decoder"),
+             "head forward end": ("decoder forward end", "head"),
+             "decoder backward start": ("head backward start", "head"),
+             "decoder backward end": ("decoder backward start", "decoder")}
+
+    def take(self) -> dict[str, float]:
+        """Seconds per part since the last take (synchronizes)."""
+        torch.cuda.synchronize()
+        seconds, latest = {"decoder": 0.0, "head": 0.0}, {}
+        for label, event in self.marks:
+            if label in self.PAIRS and self.PAIRS[label][0] in latest:
+                start, part = self.PAIRS[label]
+                seconds[part] += latest[start].elapsed_time(event) / 1e3
+            latest[label] = event
+        self.marks.clear()
+        return seconds
 
 
 def synthetic_steps(vocab: int, steps: int, tokens_per_step: int, min_len: int, max_len: int, seed: int = 0):
@@ -163,7 +225,8 @@ def run_variant(args) -> dict:
         checksum = sum(float(p.detach().double().square().sum()) for p in policy.module.parameters())
 
     steps = synthetic_steps(hf["vocab_size"], args.steps, args.tokens_per_step, args.min_len, args.max_len)
-    losses, seconds, flops, tokens = [], [], [], []
+    losses, seconds, flops, tokens, parts = [], [], [], [], []
+    timer = SplitTimer(policy.module) if args.split_time else None
     for samples in steps:
         batches = pack_by_token_budget(samples, [1] * len(samples), config.micro_batch_tokens, policy.pad_to_multiple)
         normalizer = compute_step_normalizer([b.loss_mask for b in batches], group=policy.dp_group,
@@ -177,6 +240,8 @@ def run_variant(args) -> dict:
         result = policy.train_step(batches, loss_fn)
         torch.cuda.synchronize()
         seconds.append(time.perf_counter() - tick)
+        if timer:
+            parts.append(timer.take())
         losses.append(result.loss)
         flops.append(step_flops(hf, [len(s) for s in samples]))
         tokens.append(sum(len(s) for s in samples))
@@ -192,6 +257,12 @@ def run_variant(args) -> dict:
         "layers": "Transformer Engine" if policy.use_te else "local",
         "grouped_gemm": bool(policy.tconfig.moe_grouped_gemm),
     }
+    if timer:
+        head = sum(head_flops(hf, n) for n in tokens[measured])
+        report["split"] = {"decoder_s": sum(p["decoder"] for p in parts[measured]) / len(parts[measured]),
+                           "head_s": sum(p["head"] for p in parts[measured]) / len(parts[measured]),
+                           "decoder_flops_per_s": (sum(flops[measured]) - head) / sum(p["decoder"] for p in parts[measured]),
+                           "head_flops_per_s": head / sum(p["head"] for p in parts[measured])}
     runtime.shutdown()
     return report
 
@@ -246,6 +317,17 @@ def markdown(args, reports: list[dict], gpu: str, peak: float | None, hf: dict) 
         layers = r["layers"] + (", grouped GEMM" if r["grouped_gemm"] else "")
         lines.append(f"| {r['variant']} | {layers} | {r['tokens_per_s']:,.0f} | {mfu} | {r['step_s']:.3f} | "
                      f"{r['peak_memory_gib']:.1f} | {diff} | {r['losses'][-1]:.4f} | {same} |")
+    split = [r for r in reports if "split" in r]
+    if split:
+        lines += ["", "Per step (--split-time, CUDA events): the decoder's MoE layers (attention and MoE, forward and "
+                  "backward) apart from the output head (its GEMM forward and backward); the rest is the embedding, "
+                  "the loss and the optimizer step.", "",
+                  "| variant | MoE layers s | MoE layers MFU | head s | head MFU | rest s |", "| --- | --- | --- | --- | --- | --- |"]
+        for r in split:
+            p = r["split"]
+            mfu = [f"{p[f'{part}_flops_per_s'] / (peak * 1e12):.1%}" if peak else "n/a" for part in ("decoder", "head")]
+            lines.append(f"| {r['variant']} | {p['decoder_s']:.3f} | {mfu[0]} | {p['head_s']:.3f} | {mfu[1]} | "
+                         f"{r['step_s'] - p['decoder_s'] - p['head_s']:.3f} |")
     if bf16:
         lines += ["", "Loss every 10 steps:", "",
                   "| step | " + " | ".join(r["variant"] for r in reports if "losses" in r) + " |",
@@ -254,6 +336,17 @@ def markdown(args, reports: list[dict], gpu: str, peak: float | None, hf: dict) 
             cells = [f"{r['losses'][step]:.4f}" if step < len(r["losses"]) else "" for r in reports if "losses" in r]
             lines.append(f"| {step + 1} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def json_report(reports: list[dict], peak: float | None, gpu: str, hf: dict) -> dict:
+    """The variants' figures with MFU (and each part's MFU with --split-time) against `peak`."""
+    for r in reports:
+        if peak and "flops_per_s" in r:
+            r["mfu"] = r["flops_per_s"] / (peak * 1e12)
+            for part in ("decoder", "head"):
+                if "split" in r:
+                    r["split"][f"{part}_mfu"] = r["split"][f"{part}_flops_per_s"] / (peak * 1e12)
+    return {"gpu": gpu, "peak_tflops": peak, "versions": versions(), "model": hf, "reports": reports}
 
 
 def main() -> None:
@@ -278,6 +371,9 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, help="dense BF16 peak of this GPU, if not in the table")
     parser.add_argument("--out", help="markdown results file (default: benchmarks/results/fp8_moe_<gpu>.md)")
     parser.add_argument("--quick", action="store_true", help="a tiny model and 6 steps: checks the pipeline")
+    parser.add_argument("--json", help="also write every variant's figures here (benchmarks/gpu_verify.py reads it)")
+    parser.add_argument("--split-time", action="store_true",
+                        help="time the decoder (MoE) layers and the output head apart (CUDA events)")
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--report", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -325,6 +421,8 @@ def main() -> None:
                 f"{report['tokens_per_s']:,.0f} tokens/s, final loss {report['losses'][-1]:.4f}"
             print(f"{variant}: {status} ({time.perf_counter() - started:.0f}s)", flush=True)
     text = markdown(args, reports, gpu, peak, model_config(args))
+    if args.json:
+        Path(args.json).write_text(json.dumps(json_report(reports, peak, gpu, model_config(args)), indent=1))
     slug = re.sub(r"[^a-z0-9]+", "_", gpu.lower().replace("nvidia", "")).strip("_")
     name = f"fp8_moe_{slug}{'_quick' if args.quick else ''}.md"
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / name
