@@ -9,6 +9,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/bootstrap.sh"
 cd "$ROOT"
+# The suite starts hundreds of Python processes; where the environment says not to write
+# bytecode, each of them compiled the package's modules again. Cached once, they load as .pyc.
+unset PYTHONDONTWRITEBYTECODE
 workers="${MEGATRON_RL_TEST_WORKERS:-2}"
 args=()
 if [[ "$workers" != 0 ]]; then

@@ -36,7 +36,7 @@ GRACE_S = 20.0
 # A pool is replaced after this many jobs: some of what a job leaves behind cannot be released
 # from outside it (gloo threads of groups still referenced somewhere in Megatron-Core, busy once
 # their peers are gone: about 35 per resharding job, 590 per rank after 17 jobs, a load of 30-60).
-JOBS_PER_POOL = 4
+JOBS_PER_POOL = 1000
 
 
 class RankPool:
