@@ -1,6 +1,7 @@
-"""Rank pools: one torchrun per world size, running test worker scripts job after job (replaced
-every JOBS_PER_POOL jobs), instead of one torchrun (and one import of torch, Megatron-Core and
-transformers per rank, about 12 s for two ranks) per case.
+"""Rank pools: one torchrun per world size, running test worker scripts job after job, instead of
+one torchrun (and one import of torch, Megatron-Core and transformers per rank, about 12 s for two
+ranks) per case. A pool serves its module to the end: its gloo groups are made once and reused by
+every job (rank_server.py), so jobs leave no threads behind.
 
     def test_something(rank_pools):                       # the module fixture (tests/conftest.py)
         result = rank_pools.run(WORKER, 2, "--out", str(out), paths=[WORKER.parent])
@@ -33,10 +34,6 @@ SERVER = Path(__file__).with_name("rank_server.py")
 # A rank that failed leaves the others where they were: the ones still running get this long to
 # finish (most are waiting in a collective that will not complete) before the pool is stopped.
 GRACE_S = 20.0
-# A pool is replaced after this many jobs: some of what a job leaves behind cannot be released
-# from outside it (gloo threads of groups still referenced somewhere in Megatron-Core, busy once
-# their peers are gone: about 35 per resharding job, 590 per rank after 17 jobs, a load of 30-60).
-JOBS_PER_POOL = 1000
 
 
 class RankPool:
@@ -113,8 +110,6 @@ class RankPools:
 
     def run(self, script: Path, nproc: int, *args, paths=(), timeout: float = 600) -> subprocess.CompletedProcess:
         pool = self.pools.get(nproc)
-        if pool is not None and pool.next >= JOBS_PER_POOL:
-            pool.stop()
         if pool is None or not pool.alive():
             pool = self.pools[nproc] = RankPool(nproc, self.root)
         return pool.run(Path(script), list(args), [str(p) for p in paths], timeout)
