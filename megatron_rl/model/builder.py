@@ -335,6 +335,10 @@ def build_gpt_model(arch: ArchitectureSpec, tconfig, model: ModelConfig, use_te:
         rotary_base=arch.rope_theta,
         rotary_percent=arch.rotary_percent,
     )
+    if model.lora is not None:
+        from megatron_rl.model.lora import freeze_base
+
+        freeze_base(gpt)  # here, so the planner's model on the meta device is frozen as training's is
     return gpt
 
 
@@ -415,12 +419,10 @@ def build_model(config: RunConfig, device: torch.device, *, initialize: bool = T
         module = build_gpt_model(arch, tconfig, config.model, use_te)
     if not initialize or meta:
         tag_split_dims(module)
-    if config.model.lora is not None:
-        from megatron_rl.model.lora import freeze_base, init_adapters
+    if config.model.lora is not None and initialize and not meta:
+        from megatron_rl.model.lora import init_adapters
 
-        freeze_base(module)
-        if initialize and not meta:
-            init_adapters(module, config.seed)
+        init_adapters(module, config.seed)
     if device.type == "cuda":
         module = module.cuda(device)
     return BuiltModel(raw, arch, tconfig, module, use_te)
