@@ -96,10 +96,12 @@ def placements(module) -> list[Placement]:
     layers = module.decoder.layers if hasattr(module, "decoder") else []
     layer_global = {index: layer.layer_number - 1 for index, layer in enumerate(layers)}
     out = []
-    for name, param in model_state(module):
+    state = model_state(module)
+    by_name = dict(state)
+    for name, param in state:
         if is_adapter(name):
             continue
-        adapter = _adapter_of(module, name)
+        adapter = _adapter_of(by_name, name)
         name = canonical_name(name)
         global_name = name
         local_expert = None
@@ -135,12 +137,10 @@ def placements(module) -> list[Placement]:
     return out
 
 
-def _adapter_of(module, name: str) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-    """(A, B, scale) of the LoRA adapter on the weight `name` (the model's own name), or None."""
-    owner_name, _, leaf = name.rpartition(".")
-    if leaf != "weight":
+def _adapter_of(by_name: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """(A, B, scale) of the LoRA adapter beside the weight `name` (the model's own names), or None."""
+    owner, _, leaf = name.rpartition(".")
+    a = by_name.get(f"{owner}.lora_A") if leaf == "weight" else None
+    if a is None:
         return None
-    owner = module.get_submodule(owner_name) if owner_name else module
-    if not hasattr(owner, "lora_A"):
-        return None
-    return owner.lora_A, owner.lora_B, owner.lora.scale
+    return a, by_name[f"{owner}.lora_B"], a.lora_scale

@@ -94,6 +94,12 @@ def _add_adapters(layer, lora: LoraSettings, in_features: int, out_features: int
         # Expert adapters' gradients are reduced over the expert-data-parallel group, as the
         # expert weights' are (Megatron's DDP reads this attribute).
         param.allreduce = getattr(weight, "allreduce", True)
+    _tag_scale(layer)
+
+
+def _tag_scale(layer) -> None:
+    """The adapter's scale on A, where the export reads it (bridge/placement.py)."""
+    layer.lora_A.lora_scale = layer.lora.scale
 
 
 def _dropout(layer, x: torch.Tensor) -> torch.Tensor:
@@ -182,6 +188,7 @@ def lora_router(router_class: type) -> type:
             self.lora_B = torch.nn.Parameter(torch.zeros(experts, lora.rank, dtype=self.weight.dtype, device=device))
             for param in (self.lora_A, self.lora_B):
                 param.sequence_parallel = self.config.sequence_parallel
+            _tag_scale(self)
 
         def gating(self, input):
             logits = super().gating(input)
