@@ -11,6 +11,7 @@ full fine-tuning; one expert's adapter through SequentialMLP; the HF export merg
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,25 @@ def test_targets_the_model_lacks_are_refused_before_building(preset, target, why
         check_divisibility(arch_of(preset), config)  # preflight's check_layout and the builder call it
     message = str(info.value)
     assert f"model.lora.targets: {arch_of(preset).architecture} has no {target!r}" in message and why in message
+
+
+def test_converting_a_lora_checkpoint_to_hf_is_refused_by_name(tmp_path):
+    """tools' megatron-to-hf reads the base weights only: a LoRA run's checkpoint (base and
+    adapters side by side) would come out as the base model, so it is refused, naming a key."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_rl.bridge.streamed import write_hf_from_torch_dist
+    from megatron_rl.checkpoint.unpickling import read_torch_dist_index
+
+    weights = tmp_path / "weights"
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"decoder.layers.self_attention.linear_qkv.weight": torch.zeros(4, 2),
+                  "decoder.layers.self_attention.linear_qkv.lora_A": torch.zeros(1, 2)},
+                 storage_writer=dcp.FileSystemWriter(str(weights)), no_dist=True)
+    with pytest.raises(ConfigError, match=r"holds LoRA adapters \(decoder.layers.self_attention.linear_qkv.lora_A"):
+        write_hf_from_torch_dist(None, None, weights, read_torch_dist_index(weights), tmp_path / "out", precision="fp32")
 
 
 def test_lora_with_fp8_training_is_refused():
