@@ -127,6 +127,9 @@ class ModelConfig:
         self._validate_fp8(where)
         if self.lora is not None:
             self.lora.validate(f"{where}.lora")
+            if self.layer_spec == "transformer_engine":
+                raise ConfigError(f"{where}.lora is built on the local layer spec's linears (Transformer Engine's "
+                                  "fused and grouped linears take no adapters yet): set layer_spec: local")
             if self.fp8_recipe is not None or self.fp8_param:
                 raise ConfigError(f"{where}.lora with FP8 training (fp8_recipe / fp8_param) is not built: the "
                                   "adapters sit on the local layer spec's linears; train LoRA in bf16 or fp32")

@@ -100,9 +100,11 @@ def test_converting_a_lora_checkpoint_to_hf_is_refused_by_name(tmp_path):
         write_hf_from_torch_dist(None, None, weights, read_torch_dist_index(weights), tmp_path / "out", precision="fp32")
 
 
-def test_lora_with_fp8_training_is_refused():
+def test_lora_with_fp8_training_or_transformer_engine_layers_is_refused():
     with pytest.raises(ConfigError, match="model.lora with FP8 training"):
         load_config(None, ["model.lora.rank=8", "model.precision=bf16", "model.fp8_recipe=blockwise"])
+    with pytest.raises(ConfigError, match="model.lora is built on the local layer spec's linears"):
+        load_config(None, ["model.lora.rank=8", "model.layer_spec=transformer_engine"])
 
 
 # ---- two ranks ----------------------------------------------------------------------------------
