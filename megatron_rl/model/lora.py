@@ -122,9 +122,11 @@ class LoraColumnParallelLinear(ColumnParallelLinear):
 
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
         split = self.tp_group.size() > 1
-        # With sequence parallelism (or experts, whose tokens the dispatcher gathered) each rank
-        # sees its own rows of x: A's gradient is this rank's share; without, x is whole and the
-        # gradient of A x is this rank's output shard's share, summed by copy_to's backward.
+        # A's gradient on a rank is a share to be summed over the group: with sequence parallelism
+        # that of the rank's own rows of x (A x is then gathered over the sequence, not x); for an
+        # expert that of the rank's output shard (the dispatcher gave every rank all the tokens and
+        # sums the input gradients itself). Without either, x is whole on every rank and copy_to's
+        # backward sums the gradient of A x instead.
         a = _summed_over(self.lora_A, self.tp_group) if split and (self.sequence_parallel or self.explicit_expert_comm) \
             else self.lora_A
         h = F.linear(_dropout(self, x), a)
