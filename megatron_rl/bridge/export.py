@@ -11,6 +11,10 @@ engine sharded across the trainer's ranks needs. Stages work independently (no c
 leader yields exactly the names of the layers it holds: `owned_hf_names` lists them without
 communication, so weight sync knows which rank sends what.
 
+A weight carrying a LoRA adapter (model/lora.py) is exported merged, W + (alpha / rank) B A, each
+rank merging its own shard before the gathers (bridge/lora_merge.py): every consumer (the HF
+export, every weight transport, the FP8 rollout stream) gets the merged model unchanged.
+
 Memory bound (extra, per rank): the full tensor being assembled (TP shards gathered, and for
 expert weights one copy per EP rank) plus, on a leader, the pending bucket (<= bucket_bytes,
 or one tensor if a single tensor is larger). Buckets are handed out and dropped, never kept.
@@ -25,6 +29,7 @@ import torch.distributed as dist
 
 from megatron_rl.bridge.fp8_export import SCALE_SUFFIX, quantized_names
 from megatron_rl.bridge.layouts import split
+from megatron_rl.bridge.lora_merge import merged_weight
 from megatron_rl.bridge.mappings import expand
 from megatron_rl.bridge.placement import Placement, placements
 from megatron_rl.model.hf_config import ArchitectureSpec
@@ -100,7 +105,7 @@ def owned_hf_names(module, arch: ArchitectureSpec, fp8: bool = False) -> list[st
 
 def _assemble(placement: Placement, table, arch: ArchitectureSpec) -> Iterator[tuple[str, torch.Tensor]]:
     hf_names, layout = table[placement.global_name]
-    tensor = _high_precision(placement.param.detach())
+    tensor = merged_weight(_high_precision(placement.param.detach()), placement.adapter)
     shards = _all_gather(tensor, placement.tp_group) if placement.tp_dim is not None else [tensor]
     dim = placement.tp_dim or 0
     per_shard = [split(layout, shard, arch) for shard in shards]

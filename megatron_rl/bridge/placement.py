@@ -15,6 +15,10 @@ export exactly the same HF tensors.
 Besides parameters, the model state includes the MoE routers' expert bias (model/state.py):
 imported, exported and pushed to rollout engines like a parameter (replicated on every rank of
 the layer's stage).
+
+LoRA adapters (`lora_A`, `lora_B`) are no placements of their own: they belong to the weight
+they adapt (`Placement.adapter`), so everything that reads HF names sees the base model's names,
+and the export merges them in.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_rl.model.state import model_state
+from megatron_rl.model.state import is_adapter, model_state
 
 
 @dataclass
@@ -37,6 +41,9 @@ class Placement:
     tp_dim: int | None  # dimension split over the (expert-)TP group, None if replicated
     tp_group: object | None
     ep_group: object | None
+    # LoRA (model/lora.py): (A, B, alpha / rank) of the adapter on this weight, this rank's shards,
+    # sharded as the weight is; the export yields W + scale * B A (bridge/lora_merge.py).
+    adapter: tuple[torch.Tensor, torch.Tensor, float] | None = None
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -89,7 +96,12 @@ def placements(module) -> list[Placement]:
     layers = module.decoder.layers if hasattr(module, "decoder") else []
     layer_global = {index: layer.layer_number - 1 for index, layer in enumerate(layers)}
     out = []
-    for name, param in model_state(module):
+    state = model_state(module)
+    by_name = dict(state)
+    for name, param in state:
+        if is_adapter(name):
+            continue
+        adapter = _adapter_of(by_name, name)
         name = canonical_name(name)
         global_name = name
         local_expert = None
@@ -119,6 +131,16 @@ def placements(module) -> list[Placement]:
                 tp_dim=split_dim if tp_group.size() > 1 else None,
                 tp_group=tp_group,
                 ep_group=parallel_state.get_expert_model_parallel_group() if is_expert else None,
+                adapter=adapter,
             )
         )
     return out
+
+
+def _adapter_of(by_name: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """(A, B, scale) of the LoRA adapter beside the weight `name` (the model's own names), or None."""
+    owner, _, leaf = name.rpartition(".")
+    a = by_name.get(f"{owner}.lora_A") if leaf == "weight" else None
+    if a is None:
+        return None
+    return a, by_name[f"{owner}.lora_B"], a.lora_scale

@@ -117,6 +117,7 @@ def write_hf_from_torch_dist(module, arch: ArchitectureSpec, weights: Path, inde
     fp32 expert bias) keep their dtype. `index`: the directory's torch_dist index (.metadata), as
     the caller read it (checkpoint/unpickling.py: torch's own reader unpickles it in full, so it is
     never used here). Returns each written file's size and CRC-32."""
+    refuse_adapters(weights, index)
     parameters = _parameters(module, arch)
     planned = []
     for item in parameters:
@@ -135,6 +136,17 @@ def write_hf_from_torch_dist(module, arch: ArchitectureSpec, weights: Path, inde
             del values
     (staging / "model.safetensors.index.json").write_text(json.dumps(out.index(), indent=2) + "\n")
     return out.checksums
+
+
+def refuse_adapters(weights: Path, index) -> None:
+    """A checkpoint of a LoRA run (model.lora) holds the base weights and the adapters beside them:
+    converting it here would write the base model without the adapters, so it is refused by name."""
+    adapters = sorted(key for key in index.state_dict_metadata if ".lora_A" in key or ".lora_B" in key)
+    if adapters:
+        raise ConfigError(f"{weights}: the checkpoint holds LoRA adapters ({adapters[0]} and {len(adapters) - 1} "
+                          "more); converting it would write the base model without them, and merging them here "
+                          "is not built yet. Use the run's merged Hugging Face export (OUTPUT_DIR/hf_model, written "
+                          "at the end of training)")
 
 
 def _parameters(module, arch: ArchitectureSpec) -> list[_Parameter]:

@@ -15,7 +15,7 @@ file and the dotted key, so a bad recipe fails in milliseconds instead of after 
 """
 
 from megatron_rl.config.loader import load_config, parse_config, to_dict
-from megatron_rl.config.model import ModelConfig, OptimizerConfig, ParallelConfig
+from megatron_rl.config.model import LoraConfig, ModelConfig, OptimizerConfig, ParallelConfig
 from megatron_rl.config.rl import RLConfig
 from megatron_rl.config.rollout import RolloutConfig
 from megatron_rl.config.run import CheckpointConfig, LoggingConfig, RunConfig, WarmStartConfig
@@ -23,6 +23,7 @@ from megatron_rl.config.run import CheckpointConfig, LoggingConfig, RunConfig, W
 __all__ = [
     "CheckpointConfig",
     "LoggingConfig",
+    "LoraConfig",
     "ModelConfig",
     "OptimizerConfig",
     "ParallelConfig",

@@ -11,6 +11,43 @@ from megatron_rl.errors import ConfigError
 Precision = Literal["fp32", "bf16"]
 Fp8Recipe = Literal["delayed", "current", "blockwise", "mxfp8"]
 Dispatcher = Literal["alltoall", "allgather"]
+LoraTarget = Literal["qkv", "proj", "fc1", "fc2", "experts", "router"]
+LORA_TARGETS: tuple[str, ...] = ("qkv", "proj", "fc1", "fc2", "experts", "router")
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (model/lora.py): only they train, the base model is frozen. The engines
+    and the HF export get the merged weights W + (alpha / rank) B A."""
+
+    rank: int = 8
+    # The adapter's output is scaled by alpha / rank (so a change of rank keeps its size).
+    alpha: float = 16.0
+    # Dropout on the adapters' input while training (0: none; the logprob passes never drop).
+    dropout: float = 0.0
+    # Where: qkv (attention input projection), proj (attention output), fc1 / fc2 (dense MLP and
+    # shared experts), experts (every routed expert's fc1 and fc2, per expert), router (the MoE
+    # gate). None: every one of them the model has, except router. One the model lacks is refused.
+    targets: list[LoraTarget] | None = None
+    # A's initial values (B starts at zero either way, so step 0 is the base model exactly):
+    # kaiming: uniform in +-1/sqrt(fan_in) (PEFT's default); gaussian: normal, std 1/rank.
+    init: Literal["kaiming", "gaussian"] = "kaiming"
+
+    def validate(self, where: str) -> None:
+        if self.rank < 1:
+            raise ConfigError(f"{where}.rank must be >= 1 (the adapters' inner dimension), got {self.rank}")
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise ConfigError(f"{where}.alpha must be a finite number > 0 (the adapters' scale is alpha / rank), "
+                              f"got {self.alpha}")
+        if not (math.isfinite(self.dropout) and 0 <= self.dropout < 1):
+            raise ConfigError(f"{where}.dropout must be in [0, 1), got {self.dropout}")
+        if self.targets is not None:
+            if not self.targets:
+                raise ConfigError(f"{where}.targets is empty: name at least one of {', '.join(LORA_TARGETS)} "
+                                  "(or leave it null for every one the model has)")
+            repeated = sorted({t for t in self.targets if self.targets.count(t) > 1})
+            if repeated:
+                raise ConfigError(f"{where}.targets names {repeated[0]!r} twice")
 
 
 @dataclass
@@ -71,6 +108,8 @@ class ModelConfig:
     # forward during the backward (Megatron's full/uniform granularity, one layer per checkpoint):
     # activations shrink to about one layer's plus a hidden state per layer, for ~1/3 more compute.
     recompute: Literal["none", "full"] = "none"
+    # Low-rank adapters (null: full fine-tuning). See LoraConfig.
+    lora: LoraConfig | None = None
 
     @property
     def fp8_bf16_layers(self) -> bool:
@@ -86,6 +125,14 @@ class ModelConfig:
         if self.moe_router_bias_update_rate < 0:
             raise ConfigError(f"{where}.moe_router_bias_update_rate must be >= 0, got {self.moe_router_bias_update_rate}")
         self._validate_fp8(where)
+        if self.lora is not None:
+            self.lora.validate(f"{where}.lora")
+            if self.layer_spec == "transformer_engine":
+                raise ConfigError(f"{where}.lora is built on the local layer spec's linears (Transformer Engine's "
+                                  "fused and grouped linears take no adapters yet): set layer_spec: local")
+            if self.fp8_recipe is not None or self.fp8_param:
+                raise ConfigError(f"{where}.lora with FP8 training (fp8_recipe / fp8_param) is not built: the "
+                                  "adapters sit on the local layer spec's linears; train LoRA in bf16 or fp32")
 
     def _validate_fp8(self, where: str) -> None:
         """FP8 settings that are wrong on any machine (the GPU and TE checks come at build time)."""

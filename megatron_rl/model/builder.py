@@ -319,9 +319,12 @@ def build_gpt_model(arch: ArchitectureSpec, tconfig, model: ModelConfig, use_te:
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    block = layer_spec(tconfig, use_te)
+    if model.lora is not None:
+        _add_lora(block, arch, model, tconfig, use_te)
     gpt = GPTModel(
         config=tconfig,
-        transformer_layer_spec=layer_spec(tconfig, use_te),
+        transformer_layer_spec=block,
         vocab_size=model_vocab_rows(arch, model, tconfig.tensor_model_parallel_size),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -332,7 +335,24 @@ def build_gpt_model(arch: ArchitectureSpec, tconfig, model: ModelConfig, use_te:
         rotary_base=arch.rope_theta,
         rotary_percent=arch.rotary_percent,
     )
+    if model.lora is not None:
+        from megatron_rl.model.lora import freeze_base
+
+        freeze_base(gpt)  # here, so the planner's model on the meta device is frozen as training's is
     return gpt
+
+
+def _add_lora(block, arch: ArchitectureSpec, model: ModelConfig, tconfig, use_te: bool) -> None:
+    """Adapters into the layer spec (model/lora.py), on the targets the model has."""
+    from megatron_rl.model import lora
+    from megatron_rl.model.layout_checks import lora_targets
+
+    if use_te:
+        raise ConfigError("model.lora is built on the local layer spec's linears; set model.layer_spec=local "
+                          "(Transformer Engine's fused and grouped linears take no adapters yet)")
+    settings = lora.LoraSettings(rank=model.lora.rank, alpha=model.lora.alpha, dropout=model.lora.dropout,
+                                 init=model.lora.init)
+    lora.apply_to_layer_spec(block, settings, lora_targets(model.lora, arch), gated=tconfig.gated_linear_unit)
 
 
 @dataclasses.dataclass
@@ -399,6 +419,10 @@ def build_model(config: RunConfig, device: torch.device, *, initialize: bool = T
         module = build_gpt_model(arch, tconfig, config.model, use_te)
     if not initialize or meta:
         tag_split_dims(module)
+    if config.model.lora is not None and initialize and not meta:
+        from megatron_rl.model.lora import init_adapters
+
+        init_adapters(module, config.seed)
     if device.type == "cuda":
         module = module.cuda(device)
     return BuiltModel(raw, arch, tconfig, module, use_te)

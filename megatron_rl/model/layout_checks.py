@@ -46,6 +46,8 @@ def check_divisibility(arch: ArchitectureSpec, config) -> None:
                 f"model {key}={value} is not divisible by parallel.{axis}={size}; choose a layout that divides it"
             )
     check_pipeline_stages(arch.num_layers, p)
+    if config.model.lora is not None:
+        lora_targets(config.model.lora, arch)
     if config.model.moe_router_bias_update_rate > 0 and not arch.moe_expert_bias:
         raise ConfigError(
             f"model.moe_router_bias_update_rate={config.model.moe_router_bias_update_rate} needs a router with an "
@@ -73,3 +75,35 @@ def check_pipeline_stages(num_layers: int, p) -> None:
             f"model's {num_layers} layers: the {max(middle_stages, 0)} other stage(s) must share the remaining "
             f"{middle_layers} evenly (at least one each)"
         )
+
+
+def family_lora_targets(arch: ArchitectureSpec) -> list[str]:
+    """The LoRA targets (config/model.py: LoraConfig.targets) this model has."""
+    has_dense_mlp = not arch.is_moe or not all(arch.moe_layer_pattern) or bool(arch.moe_shared_ffn_hidden_size)
+    present = {
+        # Multi-latent attention has no fused QKV projection (its q/kv down and up projections
+        # would each need their own target); not built.
+        "qkv": arch.mla is None,
+        "proj": True,
+        "fc1": has_dense_mlp,
+        "fc2": has_dense_mlp,
+        "experts": arch.is_moe,
+        "router": arch.is_moe,
+    }
+    return [target for target, there in present.items() if there]
+
+
+def lora_targets(lora, arch: ArchitectureSpec) -> list[str]:
+    """The targets to adapt: the configured ones, each checked against the model, or (targets
+    null) every one the model has except the router."""
+    present = family_lora_targets(arch)
+    if lora.targets is None:
+        return [t for t in present if t != "router"]
+    for target in lora.targets:
+        if target not in present:
+            why = {"qkv": "its attention is multi-latent (no fused QKV projection; LoRA on it is not built)",
+                   "experts": "it is a dense model (no experts)", "router": "it is a dense model (no router)",
+                   }.get(target, "every MLP layer is MoE without shared experts (no dense fc1/fc2)")
+            raise ConfigError(f"model.lora.targets: {arch.architecture} has no {target!r} ({why}); "
+                              f"its targets are {', '.join(present)}")
+    return list(lora.targets)

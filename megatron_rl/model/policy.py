@@ -267,9 +267,10 @@ class Policy:
 
         view = self._optimizer_view()
         # Host buffers: whole-parameter optimizer tensors are DP times what a rank of the
-        # distributed optimizer keeps; only this rank's slice is copied to the device.
+        # distributed optimizer keeps; only this rank's slice is copied to the device. Frozen
+        # parameters (the base model under model.lora) have no optimizer state.
         template_values = {key: {name: torch.empty_like(p, dtype=torch.float32, device="cpu")
-                                 for name, p in self.module.named_parameters()}
+                                 for name, p in self.module.named_parameters() if p.requires_grad}
                            for key in view.states}
         extra_values = {prefix: {name: torch.empty_like(t, device="cpu") for name, t in model_state(self.module)}
                         for prefix in keyed_like_weights}

@@ -15,6 +15,13 @@ import re
 import torch
 
 _STATE_BUFFER = re.compile(r"(^|\.)router\.expert_bias$")
+# Low-rank adapters (model/lora.py): lora_A / lora_B beside the weight they adapt.
+_ADAPTER = re.compile(r"(^|\.)lora_[AB]$")
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name is a LoRA adapter's (model/lora.py)."""
+    return bool(_ADAPTER.search(name))
 
 
 def model_state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

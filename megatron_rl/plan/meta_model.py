@@ -42,6 +42,7 @@ class ParamEntry:
     expert: bool  # expert-parallel (its gradients reduce over the expert-data-parallel group)
     fp8_served: bool = False  # a GEMM weight: served in block FP8 with model.export_fp8 (bridge/fp8_export.py)
     shared_embedding: bool = False  # tied embedding/output across pipeline stages: its own bucket
+    frozen: bool = False  # not trained (the base under model.lora): no gradient, no optimizer state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,10 +111,8 @@ def _entries(module, prefix_of) -> dict[str, list[ParamEntry]]:
 
     pieces: dict[str, list[ParamEntry]] = {}
     for name, param in module.named_parameters():
-        if not param.requires_grad:
-            continue
         entry = ParamEntry(name, param.numel(), param.element_size(), expert=not getattr(param, "allreduce", True),
-                           fp8_served=quantized_in_export(name))
+                           fp8_served=quantized_in_export(name), frozen=not param.requires_grad)
         pieces.setdefault(prefix_of(name), []).append(entry)
     return pieces
 
@@ -184,8 +183,10 @@ class _ConfigKey:
     def __init__(self, config):
         self.config = config
         model = config.model
+        lora = model.lora
         self.key = (model.precision, model.make_vocab_size_divisible_by, model.padded_vocab_size,
-                    model.moe_token_dispatcher, model.moe_aux_loss_coeff)
+                    model.moe_token_dispatcher, model.moe_aux_loss_coeff,
+                    None if lora is None else (lora.rank, tuple(lora.targets or ())))
 
     def __hash__(self):
         return hash(self.key)

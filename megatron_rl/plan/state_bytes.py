@@ -17,6 +17,8 @@ bucket per buffer; gradients reduced in fp32; Adam):
   in place: no copy), and Adam keeps two fp32 moments of the same size. Without it, every rank
   keeps an fp32 copy of every bf16 parameter and both moments for all of them.
 
+Frozen parameters (model.lora's base) sit outside the buffers: parameters only, on every rank.
+
 Adam's per-parameter step counters (a 4-byte scalar each) are not counted. model.fp8_param
 (weights kept in FP8) is not modelled: its weights are counted at params_dtype, an upper bound.
 tests/plan/test_state_bytes.py compares every number with what a real run allocates, per rank.
@@ -169,8 +171,15 @@ class StageStates:
 
 def stage_states(params: list[ParamEntry], *, dp: int, expert_dp: int, distributed_optimizer: bool) -> StageStates:
     """Bytes of the ranks of the stage holding `params`, by their DP ranks over the data-parallel
-    group (`dp`, with context parallelism) and the expert-data-parallel group (`expert_dp`)."""
-    dense = [p for p in params if not p.expert]
-    expert = [p for p in params if p.expert]
-    return StageStates(_part_states(dense, dp, distributed_optimizer),
-                       _part_states(expert, expert_dp, distributed_optimizer))
+    group (`dp`, with context parallelism) and the expert-data-parallel group (`expert_dp`).
+    Frozen parameters (the base under model.lora) are in no DDP buffer: each rank holds them
+    whole, as parameters only."""
+    trained = [p for p in params if not p.frozen]
+    dense = [p for p in trained if not p.expert]
+    expert = [p for p in trained if p.expert]
+
+    def frozen_bytes(is_expert: bool) -> RankState:
+        return RankState(sum(p.numel * p.itemsize for p in params if p.frozen and p.expert == is_expert), 0, 0, 0)
+
+    return StageStates([s + frozen_bytes(False) for s in _part_states(dense, dp, distributed_optimizer)],
+                       [s + frozen_bytes(True) for s in _part_states(expert, expert_dp, distributed_optimizer)])

@@ -96,7 +96,9 @@ def save_grads(policy: Policy, directory: Path) -> None:
     saved = [p.detach().clone() for p in params]
     with torch.no_grad():
         for param in params:
-            param.copy_(param.main_grad.to(param.dtype))
+            # A frozen parameter (the base under model.lora) has no gradient buffer: zeros.
+            grad = getattr(param, "main_grad", None)
+            param.copy_(grad.to(param.dtype) if grad is not None else torch.zeros_like(param))
     directory.mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save(policy.module.sharded_state_dict(), str(directory))
     with torch.no_grad():
@@ -108,6 +110,14 @@ def save_grads(policy: Policy, directory: Path) -> None:
     full = {k: v for k, v in load_plain_tensors(str(directory)).items() if torch.is_tensor(v)}
     if dist.get_rank() == 0:
         torch.save(full, directory.parent / "grads.pt")
+
+
+def set_adapters_nonzero(module) -> None:
+    generator = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if name.endswith(".lora_B"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
 
 
 def recipe_loss(name: str, policy: Policy, batches, first_logprobs):
@@ -155,6 +165,9 @@ def main() -> None:
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--override", action="append", default=[])
     parser.add_argument("--recipe", default=None, help="a megatron_rl.algorithms recipe instead of plain NLL")
+    parser.add_argument("--nonzero-adapters", action="store_true",
+                        help="reference with model.lora: give every B random values before saving the weights, so "
+                             "that the first step has gradients for A too (B = 0 gives A none)")
     args = parser.parse_args()
     out = Path(args.out)
 
@@ -162,6 +175,8 @@ def main() -> None:
     runtime = start_runtime(config)
     policy = Policy(config, runtime)
     if args.reference:
+        if args.nonzero_adapters:
+            set_adapters_nonzero(policy.module)
         policy.save_model(args.weights)
     else:
         policy.load_model(args.weights)

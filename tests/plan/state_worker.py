@@ -4,7 +4,8 @@ read from Megatron's own objects after an optimizer step (test_state_bytes.py, u
     torchrun --nproc-per-node N state_worker.py OUT_DIR MODEL [key=value ...]
 
 Per rank, OUT_DIR/MODEL-rank<r>.json holds:
-  params       the DDP buffers' parameter storage (distributed optimizer), else every parameter
+  params       the DDP buffers' parameter storage (distributed optimizer), else every parameter,
+               and the frozen parameters (model.lora's base) outside the buffers
   grads        the DDP buffers' gradient storage
   main_params  the fp32 main weights the optimizer keeps for bf16 parameters
   moments      Adam's exp_avg and exp_avg_sq
@@ -33,6 +34,8 @@ def measure(policy) -> dict:
     distributed = policy.config.parallel.distributed_optimizer
     params = (sum(_nbytes(b.param_data) for b in buffers) if distributed
               else sum(_nbytes(p) for p in policy.module.parameters() if p.requires_grad))
+    # Frozen parameters (the base under model.lora) are in no buffer: each is its own tensor.
+    params += sum(_nbytes(p) for p in policy.module.parameters() if not p.requires_grad)
     optimizers = getattr(policy.optimizer, "chained_optimizers", [policy.optimizer])
     main = moments = 0
     for optimizer in optimizers:

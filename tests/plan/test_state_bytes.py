@@ -7,8 +7,8 @@ the planner's side (plan_worker.py predict) builds the model on the meta device 
 group and lays the buffers out by plan/state_bytes.py. The cases cover what moves the numbers:
 MLA, a dense and a MoE layer with a shared expert (tiny DeepSeek-V3); expert parallelism with the
 data-parallel padding landing on different ranks (EP2: dp 2, expert-dp 1); tied embeddings split
-over two stages (their own bucket); and the optimizer without sharding (TP2, distributed
-optimizer off: full fp32 copies)."""
+over two stages (their own bucket); the optimizer without sharding (TP2, distributed
+optimizer off: full fp32 copies); and LoRA at EP2 (a frozen base, per-expert adapters)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,10 @@ CASES = {
     "ep2": ("tiny-deepseek-v3", 2, ["parallel.ep=2", *BF16]),
     "pp2": ("tiny-qwen3", 2, ["parallel.pp=2", *BF16]),
     "tp2xep2": ("tiny-deepseek-v3", 4, ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1", *BF16]),
+    # LoRA: the frozen base as parameters only, the adapters (per expert at EP2) with gradients,
+    # fp32 main copies and moments; the router adapter (replicated, bf16) too.
+    "ep2_lora": ("tiny-deepseek-v3", 2, ["parallel.ep=2", *BF16, "model.lora.rank=4",
+                                         "model.lora.targets=[proj,fc1,fc2,experts,router]"]),
 }
 FIELDS = ("params", "grads", "main_params", "moments")
 
@@ -60,5 +64,7 @@ def test_planner_bytes_equal_a_real_run_per_rank(rank_pools, tmp_path, case):
         assert where == {k: plan[rank][k] for k in where}, (case, rank, where, plan[rank])
         assert {f: real[rank][f] for f in FIELDS} == {f: plan[rank][f] for f in FIELDS}, (case, rank)
         assert all(real[rank][f] > 0 for f in FIELDS), (case, rank, real[rank])
+    if case == "ep2_lora":  # the frozen base dominates: adapters' gradients are a small share
+        assert all(real[rank]["grads"] * 10 < real[rank]["params"] for rank in range(world)), real
     if case == "ep2":  # the distributed optimizer's slices differ between the two DP ranks
         assert real[0]["moments"] != real[1]["moments"] or real[0]["main_params"] != real[1]["main_params"]

@@ -1,0 +1,244 @@
+"""Two ranks of the LoRA checks (tests/model/test_lora.py), one job in the module's rank pool.
+
+1. One LoRA linear in float64 against the hand computation (output, input gradient, A and B
+   gradients; the frozen weight gets none): column- and row-parallel, on one rank and split over
+   two (sequence parallel, and as an expert linear whose communication the dispatcher does).
+2. The tiny MoE policy at EP2 (DP2, distributed optimizer), full fine-tuning and LoRA from the
+   same base weights: logprobs equal with B = 0; after a step, no gradient and no optimizer state
+   for the base, the optimizer's parameters exactly the adapters; optimizer-state bytes of both;
+   one local expert's adapter through SequentialMLP against a float64 hand computation; the HF
+   export after the step equal to W + scale * B A computed by hand in float64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+SEQ, BATCH, IN, OUT, RANK, ALPHA = 8, 2, 12, 10, 4, 6.0
+
+
+def _max(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+def linear_errors(kind: str, group, sequence_parallel: bool, expert: bool) -> dict:
+    """max |error| of one LoRA linear's output and gradients against the float64 hand computation."""
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    from megatron_rl.model.lora import LoraColumnParallelLinear, LoraRowParallelLinear, LoraSettings
+
+    tp, rank = group.size(), group.rank()
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(SEQ, BATCH, IN, generator=g, dtype=torch.float64), torch.randn(OUT, IN, generator=g, dtype=torch.float64)
+    a, b = torch.randn(RANK, IN, generator=g, dtype=torch.float64), torch.randn(OUT, RANK, generator=g, dtype=torch.float64)
+    dy = torch.randn(SEQ, BATCH, OUT, generator=g, dtype=torch.float64)
+    scale = ALPHA / RANK
+    # The hand computation: y = x W^T + s (x A^T) B^T and its gradients for the loss sum(y * dy).
+    h = x @ a.T
+    y = x @ w.T + scale * h @ b.T
+    dh = scale * dy @ b
+    grads = dict(x=dy @ w + dh @ a, A=dh.reshape(-1, RANK).T @ x.reshape(-1, IN),
+                 B=scale * dy.reshape(-1, OUT).T @ h.reshape(-1, RANK))
+
+    config = ModelParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel and tp > 1,
+                                 params_dtype=torch.float64, use_cpu_initialization=True, perform_initialization=False)
+    settings = LoraSettings(rank=RANK, alpha=ALPHA, dropout=0.0, init="kaiming")
+    common = dict(config=config, init_method=lambda t: None, bias=False, tp_group=group, is_expert=expert, lora=settings)
+    out_rows, in_cols = slice(rank * OUT // tp, (rank + 1) * OUT // tp), slice(rank * IN // tp, (rank + 1) * IN // tp)
+    seq_rows = slice(rank * SEQ // tp, (rank + 1) * SEQ // tp) if config.sequence_parallel else slice(None)
+    if kind == "column":
+        layer = LoraColumnParallelLinear(IN, OUT, gather_output=False, **common)
+        shards = dict(weight=w[out_rows], lora_A=a, lora_B=b[out_rows])
+        x_in, expected_y, dy_in = x[seq_rows], y[..., out_rows], dy[..., out_rows]
+        expected_dx = grads["x"][seq_rows]
+        expected = dict(A=grads["A"], B=grads["B"][out_rows])
+    else:
+        layer = LoraRowParallelLinear(IN, OUT, input_is_parallel=True, skip_bias_add=True, **common)
+        shards = dict(weight=w[:, in_cols], lora_A=a[:, in_cols], lora_B=b)
+        x_in, expected_y, dy_in = x[..., in_cols], y[seq_rows], dy[seq_rows]
+        expected_dx = grads["x"][..., in_cols]
+        expected = dict(A=grads["A"][:, in_cols], B=grads["B"])
+    with torch.no_grad():
+        for name, value in shards.items():
+            getattr(layer, name).copy_(value)
+    layer.weight.requires_grad_(False)  # the frozen base
+    x_in = x_in.clone().requires_grad_(True)
+    output, _ = layer(x_in)
+    if expert and kind == "row" and tp > 1:  # the dispatcher sums the experts' partial outputs
+        output = _summed(output, group)
+    output.backward(dy_in)
+    dx = x_in.grad
+    if expert and kind == "column" and tp > 1:  # ... and the partial input gradients
+        dx = dx.clone()
+        dist.all_reduce(dx, group=group)
+    return {"y": _max(output, expected_y), "x": _max(dx, expected_dx), "A": _max(layer.lora_A.grad, expected["A"]),
+            "B": _max(layer.lora_B.grad, expected["B"]), "weight_grad": layer.weight.grad is not None}
+
+
+class _Sum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, group):
+        out = tensor.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _summed(tensor, group):
+    return _Sum.apply(tensor, group)
+
+
+def linear_checks() -> dict:
+    world = dist.group.WORLD
+    alone = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
+    out = {}
+    for kind in ("column", "row"):
+        out[f"{kind}_1rank"] = linear_errors(kind, alone, sequence_parallel=False, expert=False)
+        out[f"{kind}_tp2_sp"] = linear_errors(kind, world, sequence_parallel=True, expert=False)
+        out[f"{kind}_etp2_expert"] = linear_errors(kind, world, sequence_parallel=False, expert=True)
+    return out
+
+
+# ---- the policy ---------------------------------------------------------------------------------
+
+def optimizer_state_bytes(optimizer) -> int:
+    total = 0
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in part.optimizer.state.values():
+            total += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+    summed = torch.tensor(total, dtype=torch.int64)
+    dist.all_reduce(summed)
+    return int(summed)
+
+
+def optimizer_params(optimizer) -> set[int]:
+    ids = set()
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(part, "buffers"):  # distributed optimizer: the model params of its buffers
+            ids.update(id(p) for buffer in part.buffers for p in buffer.params)
+        else:
+            ids.update(id(p) for group in part.optimizer.param_groups for p in group["params"])
+    return ids
+
+
+def expert_check(policy) -> float:
+    """One MoE layer's local experts (each with nonzero adapters) on a few tokens each, against
+    silu(gate) * up -> * prob -> down with every weight W + s B A, by hand in float64."""
+    experts = policy.module.decoder.layers[0].mlp.experts
+    g = torch.Generator().manual_seed(5 + dist.get_rank())
+    with torch.no_grad():
+        for expert in experts.local_experts:
+            for linear in (expert.linear_fc1, expert.linear_fc2):
+                linear.lora_B.copy_(torch.randn(linear.lora_B.shape, generator=g) * 0.1)
+    counts = [3, 2][: len(experts.local_experts)] + [1] * max(0, len(experts.local_experts) - 2)
+    hidden = experts.local_experts[0].linear_fc1.input_size
+    tokens = torch.randn(sum(counts), hidden, generator=g)
+    probs = torch.rand(sum(counts), generator=g)
+    with torch.no_grad():
+        output, _ = experts(tokens, torch.tensor(counts), probs)
+    expected, start = [], 0
+    for expert, count in zip(experts.local_experts, counts):
+        x, p = tokens[start:start + count].double(), probs[start:start + count].double()
+        start += count
+
+        def merged(linear):
+            return linear.weight.double() + linear.lora.scale * linear.lora_B.double() @ linear.lora_A.double()
+
+        gate, up = (x @ merged(expert.linear_fc1).T).chunk(2, dim=-1)
+        expected.append(((F.silu(gate) * up) * p[:, None]) @ merged(expert.linear_fc2).T)
+    return _max(output, torch.cat(expected))
+
+
+def export_check(policy) -> tuple[float, int]:
+    """Every HF tensor of this rank's layers, exported after the step, against the weights merged
+    by hand in float64 (split into HF pieces with the bridge's own fused layouts)."""
+    from megatron_rl.bridge import export_hf_weights
+    from megatron_rl.bridge.layouts import split
+    from megatron_rl.bridge.mappings import expand
+    from megatron_rl.bridge.placement import placements
+
+    exported = {name: t for bucket in export_hf_weights(policy.module, policy.arch, every_rank=True) for name, t in bucket}
+    table = {name: (hf, layout) for name, hf, layout in expand(policy.arch)}
+    worst, merged_count = 0.0, 0
+    for placement in placements(policy.module):
+        if placement.adapter is None:
+            continue
+        a, b, scale = placement.adapter
+        hand = placement.param.double() + (policy.config.model.lora.alpha / policy.config.model.lora.rank) \
+            * b.double() @ a.double()
+        assert scale == policy.config.model.lora.alpha / policy.config.model.lora.rank
+        hf_names, layout = table[placement.global_name]
+        for hf_name, piece in zip(hf_names, split(layout, hand, policy.arch)):
+            worst = max(worst, _max(exported[hf_name], piece))
+            merged_count += 1
+    return worst, merged_count
+
+
+BASE = ["device=cpu", "optimizer.lr=0.01", "optimizer.clip_grad=0.0", "parallel.ep=2", "parallel.etp=1"]
+
+
+def policy_checks(config, runtime) -> dict:
+    from megatron_rl.config import load_config
+    from megatron_rl.model.policy import Policy
+
+    from parity_worker import nll_batches
+
+    base_overrides = BASE
+    full = Policy(config, runtime)
+    lora = Policy(load_config(None, base_overrides + ["model.lora.rank=4", "model.lora.alpha=8"]), runtime)
+    base_state = {k: v for k, v in full.module.state_dict().items() if not k.endswith("_extra_state")}
+    missing, unexpected = lora.module.load_state_dict(base_state, strict=False)
+    batches, loss_fn = nll_batches(full, runtime)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    result = {"missing_are_adapters": all(k.endswith((".lora_A", ".lora_B")) for k in missing)
+              and not unexpected and bool(missing)}
+    before = full.logprobs(batches)
+    with_adapters = lora.logprobs(batches)
+    result["b0_logprob_diff"] = max(_max(x["logprobs"], y["logprobs"]) for x, y in zip(before, with_adapters))
+
+    full.train_step(batches, loss_fn)
+    lora_step = lora.train_step(batches, loss_fn)
+    result["lora_step_updated"] = lora_step.updated
+    adapters = {name: p for name, p in lora.module.named_parameters() if name.endswith((".lora_A", ".lora_B"))}
+    base = {name: p for name, p in lora.module.named_parameters() if name not in adapters}
+    result["base_requires_grad"] = sorted(n for n, p in base.items() if p.requires_grad)
+    result["base_with_grad"] = sorted(n for n, p in base.items() if p.grad is not None or hasattr(p, "main_grad"))
+    owned = optimizer_params(lora.optimizer)
+    result["optimizer_numel"] = sum(p.numel() for p in lora.module.parameters() if id(p) in owned)
+    result["adapter_numel"] = sum(p.numel() for p in adapters.values())
+    result["optimizer_is_adapters"] = owned == {id(p) for p in adapters.values()}
+    result["adapter_names"] = sorted(adapters)
+    result["b_nonzero_after_step"] = all(float(p.abs().max()) > 0 for n, p in adapters.items() if n.endswith("lora_B"))
+    result["optimizer_state_bytes"] = {"full": optimizer_state_bytes(full.optimizer),
+                                       "lora": optimizer_state_bytes(lora.optimizer)}
+    result["export_max_error"], result["export_merged_tensors"] = export_check(lora)
+    result["expert_max_error"] = expert_check(lora)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    out = Path(args.out)
+    from megatron_rl.config import load_config
+    from megatron_rl.runtime import start_runtime
+
+    config = load_config(None, BASE)
+    runtime = start_runtime(config)  # the CPU layer (gloo collectives Megatron's mappings use) too
+    result = {"linear": linear_checks()}
+    result.update(policy_checks(config, runtime))
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

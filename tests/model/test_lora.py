@@ -1,0 +1,177 @@
+"""LoRA on the Megatron MoE policy (model/lora.py, bridge/lora_merge.py).
+
+In-process: the config and its refusals by name, the targets per family. One two-rank job in the
+module's rank pool (lora_worker.py): one LoRA linear in float64 against the hand computation
+(column and row parallel, alone, split with sequence parallelism, and as an expert linear split
+over expert-TP), then the tiny MoE at EP2: B = 0 gives the base model's logprobs exactly; the
+base gets no gradient and the optimizer holds exactly the adapters; optimizer-state bytes against
+full fine-tuning; one expert's adapter through SequentialMLP; the HF export merged.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import load_config
+from megatron_rl.errors import ConfigError
+from megatron_rl.model.hf_config import load_hf_config, parse_hf_config
+from megatron_rl.model.layout_checks import check_divisibility, lora_targets
+
+WORKER = Path(__file__).with_name("lora_worker.py")
+F64 = 1e-12  # float64 against float64: only the order of the sums differs
+FP32 = 2e-5  # the fp32 model against float64 by hand
+
+
+def arch_of(preset: str):
+    return parse_hf_config(*load_hf_config(preset))
+
+
+# ---- config -----------------------------------------------------------------------------------
+
+def test_lora_config_shape_and_defaults():
+    config = load_config(None, ["model.lora.rank=16"])
+    lora = config.model.lora
+    assert (lora.rank, lora.alpha, lora.dropout, lora.targets, lora.init) == (16, 16.0, 0.0, None, "kaiming")
+    assert load_config(None, []).model.lora is None  # off by default: full fine-tuning
+    config = load_config(None, ["model.lora.targets=[qkv,experts,router]", "model.lora.init=gaussian"])
+    assert config.model.lora.targets == ["qkv", "experts", "router"]
+
+
+@pytest.mark.parametrize("override, named", [
+    ("model.lora.rank=0", "model.lora.rank must be >= 1"),
+    ("model.lora.rank=-4", "model.lora.rank must be >= 1"),
+    ("model.lora.alpha=0", "model.lora.alpha must be a finite number > 0"),
+    ("model.lora.alpha=-1", "model.lora.alpha must be a finite number > 0"),
+    ("model.lora.dropout=1.0", "model.lora.dropout must be in [0, 1)"),
+    ("model.lora.targets=[qkv,mlp]", "model.lora.targets[1]: 'mlp' is not one of"),
+    ("model.lora.targets=[]", "model.lora.targets is empty"),
+    ("model.lora.targets=[qkv,qkv]", "names 'qkv' twice"),
+    ("model.lora.init=zeros", "model.lora.init: 'zeros' is not one of"),
+])
+def test_bad_lora_settings_are_refused_by_name(override, named):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert named in str(info.value), str(info.value)
+
+
+def test_targets_follow_the_family():
+    lora = load_config(None, ["model.lora.rank=8"]).model.lora
+    # The tiny Qwen3-MoE: every layer MoE, no shared experts, so no dense fc1 / fc2.
+    assert lora_targets(lora, arch_of("tiny-qwen3-moe")) == ["qkv", "proj", "experts"]
+    assert lora_targets(lora, arch_of("tiny-llama")) == ["qkv", "proj", "fc1", "fc2"]
+    assert lora_targets(lora, arch_of("tiny-glm4-moe")) == ["qkv", "proj", "fc1", "fc2", "experts"]  # shared experts
+    assert lora_targets(lora, arch_of("tiny-deepseek-v3")) == ["proj", "fc1", "fc2", "experts"]
+
+
+@pytest.mark.parametrize("preset, target, why", [
+    ("tiny-llama", "experts", "it is a dense model (no experts)"),
+    ("tiny-llama", "router", "it is a dense model (no router)"),
+    ("tiny-qwen3-moe", "fc1", "no dense fc1/fc2"),
+    ("tiny-deepseek-v3", "qkv", "multi-latent"),
+])
+def test_targets_the_model_lacks_are_refused_before_building(preset, target, why):
+    config = load_config(None, [f"model.hf_config={preset}", f"model.lora.targets=[proj,{target}]"])
+    with pytest.raises(ConfigError) as info:
+        check_divisibility(arch_of(preset), config)  # preflight's check_layout and the builder call it
+    message = str(info.value)
+    assert f"model.lora.targets: {arch_of(preset).architecture} has no {target!r}" in message and why in message
+
+
+def test_converting_a_lora_checkpoint_to_hf_is_refused_by_name(tmp_path):
+    """tools' megatron-to-hf reads the base weights only: a LoRA run's checkpoint (base and
+    adapters side by side) would come out as the base model, so it is refused, naming a key."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_rl.bridge.streamed import write_hf_from_torch_dist
+    from megatron_rl.checkpoint.unpickling import read_torch_dist_index
+
+    weights = tmp_path / "weights"
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"decoder.layers.self_attention.linear_qkv.weight": torch.zeros(4, 2),
+                  "decoder.layers.self_attention.linear_qkv.lora_A": torch.zeros(1, 2)},
+                 storage_writer=dcp.FileSystemWriter(str(weights)), no_dist=True)
+    with pytest.raises(ConfigError, match=r"holds LoRA adapters \(decoder.layers.self_attention.linear_qkv.lora_A"):
+        write_hf_from_torch_dist(None, None, weights, read_torch_dist_index(weights), tmp_path / "out", precision="fp32")
+
+
+def test_lora_with_fp8_training_or_transformer_engine_layers_is_refused():
+    with pytest.raises(ConfigError, match="model.lora with FP8 training"):
+        load_config(None, ["model.lora.rank=8", "model.precision=bf16", "model.fp8_recipe=blockwise"])
+    with pytest.raises(ConfigError, match="model.lora is built on the local layer spec's linears"):
+        load_config(None, ["model.lora.rank=8", "model.layer_spec=transformer_engine"])
+
+
+# ---- two ranks ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, rank_pools) -> list[dict]:
+    out = tmp_path_factory.mktemp("lora")
+    result = rank_pools.run(WORKER, 2, "--out", str(out))
+    assert result.returncode == 0, result.stderr[-6000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+multiprocess = pytest.mark.multiprocess  # the two-rank job (pyproject marks)
+
+
+@multiprocess
+@pytest.mark.parametrize("case", ["column_1rank", "row_1rank", "column_tp2_sp", "row_tp2_sp",
+                                  "column_etp2_expert", "row_etp2_expert"])
+def test_one_lora_linear_against_the_hand_computation(results, case):
+    for rank, result in enumerate(results):
+        errors = result["linear"][case]
+        assert errors.pop("weight_grad") is False, (rank, case)  # the frozen base
+        assert max(errors.values()) <= F64, (rank, case, errors)
+
+
+@multiprocess
+def test_zero_b_gives_the_base_model_exactly(results):
+    for result in results:
+        assert result["missing_are_adapters"]
+        assert result["b0_logprob_diff"] == 0.0, result["b0_logprob_diff"]
+
+
+@multiprocess
+def test_base_frozen_and_the_optimizer_holds_only_the_adapters(results):
+    arch = arch_of("tiny-qwen3-moe")
+    rank, hidden, heads, groups, dim = 4, arch.hidden_size, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    qkv = rank * hidden + (heads + 2 * groups) * dim * rank
+    proj = rank * heads * dim + hidden * rank
+    expert = (rank * hidden + 2 * arch.moe_ffn_hidden_size * rank) + (rank * arch.moe_ffn_hidden_size + hidden * rank)
+    local_experts = arch.num_experts // 2  # EP2
+    expected = arch.num_layers * (qkv + proj + local_experts * expert)
+    for result in results:
+        assert result["lora_step_updated"] and result["b_nonzero_after_step"]
+        assert result["base_requires_grad"] == [] and result["base_with_grad"] == []
+        assert result["optimizer_is_adapters"]
+        assert result["optimizer_numel"] == result["adapter_numel"] == expected, (result["optimizer_numel"], expected)
+        assert all(".self_attention.linear_qkv." in n or ".self_attention.linear_proj." in n
+                   or ".mlp.experts.local_experts." in n for n in result["adapter_names"])
+
+
+@multiprocess
+def test_optimizer_state_is_a_small_share_of_full_fine_tuning(results):
+    # Adam's two moments over both ranks: 114,688 bytes for rank 4 against 1,711,616 for full
+    # fine-tuning (6.7%; the tiny model's 64-wide layers make rank 4 a large share of them).
+    state = results[0]["optimizer_state_bytes"]
+    assert 0 < state["lora"] <= 0.1 * state["full"], state
+
+
+@multiprocess
+def test_one_experts_adapter_through_the_experts(results):
+    for result in results:
+        assert result["expert_max_error"] <= FP32, result["expert_max_error"]
+
+
+@multiprocess
+def test_hf_export_is_the_merged_weight(results):
+    for result in results:
+        # qkv (3 HF pieces) + proj per layer, fc1 (2) + fc2 per local and gathered expert checked locally
+        assert result["export_merged_tensors"] >= 2 * (3 + 1 + 2 * 3), result["export_merged_tensors"]
+        assert result["export_max_error"] <= FP32, result["export_max_error"]
