@@ -10,6 +10,8 @@ Public API (kept stable: the trainer and outside checks call it; see docs/algori
   -> ``(loss, metrics)``, ``PolicyLossConfig``, ``recipe(name, **overrides)``.
 * step normalization: ``compute_step_normalizer(masks, ...)`` -> ``StepNormalizer``.
 * metrics: ``reduce_metrics(dicts, group=None)``, ``length_bias_metrics(rewards, lengths)``.
+* on-policy distillation (``distill.py``): ``distillation_advantages`` (the teacher's per-token
+  reverse-KL signal mixed with the reward's advantage), ``distillation_metrics``.
 * helpers: ``kl_penalty``, ``agg_loss``, ``segments_to_padded``.
 * names (``names.py``, no torch): every algorithm name a config may write, declared once;
   ``from_config.recipe_for(rl, response_budget)``: the recipe a run's ``rl`` section selects.
@@ -49,6 +51,8 @@ __all__ = [
     "kl_penalty",
     "agg_loss",
     "segments_to_padded",
+    "distillation_advantages",
+    "distillation_metrics",
 ]
 
 _MODULE_OF = {
@@ -80,6 +84,8 @@ _MODULE_OF = {
     "mask_truncated": "shaping",
     "overlong_penalty": "shaping",
     "zero_spread_groups": "shaping",
+    "distillation_advantages": "distill",
+    "distillation_metrics": "distill",
 }
 
 

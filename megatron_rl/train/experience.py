@@ -20,6 +20,8 @@ from megatron_rl.algorithms import (
     apply_overlong_penalty,
     compute_advantages,
     compute_step_normalizer,
+    distillation_advantages,
+    distillation_metrics,
     length_bias_metrics,
     policy_loss,
     segments_to_padded,
@@ -40,6 +42,7 @@ class Trajectory:
     advantage: float = 0.0
     old_logprobs: torch.Tensor | None = None  # the policy's before this step's updates
     ref_logprobs: torch.Tensor | None = None  # the reference policy's (KL only)
+    teacher_logprobs: torch.Tensor | None = None  # on-policy distillation's teacher's (train/teacher.py)
     # R3 (rl.routing_replay: rollout): the engine's MoE routes of every token it ran, int
     # [prompt + response - 1, MoE layers, k] (model/routing.py replays them).
     routed_experts: torch.Tensor | None = None
@@ -263,8 +266,13 @@ def store_logprobs(outputs: list[dict], batches: list[PackedBatch], trajectories
 
 
 def make_loss_fn(trajectories: list[Trajectory], recipe: Recipe, normalizer, *, old_from_forward: bool, use_ref: bool,
-                 policy_version: int | None = None, max_staleness: int = 0, max_turns: int = 0):
+                 policy_version: int | None = None, max_staleness: int = 0, max_turns: int = 0,
+                 distill_coef: float = 0.0):
     """The micro-batch loss for Policy.train_step: this micro-batch's share of the step loss.
+
+    `distill_coef` > 0 (rl.teacher): each token's advantage is (1 - distill_coef) x the sample's
+    advantage + distill_coef x (teacher - old logprob) (algorithms/distill.py), from the
+    trajectories' `teacher_logprobs`; the metrics then hold `distill/*`.
 
     `old_from_forward`: with one update per rollout the old policy IS the current one, so the
     old logprobs are this forward's own, detached (ratio exactly 1, no extra forward pass).
@@ -341,8 +349,13 @@ def make_loss_fn(trajectories: list[Trajectory], recipe: Recipe, normalizer, *, 
         ref = padded([t.ref_logprobs for t in rows], width, device) if use_ref else None
         ent = segments_to_padded(entropy, segments)[0] if entropy is not None else None
         advantages = torch.tensor([t.advantage for t in rows], dtype=torch.float32, device=device)
+        if distill_coef:
+            teacher = padded([t.teacher_logprobs for t in rows], width, device)
+            advantages = distillation_advantages(advantages, teacher, old, mask, distill_coef)
         loss, metrics = policy_loss(current, old, advantages, mask, recipe.loss, normalizer=normalizer,
                                     ref_logprobs=ref, rollout_logprobs=rollout, entropy=ent)
+        if distill_coef:
+            metrics.update(distillation_metrics(teacher, old, mask))
         if max_staleness:
             metrics.update(mismatch_by(old, rollout, mask, staleness(rows, width).to(device), range(max_staleness + 1),
                                        "staleness"))
