@@ -56,8 +56,9 @@ class TeacherConfig:
         if self.mode == "trainer":
             given = [name for name in ("server_url", "max_model_len") if getattr(self, name) is not None]
             if given:
-                raise ConfigError(f"{where}.{given[0]} has no effect with {where.rsplit(': ', 1)[-1]}.mode=trainer (the teacher is "
-                                  f"held in the training ranks); remove it or set mode: server")
+                section = where.rsplit(": ", 1)[-1]
+                raise ConfigError(f"{where}.{given[0]} has no effect with {section}.mode=trainer (the teacher is held "
+                                  f"in the training ranks); remove it or set mode: server")
         if self.max_model_len is not None and (isinstance(self.max_model_len, bool) or self.max_model_len < 2):
             raise ConfigError(f"{where}.max_model_len must be an integer >= 2 (or null), got {self.max_model_len!r}")
         for name in ("startup_timeout_s", "request_timeout_s"):

@@ -130,13 +130,14 @@ def check_teacher_length(config, source: TeacherSource) -> None:
     if teacher.mode == "trainer" or teacher.server_url is None:
         if positions is not None and positions < needed:
             raise ConfigError(f"{KEY}.source: the teacher holds {positions} positions (max_position_embeddings of "
-                              f"{source.config_dir / 'config.json'}), but {_length_terms(config)}; use a teacher with a "
-                              f"longer context or lower rollout.max_model_len")
+                              f"{source.config_dir / 'config.json'}), but {_length_terms(config)}; use a teacher with "
+                              f"a longer context or lower rollout.max_model_len")
     if teacher.mode == "server" and teacher.server_url is None:
         served = server_context(config)
         if served < needed + 1:
-            raise ConfigError(f"{KEY}.max_model_len={served} cannot hold the student's sequences: {_length_terms(config)}, "
-                              f"and a prompt-logprobs request needs one token more; set it to at least {needed + 1} "
+            raise ConfigError(f"{KEY}.max_model_len={served} cannot hold the student's sequences: "
+                              f"{_length_terms(config)}, and a prompt-logprobs request needs one token more; set it "
+                              f"to at least {needed + 1} "
                               f"(or null)")
 
 
@@ -216,6 +217,8 @@ class ServerTeacher:
                 server = _connect(config, source, notify)
             except ConfigError as exc:
                 error = str(exc)
+            except Exception as exc:  # noqa: BLE001 - every rank must hear of it, not wait for the driver
+                error = f"{KEY}: the teacher's server could not be used: {exc}"
         error = runtime.from_driver(error)
         if error is not None:
             raise ConfigError(error)
@@ -226,8 +229,14 @@ class ServerTeacher:
         trajectories = [t for group in groups for t in group]
         values = None
         if self.server is not None:
-            values = self.server.logprobs([(t.prompt_ids, t.response_ids) for t in trajectories])
-        _store(trajectories, self.runtime.from_driver(values))
+            try:
+                values = self.server.logprobs([(t.prompt_ids, t.response_ids) for t in trajectories])
+            except Exception as exc:  # noqa: BLE001 - every rank raises it, none waits for the driver
+                values = exc
+        values = self.runtime.from_driver(values)
+        if isinstance(values, Exception):
+            raise values
+        _store(trajectories, values)
 
     def engine(self):
         """The driver's: the server as a sampling engine (held-out evaluation); None elsewhere."""

@@ -134,6 +134,8 @@ class Trainer:
                                    generation=self.generation, scorer=self.scorer, runtime=runtime,
                                    notify=self.log.message)
         # On-policy distillation (rl.teacher): the teacher's server or frozen model; None without one.
+        # Built after RoutingReplay.attach, which took the student's MoE routers only: a trainer-held
+        # teacher's routers always route by themselves.
         self.teacher = build_teacher(config, runtime, notify=self.log.message)
         self.stop_signals = StopSignals()
         self.update_guard = None  # made when RL starts: it measures the weights it starts from

@@ -19,7 +19,8 @@ import math
 
 import torch
 
-from megatron_rl.algorithms import compute_step_normalizer, distillation_advantages, distillation_metrics, reduce_metrics
+from megatron_rl.algorithms import (compute_step_normalizer, distillation_advantages, distillation_metrics,
+                                    reduce_metrics)
 from megatron_rl.algorithms.loss import policy_loss
 from megatron_rl.algorithms.recipes import recipe
 from megatron_rl.train.experience import Trajectory, make_loss_fn, pack_minibatch, response_masks
@@ -43,7 +44,8 @@ def test_the_advantage_is_teacher_minus_student_on_the_mask():
     assert torch.allclose(mixed, torch.tensor([want], dtype=torch.float64), atol=1e-15, rtol=0)
     # A NaN where the mask is off (padding) never reaches the advantage.
     teacher[0, 3] = float("nan")
-    assert torch.isfinite(distillation_advantages(torch.zeros(1, dtype=torch.float64), teacher, student, mask, 1.0)).all()
+    zero = torch.zeros(1, dtype=torch.float64)
+    assert torch.isfinite(distillation_advantages(zero, teacher, student, mask, 1.0)).all()
     metrics = reduce_metrics([{**distillation_metrics(teacher, student, mask),
                                "count/tokens/sum": mask.sum().double()}])
     assert abs(metrics["distill/reverse_kl"] - (-(2 * D[0] + D[1]) / 3)) < 1e-15

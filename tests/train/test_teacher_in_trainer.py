@@ -49,7 +49,8 @@ recipe = recipe_for(config.rl)
 settings = LossSettings.for_run(config, recipe)
 batches = experience.packed[0]
 normalizer = step_normalizer(response_masks(batches, rows, recipe), recipe, None, "cpu")
-loss_fn = make_loss_fn(rows, recipe, normalizer, old_from_forward=False, use_ref=False, distill_coef=settings.distill_coef)
+loss_fn = make_loss_fn(rows, recipe, normalizer, old_from_forward=False, use_ref=False,
+                       distill_coef=settings.distill_coef)
 advantages = {}
 for batch in batches:
     current = torch.zeros(batch.num_tokens)
