@@ -5,13 +5,15 @@ Everything runs through `megatron-rl` as a user runs it:
 1. the teacher: the built-in default run (warm start, then DAPO for --teacher-steps RL steps),
    exported as a Hugging Face model; its held-out accuracy is that run's last evaluation (and,
    with --mode server, measured again by the distillation runs at their start: `teacher/accuracy`);
-2. per seed, the student's warm start: `megatron-rl sft` for --student-warm-start supervised steps
-   (fewer than the teacher's, so that the student starts below it), written once and shared by
-   both arms of the seed;
+2. the student: a fresh warm start, `megatron-rl sft` for --student-warm-start supervised steps at
+   --student-seed (by default the teacher's own: the student is the policy the teacher's RL started
+   from), written once and shared by every seed and arm (the warm start's outcome depends strongly
+   on the initialization seed: 0.41 held-out at seed 1234, 0.07 at seeds 1-3, 250 steps);
 3. per seed, two arms from that checkpoint with the same seed (the same prompt stream and
    sampling seeds): RL alone (the default recipe, DAPO) and distillation alone (rl.teacher: the
    teacher, rl.distill_coef: 1; the reward functions still score, for the metrics and the
-   held-out accuracy, but never enter the loss).
+   held-out accuracy, but never enter the loss). --per-seed-warm-start: one warm start per seed,
+   at that seed, instead.
 
 Per arm and seed: the held-out accuracy (greedy, the whole held-out set) every --eval-every
 steps, against RL steps and against samples generated (dynamic sampling's refills counted), and
@@ -20,8 +22,8 @@ the steps of both arms and the ratio distillation / RL; over the seeds the mean 
 ratio (the goal: below 1). An arm that never reaches the target counts its step budget + 1 and is
 named. Writes a markdown report, the JSON of every curve and a PNG.
 
-    .venv/bin/python benchmarks/distill.py --out benchmarks/results/distill_cpu.md        # 3 seeds
-    .venv/bin/python benchmarks/distill.py --seeds 3 --steps 30 --teacher-steps 100 --eval-every 5
+    .venv/bin/python benchmarks/distill.py            # teacher + 3 seeds x 2 arms, ~12 min on 2 cores
+    .venv/bin/python benchmarks/distill.py --teacher RUN --seeds 5   # a teacher run this script trained before
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ def train_teacher(root: Path, args) -> dict:
 
 def student_warm_start(root: Path, seed: int, args) -> Path:
     out = root / f"student_seed{seed}"
-    cli("sft", "--output-dir", str(out), f"warm_start.steps={args.student_warm_start}", f"seed={seed}")
+    if not out.exists():
+        cli("sft", "--output-dir", str(out), f"warm_start.steps={args.student_warm_start}", f"seed={seed}")
     return out
 
 
@@ -149,18 +152,36 @@ def plot(runs: list[dict], teacher: dict, summary: dict, path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
+def command_line(argv: list[str]) -> str:
+    """The arguments as run, with this machine's paths (--teacher, --work, --out) named by role."""
+    placeholders = {"--teacher": "TEACHER_RUN", "--work": "WORK_DIR", "--out": "REPORT.md"}
+    shown, hide = [], None
+    for arg in argv:
+        name = arg.split("=", 1)[0]
+        if hide is not None:
+            shown.append(placeholders[hide])
+            hide = None
+        elif name in placeholders and "=" in arg:
+            shown.append(f"{name}={placeholders[name]}")
+        else:
+            shown.append(arg)
+            hide = name if name in placeholders else None
+    return " ".join(shown)
+
+
 def report(teacher: dict, runs: list[dict], summary: dict, args, png: Path, wall: float) -> str:
     lines = [
         "# On-policy distillation vs RL alone (benchmarks/distill.py)",
         "",
         f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; "
         f"{time.strftime('%Y-%m-%d', time.gmtime())}; total {wall / 60:.1f} min.",
-        f"Command: `python benchmarks/distill.py {' '.join(sys.argv[1:])}`",
+        f"Command: `python benchmarks/distill.py {command_line(sys.argv[1:])}`",
         "",
         f"Teacher: the built-in default run, {teacher['rl_steps']} RL steps (seed {args.teacher_seed}); held-out "
         f"accuracy {teacher['accuracy_after_warm_start']:.3f} after its warm start -> **{teacher['accuracy']:.3f}**. "
-        f"Students: `megatron-rl sft` for {args.student_warm_start} steps per seed, then {args.steps} steps of each "
-        f"arm (teacher mode: {args.mode}). Target: {args.target} x teacher = {summary['target']:.3f}.",
+        f"Student: `megatron-rl sft` for {args.student_warm_start} steps ("
+        f"{'per seed, at that seed' if args.per_seed_warm_start else f'seed {args.student_seed}, shared by every seed'}"
+        f"), then {args.steps} steps of each arm (teacher mode: {args.mode}). Target: {args.target} x teacher = {summary['target']:.3f}.",
         "",
         "| seed | start | RL: steps to target | distill: steps to target | ratio | RL samples | distill samples "
         "| RL final | distill final |",
@@ -188,11 +209,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--first-seed", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=40, help="RL steps of each arm")
-    parser.add_argument("--eval-every", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=80, help="RL steps of each arm")
+    parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--teacher-steps", type=int, default=150)
     parser.add_argument("--teacher-seed", type=int, default=1234)
-    parser.add_argument("--student-warm-start", type=int, default=120, help="the students' supervised steps")
+    parser.add_argument("--student-warm-start", type=int, default=250, help="the student's supervised steps")
+    parser.add_argument("--student-seed", type=int, help="the student's warm-start seed (default: the teacher's)")
+    parser.add_argument("--per-seed-warm-start", action="store_true", help="a warm start per seed, at that seed")
     parser.add_argument("--target", type=float, default=0.9, help="the fraction of the teacher's accuracy to reach")
     parser.add_argument("--mode", choices=("trainer", "server"), default="trainer", help="rl.teacher.mode")
     parser.add_argument("--group-size", type=int, default=8, help="rl.group_size of the runs (the default's)")
@@ -201,6 +224,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "benchmarks/results/distill_cpu.md"))
     args = parser.parse_args()
     args.seed_list = list(range(args.first_seed, args.first_seed + args.seeds))
+    if args.student_seed is None:
+        args.student_seed = args.teacher_seed
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="distill-bench-") as scratch:
         root = Path(args.work or scratch)
@@ -214,7 +239,7 @@ def main() -> None:
         print(f"teacher: held-out accuracy {teacher['accuracy']:.3f} ({teacher['hf_model']})", flush=True)
         runs = []
         for seed in args.seed_list:
-            warm = student_warm_start(root, seed, args)
+            warm = student_warm_start(root, seed if args.per_seed_warm_start else args.student_seed, args)
             for arm in ("rl", "distill"):
                 runs.append(run_arm(root, arm, seed, warm, teacher, args))
                 curve = runs[-1]["curve"]
@@ -226,7 +251,8 @@ def main() -> None:
     png = out.with_suffix(".png")
     plot(runs, teacher, summary, png)
     out.write_text(report(teacher, runs, summary, args, png, time.perf_counter() - started))
-    out.with_suffix(".json").write_text(json.dumps({"teacher": teacher, "runs": runs, "summary": summary}, indent=1))
+    recorded = dict(teacher, hf_model="TEACHER_RUN/hf_model")  # no path of this machine in the record
+    out.with_suffix(".json").write_text(json.dumps({"teacher": recorded, "runs": runs, "summary": summary}, indent=1))
     for s in summary["per_seed"]:
         print(f"seed {s['seed']}: steps to {args.target} x teacher: RL {s['rl_steps']}, distillation "
               f"{s['distill_steps']} (ratio {s['ratio']:.2f})")
