@@ -11,6 +11,8 @@ Public API (kept stable: the trainer and outside checks call it; see docs/algori
 * step normalization: ``compute_step_normalizer(masks, ...)`` -> ``StepNormalizer``; with
   off-policy masks, of ``off_policy_keep(mask, config, ...)`` (masked tokens leave it).
 * metrics: ``reduce_metrics(dicts, group=None)``, ``length_bias_metrics(rewards, lengths)``.
+* on-policy distillation (``distill.py``): ``distillation_advantages`` (the teacher's per-token
+  reverse-KL signal mixed with the reward's advantage), ``distillation_metrics``.
 * helpers: ``kl_penalty``, ``agg_loss``, ``segments_to_padded``.
 * names (``names.py``, no torch): every algorithm name a config may write, declared once;
   ``from_config.recipe_for(rl, response_budget)``: the recipe a run's ``rl`` section selects.
@@ -51,6 +53,8 @@ __all__ = [
     "kl_penalty",
     "agg_loss",
     "segments_to_padded",
+    "distillation_advantages",
+    "distillation_metrics",
 ]
 
 _MODULE_OF = {
@@ -83,6 +87,8 @@ _MODULE_OF = {
     "mask_truncated": "shaping",
     "overlong_penalty": "shaping",
     "zero_spread_groups": "shaping",
+    "distillation_advantages": "distill",
+    "distillation_metrics": "distill",
 }
 
 

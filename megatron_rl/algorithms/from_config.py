@@ -81,6 +81,11 @@ def recipe_for(rl, response_budget: int | None = None):
 
     base = RECIPES[rl.recipe]
     overrides = {name: getattr(rl, name) for name in OVERRIDABLE if getattr(rl, name) is not None}
+    if getattr(rl, "teacher", None) is not None and rl.dynamic_sampling is None:
+        # With a teacher every token carries a signal: a group whose rewards are all equal (the
+        # whole group under distillation alone) is not empty of it, so the recipe's dynamic
+        # sampling would drop what the teacher teaches. rl.dynamic_sampling: true still applies.
+        overrides["dynamic_sampling"] = False
     budget = rl.max_response_tokens if response_budget is None else response_budget
     overrides.update(overlong_lengths(rl, base.overlong_max_length, base.overlong_buffer_length, budget=budget))
     if rl.off_policy.method is not None:

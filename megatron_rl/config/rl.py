@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from megatron_rl.algorithms.names import (LossAggMode, OffPolicyMethod, OutcomeAdvantageEstimator, RatioLevel,
                                           RecipeName, TisLevel, TisMode)
+from megatron_rl.config.teacher import TeacherConfig, validate_distillation
 from megatron_rl.errors import ConfigError
 
 # The estimators a run can use (a config names them as algorithms/names.py does).
@@ -208,6 +209,11 @@ class RLConfig:
     eval_every: int = 25  # RL steps between held-out evaluations (0: only before and after)
     eval_prompts: int | None = None  # None: the whole held-out set
     eval_temperature: float = 0.0  # greedy by default: accuracy of the policy's best answer
+    # On-policy distillation (config/teacher.py, docs/algorithms.md): a teacher scores every sampled
+    # token, and a token's advantage is (1 - distill_coef) x the reward's advantage + distill_coef x
+    # (log pi_teacher - log pi_student). distill_coef null: 1 (distillation alone) with a teacher.
+    teacher: TeacherConfig | None = None
+    distill_coef: float | None = None
 
     def __post_init__(self):
         self.routing_replay = _routing_replay_value(self.routing_replay)
@@ -245,6 +251,12 @@ class RLConfig:
             raise ConfigError(f"{where}.eval_temperature must be a finite number >= 0 (0: greedy), "
                               f"got {self.eval_temperature}")
         self._validate_algorithm(where)
+        validate_distillation(self.teacher, self.distill_coef, where)
+        if self.teacher is not None and self.off_policy.opsm_delta is not None:
+            # The sequence mask keys on the sample's reward advantage; with a teacher each token has
+            # its own (the teacher's signal mixed in), and the two would disagree on what to drop.
+            raise ConfigError(f"{where}.off_policy.opsm_delta with {where}.teacher: DeepSeek-V3.2's sequence "
+                              f"mask is not defined for per-token distillation advantages; remove one of the two")
         if self.eval_prompts is not None and self.eval_prompts < 1:
             raise ConfigError(f"{where}.eval_prompts must be >= 1 or null")
 

@@ -48,14 +48,16 @@ from megatron_rl.errors import ConfigError
 CONSOLE = [
     ("reward/mean", "reward", "{:.3f}"),
     ("eval/accuracy", "eval-acc", "{:.3f}"),
+    ("teacher/accuracy", "teacher-acc", "{:.3f}"),  # rl.teacher's own held-out accuracy (step 0)
     ("train/accuracy", "acc", "{:.3f}"),
     ("actor/kl", "kl", "{:.4f}"),
+    ("distill/reverse_kl", "teacher-kl", "{:.4f}"),  # on-policy distillation: KL(student || teacher) per token
     ("actor/entropy", "entropy", "{:.3f}"),
     ("actor/clip_frac", "clip", "{:.3f}"),
     ("moe/routing_drift", "drift", "{:.3f}"),
     ("response/length_mean", "len", "{:.1f}"),
 ]
-PHASES = ["generate", "score", "logprobs", "train", "sync"]
+PHASES = ["generate", "score", "teacher", "logprobs", "train", "sync"]
 WALL_CLOCK = ("time", "elapsed_s")  # keys every row carries; they differ between identical runs
 
 

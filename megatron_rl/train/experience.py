@@ -20,6 +20,8 @@ from megatron_rl.algorithms import (
     apply_overlong_penalty,
     compute_advantages,
     compute_step_normalizer,
+    distillation_advantages,
+    distillation_metrics,
     length_bias_metrics,
     off_policy_keep,
     policy_loss,
@@ -44,6 +46,7 @@ class Trajectory:
     # DeepSeek-V3.2's off-policy sequence mask (rl.off_policy.opsm_delta): the logprobs of the
     # policy the current update trains, at the update's start (update.store_update_logprobs).
     update_logprobs: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None  # on-policy distillation's teacher's (train/teacher.py)
     # R3 (rl.routing_replay: rollout): the engine's MoE routes of every token it ran, int
     # [prompt + response - 1, MoE layers, k] (model/routing.py replays them).
     routed_experts: torch.Tensor | None = None
@@ -300,8 +303,13 @@ def store_logprobs(outputs: list[dict], batches: list[PackedBatch], trajectories
 
 
 def make_loss_fn(trajectories: list[Trajectory], recipe: Recipe, normalizer, *, old_from_forward: bool, use_ref: bool,
-                 policy_version: int | None = None, max_staleness: int = 0, max_turns: int = 0):
+                 policy_version: int | None = None, max_staleness: int = 0, max_turns: int = 0,
+                 distill_coef: float = 0.0):
     """The micro-batch loss for Policy.train_step: this micro-batch's share of the step loss.
+
+    `distill_coef` > 0 (rl.teacher): each token's advantage is (1 - distill_coef) x the sample's
+    advantage + distill_coef x (teacher - old logprob) (algorithms/distill.py), from the
+    trajectories' `teacher_logprobs`; the metrics then hold `distill/*`.
 
     `old_from_forward`: with one update per rollout the old policy IS the current one, so the
     old logprobs are this forward's own, detached (ratio exactly 1, no extra forward pass). Not
@@ -375,8 +383,14 @@ def make_loss_fn(trajectories: list[Trajectory], recipe: Recipe, normalizer, *, 
         ent = segments_to_padded(entropy, segments)[0] if entropy is not None else None
         theta = (_padded([t.update_logprobs for t in rows], width, device)
                  if recipe.loss.opsm_delta is not None else None)
-        loss, metrics = policy_loss(current, old, _advantages(rows, device), mask, recipe.loss, normalizer=normalizer,
+        advantages = _advantages(rows, device)
+        if distill_coef:
+            teacher = _padded([t.teacher_logprobs for t in rows], width, device)
+            advantages = distillation_advantages(advantages, teacher, old, mask, distill_coef)
+        loss, metrics = policy_loss(current, old, advantages, mask, recipe.loss, normalizer=normalizer,
                                     ref_logprobs=ref, rollout_logprobs=rollout, entropy=ent, opsm_logprobs=theta)
+        if distill_coef:
+            metrics.update(distillation_metrics(teacher, old, mask))
         if max_staleness:
             metrics.update(mismatch_by(old, rollout, mask, staleness(rows, width).to(device), range(max_staleness + 1),
                                        "staleness"))

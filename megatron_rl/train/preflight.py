@@ -117,6 +117,7 @@ def preflight(config):
     from megatron_rl.observability.metrics_log import check_wandb_available
     from megatron_rl.rewards import build_scorer
     from megatron_rl.rollout.factory import check_engine_installed
+    from megatron_rl.train.teacher import check_teacher
     from megatron_rl.train.warm_start import check_targets
 
     check_layout_and_paths(config)
@@ -126,6 +127,8 @@ def preflight(config):
         raise ConfigError(f"rl: {exc}") from None
     check_run_directory(config)
     check_engine_installed(config)
+    if config.rl.teacher is not None:  # its source, vocabulary and context, before any model or engine
+        check_teacher(config, run_tokenizer(config))
     check_wandb_available(config.logging.wandb_mode)
     build_scorer(config.rewards).close()  # resolves every reward function now
     check_agents(config)

@@ -47,6 +47,7 @@ from megatron_rl.train.reward_failures import check_reward_failures
 from megatron_rl.train.routing_replay import RoutingReplay
 from megatron_rl.train.scoring import GroupScorer
 from megatron_rl.train.stop_signals import StopSignals
+from megatron_rl.train.teacher import build_teacher, teacher_heldout
 from megatron_rl.train.update import LossSettings, run_updates, store_step_logprobs
 from megatron_rl.train.update_guard import UpdateGuard
 from megatron_rl.train.warm_start import warm_start
@@ -132,6 +133,10 @@ class Trainer:
                                    sampler=self.sampler, train_set=self.train_set, rollout=self.rollout,
                                    generation=self.generation, scorer=self.scorer, runtime=runtime,
                                    notify=self.log.message)
+        # On-policy distillation (rl.teacher): the teacher's server or frozen model; None without one.
+        # Built after RoutingReplay.attach, which took the student's MoE routers only: a trainer-held
+        # teacher's routers always route by themselves.
+        self.teacher = build_teacher(config, runtime, notify=self.log.message)
         self.stop_signals = StopSignals()
         self.update_guard = None  # made when RL starts: it measures the weights it starts from
 
@@ -146,7 +151,7 @@ class Trainer:
                 if config.warm_start.steps:
                     warm_start(self.policy, self.tokenizer, self.train_set, config, self.runtime, self.log)
                 self.sync_weights()
-                self.log.step(0, self.evaluate())
+                self.log.step(0, {**self.evaluate(), **self._teacher_heldout()})
                 start = 1
             else:
                 self.sync_weights()
@@ -204,6 +209,10 @@ class Trainer:
         experience = pack_step(rollout.groups, dp_rank=self.runtime.dp_rank, dp_size=self.runtime.dp_size,
                                updates=rl.updates_per_rollout, token_budget=self.config.micro_batch_tokens,
                                pad_to_multiple=self.policy.pad_to_multiple)
+        if self.teacher is not None:  # each trajectory's teacher_logprobs (the distillation signal)
+            self.teacher.score(rollout.groups, experience)
+            timings["time/teacher_s"] = time.perf_counter() - tick
+            tick = time.perf_counter()
         # With one update per rollout the old policy IS the updated one: the loss takes its
         # logprobs from the update's own forward (ratio exactly 1, no extra pass).
         recompute_old = not self.loss_settings.old_from_forward
@@ -233,6 +242,19 @@ class Trainer:
 
     def evaluate(self) -> dict:
         return evaluate(self.heldout, self.config.rl, self.config.seed, self.generation, self.scorer)
+
+    def _teacher_heldout(self) -> dict:
+        """The teacher's held-out accuracy, measured once at the start when it is cheap (the
+        teacher's own server samples); otherwise one line saying why not."""
+        if self.teacher is None:
+            return {}
+        metrics, why_not = teacher_heldout(self.teacher, self.config, self.heldout, self.encode, self.scorer,
+                                           self.runtime)
+        if why_not is not None:
+            self.log.message(f"the teacher's held-out accuracy is not measured: {why_not}")
+        elif "teacher/accuracy" in metrics:
+            self.log.message(f"the teacher's held-out accuracy: {metrics['teacher/accuracy']:.3f}")
+        return metrics
 
     # ---- training ---------------------------------------------------------------------------
 
@@ -284,6 +306,8 @@ class Trainer:
 
     def _shutdown(self) -> None:
         self.collector.close()
+        if self.teacher is not None:
+            self.teacher.close()
         self.generation.close()
         self.log.close()
         self.scorer.close()

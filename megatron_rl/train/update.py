@@ -57,6 +57,8 @@ class LossSettings:
     temperature: float
     max_staleness: int = 0  # asynchronous RL: mismatch metrics per token staleness
     max_turns: int = 0  # multi-turn runs: mismatch metrics per model turn
+    # rl.teacher: the teacher's weight in each token's advantage (0: no teacher; config/teacher.py)
+    distill_coef: float = 0.0
 
     @classmethod
     def for_run(cls, config: RunConfig, recipe: Recipe) -> LossSettings:
@@ -64,7 +66,15 @@ class LossSettings:
         old_from_forward = config.rl.updates_per_rollout == 1 and not recipe.loss.masks_tokens
         return cls(recipe, old_from_forward=old_from_forward, use_ref=recipe.loss.kl_coef > 0,
                    temperature=config.rl.temperature, max_staleness=config.rl.max_staleness,
-                   max_turns=rollout.max_turns if rollout.multi_turn else 0)
+                   max_turns=rollout.max_turns if rollout.multi_turn else 0,
+                   distill_coef=distill_coef_of(config.rl))
+
+
+def distill_coef_of(rl) -> float:
+    """The teacher's weight in the advantage: 0 without rl.teacher, rl.distill_coef (null: 1) with one."""
+    if rl.teacher is None:
+        return 0.0
+    return 1.0 if rl.distill_coef is None else float(rl.distill_coef)
 
 
 def store_step_logprobs(policy: Policy, experience: PackedStep, attribute: str, routing, *,
@@ -114,7 +124,7 @@ def run_update(policy: Policy, runtime: Runtime, batches: list[PackedBatch], tra
     normalizer = step_normalizer(masks, recipe, policy.dp_group, runtime.device)
     loss_fn = make_loss_fn(trajectories, recipe, normalizer, old_from_forward=loss.old_from_forward,
                         use_ref=loss.use_ref, policy_version=policy_version, max_staleness=loss.max_staleness,
-                        max_turns=loss.max_turns)
+                        max_turns=loss.max_turns, distill_coef=loss.distill_coef)
     with routing.update(offset) as trace:
         return policy.train_step(batches, loss_fn, routing=trace, temperature=loss.temperature)
 

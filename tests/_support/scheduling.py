@@ -42,6 +42,7 @@ SHARED_SERVER_MODULES = (
     "tests/agents/test_agent_training.py",
     "tests/agents/test_agent_vllm.py",
     "tests/rollout/test_partial_rollout.py",
+    "tests/rollout/test_teacher_server.py",
     "tests/train/test_async_rl.py",
 )
 HEAVY_MARKS = ("engine", "multiprocess", "slurm")
