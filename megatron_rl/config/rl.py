@@ -255,7 +255,7 @@ class RLConfig:
         if self.teacher is not None and self.off_policy.opsm_delta is not None:
             # The sequence mask keys on the sample's reward advantage; with a teacher each token has
             # its own (the teacher's signal mixed in), and the two would disagree on what to drop.
-            raise ConfigError(f"{where}.off_policy.opsm_delta with {where}.teacher: DeepSeek-V3.2's sequence "
+            raise ConfigError(f"{where}.off_policy.opsm_delta with rl.teacher: DeepSeek-V3.2's sequence "
                               f"mask is not defined for per-token distillation advantages; remove one of the two")
         if self.eval_prompts is not None and self.eval_prompts < 1:
             raise ConfigError(f"{where}.eval_prompts must be >= 1 or null")
