@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from megatron_rl.bridge.importer import non_finite
 from megatron_rl.bridge.layouts import split
+from megatron_rl.bridge.lora_merge import merged_weight
 from megatron_rl.bridge.mappings import expand
 from megatron_rl.bridge.placement import Placement, placements
 from megatron_rl.bridge.safetensors_stream import SafetensorsStream, plan_files
@@ -108,7 +109,8 @@ class _Parameter:
 
 
 def write_hf_from_torch_dist(module, arch: ArchitectureSpec, weights: Path, index, staging: Path, *, precision: str,
-                             file_bytes: int = 2 << 30, bucket_bytes: int = 512 << 20) -> dict[str, dict]:
+                             file_bytes: int = 2 << 30, bucket_bytes: int = 512 << 20,
+                             adapters: dict | None = None) -> dict[str, dict]:
     """The safetensors files and model.safetensors.index.json of the torch_dist checkpoint in
     `weights`, written into `staging`. `module`: the whole model (TP1, PP1, EP1) on the meta
     device, built at the checkpoint's precision and padded vocabulary, with Megatron's parallel
@@ -116,8 +118,12 @@ def write_hf_from_torch_dist(module, arch: ArchitectureSpec, weights: Path, inde
     weights in fp32) are written in bf16 as `save_pretrained` writes them; buffers (the routers'
     fp32 expert bias) keep their dtype. `index`: the directory's torch_dist index (.metadata), as
     the caller read it (checkpoint/unpickling.py: torch's own reader unpickles it in full, so it is
-    never used here). Returns each written file's size and CRC-32."""
-    refuse_adapters(weights, index)
+    never used here). Returns each written file's size and CRC-32.
+    `adapters`: a LoRA run's adapters (read_adapters; the model built with its model.lora), each
+    merged into its weight as the run's own export does (bridge/lora_merge.py); without them a
+    checkpoint holding adapters is refused."""
+    if adapters is None:
+        refuse_adapters(weights, index)
     parameters = _parameters(module, arch)
     planned = []
     for item in parameters:
@@ -129,7 +135,7 @@ def write_hf_from_torch_dist(module, arch: ArchitectureSpec, weights: Path, inde
         for bucket in _buckets(parameters, bucket_bytes):
             values = _load(bucket, reader)
             for item in bucket:
-                value = values.pop(0)
+                value = merged_weight(values.pop(0), (adapters or {}).get(item.placement.global_name))
                 for name, piece in zip(item.hf_names, _hf_pieces(item, value, arch)):
                     out.write(name, piece.to(_output_dtype(item.placement, precision)))
                 del value
@@ -144,12 +150,34 @@ def refuse_adapters(weights: Path, index) -> None:
     adapters = sorted(key for key in index.state_dict_metadata if ".lora_A" in key or ".lora_B" in key)
     if adapters:
         raise ConfigError(f"{weights}: the checkpoint holds LoRA adapters ({adapters[0]} and {len(adapters) - 1} "
-                          "more); converting it would write the base model without them, and merging them here "
-                          "is not built yet. Use the run's merged Hugging Face export (OUTPUT_DIR/hf_model, written "
-                          "at the end of training)")
+                          "more); converting it alone would write the base model without them. Pass --merge-lora "
+                          "for the merged model (W + (alpha / rank) B A), or use `megatron-rl convert "
+                          "megatron-to-peft` for the adapters as a PEFT directory")
 
 
-def _parameters(module, arch: ArchitectureSpec) -> list[_Parameter]:
+def read_adapters(module, weights: Path, index) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """A LoRA run's adapters from its torch_dist checkpoint, whole: {global weight name: (A, B,
+    alpha / rank)}. `module`: the whole model (TP1, PP1, EP1) on the meta device built with the
+    run's model.lora, so its adapters name their torch_dist keys (saved at any layout); they are
+    small (rank x (in + out) each), read in one pass."""
+    sharded = _sharded_by_storage(module)
+    items, owners = [], []
+    for placement in placements(module):
+        if placement.adapter is None:
+            continue
+        a, b, scale = placement.adapter
+        owners.append((placement.global_name, scale))
+        for tensor in (a, b):
+            chunks = sharded.pop(storage_key(tensor), [])
+            if not chunks:
+                raise RuntimeError(f"the adapter of {placement.global_name} has no torch_dist key in the model")
+            items.append(_Parameter(dataclasses.replace(placement, param=tensor, adapter=None), (), "plain", chunks))
+    values = _load(items, _IndexReadOnce(str(weights), index)) if items else []
+    return {name: (values[2 * i], values[2 * i + 1], scale) for i, (name, scale) in enumerate(owners)}
+
+
+def _sharded_by_storage(module) -> dict[int, list]:
+    """{storage key: the ShardedTensors (torch_dist keys) of that parameter or buffer}."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
@@ -159,6 +187,14 @@ def _parameters(module, arch: ArchitectureSpec) -> list[_Parameter]:
     for value in nested_values(sharded_state_dict):
         if isinstance(value, ShardedTensor):  # ShardedObjects (layers' _extra_state) hold no weights
             sharded.setdefault(storage_key(value.data), []).append(value)
+    return sharded
+
+
+def _parameters(module, arch: ArchitectureSpec) -> list[_Parameter]:
+    sharded = _sharded_by_storage(module)
+    for placement in placements(module):  # the adapters are read apart (read_adapters)
+        for tensor in placement.adapter[:2] if placement.adapter is not None else ():
+            sharded.pop(storage_key(tensor), None)
     table = {name: (hf, layout) for name, hf, layout in expand(arch)}
     out = []
     for placement in placements(module):

@@ -102,6 +102,8 @@ def megatron_to_hf_parser(prog: str = "megatron-rl convert megatron-to-hf") -> a
     parser.add_argument("--out", required=True)
     parser.add_argument("--hf-template", default=None, help="copy tokenizer files from here (default: the checkpoint's)")
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
+    parser.add_argument("--merge-lora", action="store_true",
+                        help="a LoRA run's checkpoint: merge its adapters, W + (alpha / rank) B A (docs/lora.md)")
     parser.add_argument("--bucket-mb", type=int, default=512,
                         help="weights read at a time, in MiB (the conversion's memory is about this plus the "
                              "largest tensor, whatever the model's size)")
@@ -405,11 +407,12 @@ def megatron_to_hf(argv: list[str], prog: str = "megatron-rl convert megatron-to
     hf_config = str(ckpt / "hf_config")
     template = args.hf_template or hf_config
     check_free_space(output, megatron_to_hf_bytes(ckpt, template))
+    from megatron_rl.tools.convert_lora import one_process_config, read_checkpoint_adapters, recorded_model, \
+        require_lora
+
+    lora = require_lora(ckpt, recorded_model(ckpt).get("lora"), "merge") if args.merge_lora else None
     _verify_once(ckpt)  # the input's checksums: after the output checks, it reads every file
-    one_process = argparse.Namespace(tp=1, pp=1, ep=1, etp=None)
-    config = hf_model_config(hf_config, one_process, metadata["precision"],
-                             [f"model.padded_vocab_size={metadata['padded_vocab_size']}"])
-    validate_layout(config)
+    config = one_process_config(ckpt, metadata, lora)  # with the run's adapters for --merge-lora
     check_weight_files(weights_path(ckpt))
 
     from megatron_rl.bridge.hf_checkpoint import write_hf_config
@@ -420,12 +423,13 @@ def megatron_to_hf(argv: list[str], prog: str = "megatron-rl convert megatron-to
     # bucket at a time (bridge/streamed.py), so memory does not grow with the model.
     weights = weights_path(ckpt)
     with model_on_this_rank(config, meta=True) as (runtime, built):
+        adapters = read_checkpoint_adapters(built.module, weights) if lora else None
         with written_atomically(output) as (staging, checksums):
             try:
                 checksums.update(write_hf_from_torch_dist(built.module, built.arch, weights,
                                                           read_torch_dist_index(weights), staging,
                                                           precision=metadata["precision"],
-                                                          bucket_bytes=args.bucket_mb << 20))
+                                                          bucket_bytes=args.bucket_mb << 20, adapters=adapters))
             except TorchDistUnreadable as exc:
                 raise ConfigError(unloadable(weights, exc.__cause__) if exc.__cause__ is not None
                                   else f"{weights}: {exc}; {USE_ANOTHER}") from exc
@@ -433,14 +437,30 @@ def megatron_to_hf(argv: list[str], prog: str = "megatron-rl convert megatron-to
         print(f"wrote {args.out} ({built.arch.architecture})")
 
 
-COMMANDS = {"hf-to-megatron": hf_to_megatron, "megatron-to-hf": megatron_to_hf}
+def megatron_to_peft(argv: list[str], prog: str = "megatron-rl convert megatron-to-peft") -> None:
+    from megatron_rl.tools.convert_lora import megatron_to_peft_parser, recorded_model, require_lora, write_peft_export
+
+    args = megatron_to_peft_parser(prog).parse_args(argv)
+    ckpt = _resolved_for_conversion(args.ckpt)
+    output = check_output_location(args.out, args.force, "megatron-rl convert megatron-to-peft",
+                                   {"--ckpt": args.ckpt, "checkpoint": ckpt},
+                                   inside_ok=("--ckpt",) if ckpt.resolve() != Path(args.ckpt).resolve() else ())
+    metadata, model = read_metadata(ckpt), recorded_model(ckpt)
+    require_lora(ckpt, model.get("lora"), "export")
+    _verify_once(ckpt)
+    count = write_peft_export(ckpt, metadata, model, lambda: written_atomically(output))
+    print(f"wrote {args.out} ({count} adapters as a PEFT directory)")
+
+
+COMMANDS = {"hf-to-megatron": hf_to_megatron, "megatron-to-hf": megatron_to_hf, "megatron-to-peft": megatron_to_peft}
 USAGE = f"usage: megatron-rl convert {{{','.join(COMMANDS)}}} ..."
 
 
 def usage_text() -> str:
     """`megatron-rl convert --help`."""
     return (f"{USAGE}\n\nHF safetensors <-> Megatron torch_dist checkpoint conversion.\n\ncommands:\n"
-            f"  hf-to-megatron  {HF_TO_MEGATRON}\n  megatron-to-hf  {MEGATRON_TO_HF}\n\n"
+            f"  hf-to-megatron  {HF_TO_MEGATRON}\n  megatron-to-hf  {MEGATRON_TO_HF}\n"
+            "  megatron-to-peft  a LoRA run's adapters as a PEFT directory\n\n"
             "megatron-rl convert COMMAND --help lists a command's options.\n")
 
 

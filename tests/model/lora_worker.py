@@ -183,10 +183,36 @@ def export_check(policy) -> tuple[float, int]:
     return worst, merged_count
 
 
+def conversion_inputs(lora, base: dict[str, torch.Tensor], out: Path) -> None:
+    """For test_lora's conversion test: the LoRA policy after its step as a checkpoint at EP2
+    (with the trainer state naming its model.lora), and the base and the merged models (the
+    live export, B nonzero) as HF directories."""
+    from safetensors.torch import save_file
+
+    from megatron_rl.bridge import export_hf_weights
+    from megatron_rl.bridge.hf_checkpoint import write_hf_config
+    from megatron_rl.checkpoint.format import save_megatron_checkpoint
+    from megatron_rl.config.loader import to_dict
+
+    merged = {n: t for bucket in export_hf_weights(lora.module, lora.arch, every_rank=True) for n, t in bucket}
+    ckpt = out / "ckpt"
+    ckpt.mkdir(exist_ok=True)
+    dist.barrier()
+    save_megatron_checkpoint(lora.module, lora.raw_hf_config, ckpt, lora.config, tokenizer_dir=None,
+                             source="lora_worker")
+    if dist.get_rank() != 0:
+        return
+    (ckpt / "trainer_state.json").write_text(json.dumps({"config": to_dict(lora.config)}))
+    for name, tensors in (("base", base), ("merged", merged)):
+        (out / name).mkdir()
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / name / "model.safetensors"))
+        write_hf_config(lora.raw_hf_config, lora.arch, out / name, template_dir=None)
+
+
 BASE = ["device=cpu", "optimizer.lr=0.01", "optimizer.clip_grad=0.0", "parallel.ep=2", "parallel.etp=1"]
 
 
-def policy_checks(config, runtime) -> dict:
+def policy_checks(config, runtime, out: Path) -> dict:
     from megatron_rl.config import load_config
     from megatron_rl.model.policy import Policy
 
@@ -205,6 +231,10 @@ def policy_checks(config, runtime) -> dict:
     with_adapters = lora.logprobs(batches)
     result["b0_logprob_diff"] = max(_max(x["logprobs"], y["logprobs"]) for x, y in zip(before, with_adapters))
 
+    from megatron_rl.bridge import export_hf_weights
+
+    # Copies: an unsplit weight is exported as the live parameter, which the step below changes.
+    base_hf = {n: t.clone() for bucket in export_hf_weights(full.module, full.arch, every_rank=True) for n, t in bucket}
     full.train_step(batches, loss_fn)
     lora_step = lora.train_step(batches, loss_fn)
     result["lora_step_updated"] = lora_step.updated
@@ -222,6 +252,7 @@ def policy_checks(config, runtime) -> dict:
                                        "lora": optimizer_state_bytes(lora.optimizer)}
     result["export_max_error"], result["export_merged_tensors"] = export_check(lora)
     result["expert_max_error"] = expert_check(lora)
+    conversion_inputs(lora, base_hf, out)
     return result
 
 
@@ -236,7 +267,7 @@ def main() -> None:
     config = load_config(None, BASE)
     runtime = start_runtime(config)  # the CPU layer (gloo collectives Megatron's mappings use) too
     result = {"linear": linear_checks()}
-    result.update(policy_checks(config, runtime))
+    result.update(policy_checks(config, runtime, out))
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
 
 

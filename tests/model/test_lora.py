@@ -100,6 +100,17 @@ def test_converting_a_lora_checkpoint_to_hf_is_refused_by_name(tmp_path):
         write_hf_from_torch_dist(None, None, weights, read_torch_dist_index(weights), tmp_path / "out", precision="fp32")
 
 
+def test_adapters_of_a_checkpoint_without_lora_are_refused_by_name(tmp_path):
+    """convert megatron-to-peft / megatron-to-hf --merge-lora on a run without model.lora."""
+    from megatron_rl.tools.convert_lora import recorded_model, require_lora
+
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"config": {"model": {"lora": None}}}))
+    with pytest.raises(ConfigError, match=r"not a checkpoint of a LoRA run: its trainer_state.json names no "
+                                          r"model.lora, so it holds no adapters to export"):
+        require_lora(tmp_path, recorded_model(tmp_path).get("lora"), "export")
+    assert require_lora(tmp_path, {"rank": 4}, "merge") == {"rank": 4}
+
+
 def test_lora_with_fp8_training_or_transformer_engine_layers_is_refused():
     with pytest.raises(ConfigError, match="model.lora with FP8 training"):
         load_config(None, ["model.lora.rank=8", "model.precision=bf16", "model.fp8_recipe=blockwise"])
@@ -114,7 +125,7 @@ def results(tmp_path_factory, rank_pools) -> list[dict]:
     out = tmp_path_factory.mktemp("lora")
     result = rank_pools.run(WORKER, 2, "--out", str(out))
     assert result.returncode == 0, result.stderr[-6000:]
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    return [dict(json.loads((out / f"rank{rank}.json").read_text()), out=str(out)) for rank in range(2)]
 
 
 multiprocess = pytest.mark.multiprocess  # the two-rank job (pyproject marks)
@@ -175,3 +186,48 @@ def test_hf_export_is_the_merged_weight(results):
         # qkv (3 HF pieces) + proj per layer, fc1 (2) + fc2 per local and gathered expert checked locally
         assert result["export_merged_tensors"] >= 2 * (3 + 1 + 2 * 3), result["export_merged_tensors"]
         assert result["export_max_error"] <= FP32, result["export_max_error"]
+
+
+def hf_logits(directory, tokens, adapter=None):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    if adapter is not None:
+        import peft
+
+        model = peft.PeftModel.from_pretrained(model, adapter)
+    model.eval()
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0]
+
+
+@multiprocess
+@pytest.mark.subprocess
+def test_a_lora_checkpoint_converts_to_peft_and_to_the_merged_model(results, tmp_path):
+    """`megatron-rl convert` on the worker's EP2 checkpoint after a step (B nonzero), in one
+    process: megatron-to-peft's directory, loaded by peft on the base, gives the live merged
+    export's logits; megatron-to-hf --merge-lora writes the live merged export's tensors."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from _support.processes import child_env
+
+    pytest.importorskip("peft")
+    out = Path(results[0]["out"])
+    peft_dir, merged_dir = tmp_path / "peft", tmp_path / "merged"
+    script = ("import sys; from megatron_rl.tools.convert import main; "
+              f"sys.exit(main(['megatron-to-peft', '--ckpt', {str(out / 'ckpt')!r}, '--out', {str(peft_dir)!r}]) or "
+              f"main(['megatron-to-hf', '--merge-lora', '--ckpt', {str(out / 'ckpt')!r}, '--out', {str(merged_dir)!r}]))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=child_env(), timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    live = load_file(str(out / "merged" / "model.safetensors"))
+    converted = {k: v for f in merged_dir.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    assert converted.keys() == live.keys()
+    assert max((converted[k].float() - live[k].float()).abs().max().item() for k in live) <= 1e-6
+    tokens = [3, 17, 42, 99, 7, 120, 12, 5]
+    merged = hf_logits(out / "merged", tokens)
+    assert (merged - hf_logits(out / "base", tokens)).abs().max() > 1e-3  # the adapters moved the model
+    assert (hf_logits(out / "base", tokens, adapter=peft_dir) - merged).abs().max().item() <= 1e-4

@@ -1,0 +1,114 @@
+"""LoRA adapters as a PEFT directory: adapter_config.json + adapter_model.safetensors.
+
+    tensors = peft_tensors(adapters, arch)        # {Megatron weight name: (A, B)}, whole -> PEFT names
+    write_peft_directory(adapters, arch, settings, directory)
+
+`peft.PeftModel.from_pretrained(hf_base, directory)` then loads the adapters on the Hugging Face
+base model, and its forward is the merged model's (W + (alpha / rank) B A, what bridge/export.py
+writes as hf_model/).
+
+Megatron fuses projections that HF (and so PEFT) keeps apart. A fused column-parallel adapter has
+one A [rank, in] and one B [out, rank] whose rows are fused like W's (model/lora.py), so the
+delta B A has W's fused row layout: the q rows of B A are B_q A, where B_q is B's q rows taken
+with W's own split (bridge/layouts.py). Each HF projection (q/k/v; gate/up) therefore gets the
+same A and its slice of B, with the same scale, and W_q + s B_q A is exactly the q rows of the
+fused merge. Row-parallel adapters (o_proj, down_proj) map one to one.
+
+Experts and router: PEFT's names for a MoE family's experts are the on-disk per-expert modules
+(`mlp.experts.N.gate_proj` for Qwen3-MoE) and the router's is `mlp.gate`, the modules
+transformers < 5 had in memory; PEFT (0.21) converts them on load to transformers 5's fused
+expert tensors and router parameter (target `gate_proj` -> the experts' `gate_up_proj`, with
+the gate and up adapters stacked to rank 2r, and `gate` -> `gate.weight`).
+
+What PEFT cannot represent, refused by name: in a MoE family whose experts and dense MLPs share
+leaf names (Qwen3-MoE, DeepSeek-V3, GLM-4.5: `gate_proj`, `up_proj`, `down_proj`), adapters on a
+dense layer's MLP or on the shared experts (targets `fc1`, `fc2`). PEFT turns every such
+target into the experts' fused parameter, so the dense MLP's adapters would be dropped on load.
+
+The tensors are whole (one process): the caller reads them from a checkpoint at TP1/EP1
+(tools/convert.py, bridge/streamed.py reads torch_dist at any saved layout).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from megatron_rl.bridge.layouts import split
+from megatron_rl.bridge.mappings import expand
+from megatron_rl.errors import ConfigError
+from megatron_rl.model.hf_config import ArchitectureSpec
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PREFIX = "base_model.model."  # PeftModel's prefix for the wrapped model's module names
+Adapters = dict[str, tuple[torch.Tensor, torch.Tensor]]  # Megatron weight name -> (A, B), whole
+
+
+def peft_tensors(adapters: Adapters, arch: ArchitectureSpec) -> dict[str, torch.Tensor]:
+    """PEFT's lora_A / lora_B tensors (PEFT names) of `adapters` (Megatron's global weight names)."""
+    table = {name: (hf, layout) for name, hf, layout in expand(arch)}
+    out = {}
+    for name, (a, b) in sorted(adapters.items()):
+        refuse_unrepresentable(name, table)
+        hf_names, layout = table[name]
+        # B's rows are fused like W's; A is shared by every piece.
+        for hf_name, b_piece in zip(hf_names, split(layout, b.detach(), arch)):
+            module = PREFIX + hf_name.removesuffix(".weight")
+            out[f"{module}.lora_A.weight"] = a.detach().clone().contiguous()  # one storage per tensor
+            out[f"{module}.lora_B.weight"] = b_piece.clone().contiguous()
+    return out
+
+
+def refuse_unrepresentable(name: str, table: dict) -> None:
+    """A Megatron adapter PEFT cannot load on the HF model, refused by name."""
+    if name not in table or not name.endswith(".weight"):
+        raise ConfigError(f"the adapter on {name} has no Hugging Face mapping for this model")
+    if ".local_experts." in name:
+        return
+    expert_leaves = {_leaf(hf) for hf_names, _ in table.values() for hf in hf_names if ".experts." in hf}
+    clash = sorted(expert_leaves.intersection(_leaf(hf) for hf in table[name][0]))
+    if clash:
+        raise ConfigError(f"the adapter on {name} (targets fc1/fc2 on a dense MLP or shared experts) has no PEFT "
+                          f"form for this model: PEFT converts the target {clash[0]} to the experts' fused "
+                          "parameter for this family and would drop it on load; train with model.lora.targets "
+                          "without fc1 and fc2, or use the merged Hugging Face export")
+
+
+def _leaf(hf_name: str) -> str:
+    """The HF module's own name: model.layers.0.mlp.gate_proj.weight -> gate_proj."""
+    return hf_name.rsplit(".", 2)[-2]
+
+
+def target_modules(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """PEFT's target_modules: the HF module leaf names the adapters sit on (q_proj, gate_proj, ...)."""
+    return sorted({key.rsplit(".", 3)[-3] for key in tensors})
+
+
+def adapter_config(tensors: dict[str, torch.Tensor], rank: int, alpha: float, dropout: float,
+                   base_model: str | None) -> dict:
+    """adapter_config.json: PEFT's scaling lora_alpha / r is the run's alpha / rank."""
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": rank, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": target_modules(tensors),
+        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+        "init_lora_weights": True, "modules_to_save": None,
+    }
+
+
+def write_peft_directory(adapters: Adapters, arch: ArchitectureSpec, rank: int, alpha: float, dropout: float,
+                         directory: Path, base_model: str | None = None) -> list[str]:
+    """adapter_config.json and adapter_model.safetensors in `directory` (it exists). Returns the
+    files written. Everything is checked (and refused by name) before the first file is written."""
+    from safetensors.torch import save_file
+
+    if not adapters:
+        raise ConfigError("no LoRA adapters to export: the checkpoint holds none (was model.lora set for the run?)")
+    tensors = peft_tensors(adapters, arch)
+    directory = Path(directory)
+    save_file(tensors, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    config = adapter_config(tensors, rank, alpha, dropout, base_model)
+    (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return [ADAPTER_WEIGHTS, ADAPTER_CONFIG]
