@@ -121,7 +121,9 @@ def tiny_server_handle(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_vllm_server(tiny_server_handle):
     """One vLLM CPU server of the built-in tiny model (dummy weights), shared by the tests that
-    push their own weights into it first (partial rollouts, asynchronous RL, agents): one start-up
+    push their own weights into it first (partial rollouts, asynchronous RL, agents, the teacher),
+    under the names a checkpoint has on disk as the trainer's export does (a push is applied in
+    place against the names of the push before it, whoever made that one): one start-up
     (about 40 s on 2 cores) for the modules that use it, which run one after the other
     (tests/_support/scheduling.py). Yields (url, model directory)."""
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")

@@ -47,6 +47,20 @@ def _model(model_dir, seed: int, **changes):
     return AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
 
 
+def push_checkpoint_tensors(url: str, model, tmp_path) -> None:
+    """Pushes `model`'s weights under their names on disk (save_pretrained's: one tensor per
+    expert), as the trainer's export does. The server is shared: the next module's trainer pushes
+    in place against the names of the push before it, and transformers' in-memory names (its
+    experts fused into one tensor) made that push fail in another module."""
+    from safetensors.torch import load_file
+
+    model.save_pretrained(tmp_path / "teacher")
+    tensors = {}
+    for shard in sorted((tmp_path / "teacher").glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    VllmServerEngine(url, name="vllm-0", staging_dir=tmp_path / "staging").update_weights(tensors.items())
+
+
 def _logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
     ids = torch.tensor([prompt + response])
     with torch.no_grad():
@@ -59,7 +73,7 @@ def test_the_teacher_servers_logprobs_equal_transformers(tiny_vllm_server, tmp_p
 
     url, model_dir = tiny_vllm_server  # the built-in tiny model's server, shared (tests/conftest.py)
     teacher = _model(model_dir, seed=11)  # two layers
-    VllmServerEngine(url, name="vllm-0", staging_dir=tmp_path / "staging").update_weights(teacher.state_dict().items())
+    push_checkpoint_tensors(url, teacher, tmp_path)
     student = _model(model_dir, seed=12, num_hidden_layers=1)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     torch.manual_seed(0)
