@@ -3,9 +3,12 @@ requeue, `scancel`) and systemd deliver it, not only the trainer (test_train_loo
 test signals the trainer alone).
 
 `megatron-rl launch local --nproc-per-node 1` (what launch/tiny_cpu.sh runs) on the shortened tiny
-default with wandb offline (the default mode), started in its own session. Once step 1's console
-line is out, SIGTERM goes to the run's process group (os.killpg) and to every process below it in
-other sessions: torchrun and its rank, wandb's helper process (wandb-core), the checkpoint helpers.
+default with wandb offline (the default mode), started in its own session. Once step 0's console
+line (the evaluation before RL) is out, SIGTERM goes to the run's process group (os.killpg) and to
+every process below it in other sessions: torchrun and its rank, wandb's helper process
+(wandb-core), the checkpoint helpers. A tiny step takes about 0.3 s, less than the test may take to
+notice the line and signal on a loaded machine (it once took two steps): the run has STEPS steps so
+that a late signal still stops it before its end; it usually stops after step 1 or 2.
 A process group alone does not reach them (torchrun's ranks and wandb-core start their own
 sessions); a job's cgroup or SLURM's process tracking does.
 
@@ -34,7 +37,7 @@ import pytest
 from _support.processes import REPO, child_env, cli_command
 from megatron_rl.train.stop_signals import block_stop_signals
 
-STEPS = 3
+STEPS = 8  # see the module docstring: room for a late signal; the run stops long before
 # No warm start: nothing here depends on what the policy knows.
 OVERRIDES = {"rl.steps": str(STEPS), "warm_start.steps": "0", "logging.wandb_mode": "offline"}
 
@@ -118,7 +121,7 @@ def test_sigterm_to_the_whole_run_checkpoints_and_exits_0(tmp_path):
     from run_records import metrics
 
     out = tmp_path / "run"
-    code, output, reached = run_signalled_after_step(out, 1)
+    code, output, reached = run_signalled_after_step(out, 0)
     assert code == 0, f"signalled {reached}\n{output[-6000:]}"
     assert any("wandb-core" in item for item in reached), reached  # the helper the fault was about
     stopped = re.search(r"stopped by SIGTERM after step (\d+); checkpoint (\S+)\.", output)
