@@ -49,9 +49,9 @@ def test_staleness_one_runs_off_policy_and_resumes_exactly(tiny_vllm_server, tmp
     assert min(reference[step]["mismatch/staleness_1/logp_abs_diff_mean"] for step in range(2, 6)) > 1e-3
 
     interrupted = tmp_path / "interrupted"
-    output = stop_with_sigterm(interrupted, *overrides, after_step=2)
+    output = stop_with_sigterm(interrupted, *overrides, after_step=1)
     stopped_at = json.loads((interrupted / "run_state.json").read_text())["step"]
-    assert 2 <= stopped_at < 5, output[-2000:]
+    assert 1 <= stopped_at < 5, output[-2000:]  # room for a late signal: stop_with_sigterm
 
     resumed = run(interrupted, *overrides)
     assert "resumed from" in resumed.stdout
