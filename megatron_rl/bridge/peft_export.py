@@ -15,15 +15,18 @@ same A and its slice of B, with the same scale, and W_q + s B_q A is exactly the
 fused merge. Row-parallel adapters (o_proj, down_proj) map one to one.
 
 Experts and router: PEFT's names for a MoE family's experts are the on-disk per-expert modules
-(`mlp.experts.N.gate_proj` for Qwen3-MoE) and the router's is `mlp.gate`, the modules
-transformers < 5 had in memory; PEFT (0.21) converts them on load to transformers 5's fused
-expert tensors and router parameter (target `gate_proj` -> the experts' `gate_up_proj`, with
-the gate and up adapters stacked to rank 2r, and `gate` -> `gate.weight`).
+(`mlp.experts.N.gate_proj` for Qwen3-MoE, DeepSeek-V3 and GLM-4.5; `block_sparse_moe.experts.N.w1`
+for Mixtral) and the router's is `mlp.gate` (`block_sparse_moe.gate`), the modules transformers
+< 5 had in memory; PEFT (0.21) converts them on load to transformers 5's fused expert tensors and
+router parameter (target `gate_proj` or `w1` -> the experts' `gate_up_proj`, with the gate and up
+adapters stacked to rank 2r, and `gate` -> `gate.weight`, the sigmoid routers' too). Multi-latent
+attention (DeepSeek-V3) is adapted on `o_proj` only (`qkv` is no target of it), a plain mapping.
 
 What PEFT cannot represent, refused by name: in a MoE family whose experts and dense MLPs share
 leaf names (Qwen3-MoE, DeepSeek-V3, GLM-4.5: `gate_proj`, `up_proj`, `down_proj`), adapters on a
 dense layer's MLP or on the shared experts (targets `fc1`, `fc2`). PEFT turns every such
-target into the experts' fused parameter, so the dense MLP's adapters would be dropped on load.
+target into the experts' fused parameter, so the dense MLP's adapters would be dropped on load
+(tried: the PEFT model is then the base model exactly). Mixtral has no dense MLP.
 
 The tensors are whole (one process): the caller reads them from a checkpoint at TP1/EP1
 (tools/convert.py, bridge/streamed.py reads torch_dist at any saved layout).

@@ -90,6 +90,13 @@ def _add_adapters(layer, lora: LoraSettings, in_features: int, out_features: int
     split_param, split_dim = (layer.lora_B, 0) if split == "B" else (layer.lora_A, 1)
     if layer.tp_group.size() > 1:
         set_tensor_model_parallel_attributes(split_param, True, split_dim, 1)
+    else:
+        # Over a group of one neither is a copy: tagged like every Megatron weight at TP1. Megatron's
+        # gradient norm counts an untagged parameter on rank 0 of the attention's TP group only, so
+        # an expert's adapters at expert-TP 1 beside TP2 attention (distinct expert-DP shards on the
+        # TP ranks) would otherwise be left out of the norm on TP rank 1.
+        for param, dim in ((layer.lora_A, 1), (layer.lora_B, 0)):
+            set_tensor_model_parallel_attributes(param, True, dim, 1)
     for param in (layer.lora_A, layer.lora_B):
         # Expert adapters' gradients are reduced over the expert-data-parallel group, as the
         # expert weights' are (Megatron's DDP reads this attribute).

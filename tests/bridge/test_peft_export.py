@@ -1,16 +1,20 @@
 """The PEFT export of LoRA adapters (bridge/peft_export.py): loaded by `peft` on the Hugging Face
 base, it gives the merged model's logits (W + (alpha / rank) B A merged in Megatron's fused layout,
-as the merged export does), for Qwen3-MoE (attention, every expert, the router) and Llama
-(attention, MLP); what PEFT cannot load (a Qwen3-MoE dense layer's MLP) is refused by name.
+as the merged export does), for every family the bridge maps and LoRA can adapt: Qwen3-MoE,
+Mixtral, DeepSeek-V3 and GLM-4.5 (attention, every expert, the router) and Llama, Qwen3 and Qwen2
+(attention, MLP).
+What PEFT cannot load (a MoE model's dense-layer MLP or shared experts) is refused by name.
 
 In-process and without Megatron: the adapters are a state dict in Megatron's names, with random
-nonzero A and B, on the weights of a tiny random HF model read back in Megatron's fused layout.
+nonzero A and B, on the weights of a tiny random HF model (the bridge tests' configs) read back in
+Megatron's fused layout.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,35 +26,26 @@ from megatron_rl.bridge.lora_merge import merged_weight
 from megatron_rl.bridge.mappings import expand
 from megatron_rl.bridge.peft_export import ADAPTER_CONFIG, write_peft_directory
 from megatron_rl.errors import ConfigError
-from megatron_rl.model.hf_config import load_hf_config, parse_hf_config
+from megatron_rl.model.hf_config import parse_hf_config
+from megatron_rl.model.layout_checks import family_lora_targets
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_bridge import family_configs, make_hf_model  # noqa: E402
 
 peft = pytest.importorskip("peft")
 
 RANK, ALPHA = 4, 8.0
 TOL = 1e-4
-ADAPTED = (".linear_qkv.weight", ".linear_proj.weight", ".linear_fc1.weight", ".linear_fc2.weight",
-           ".mlp.router.weight")
+# LoRA target (config/model.py) -> the Megatron weights it adapts
+TARGET_WEIGHTS = {
+    "qkv": (".self_attention.linear_qkv.weight",),
+    "proj": (".self_attention.linear_proj.weight",),
+    "fc1": (".mlp.linear_fc1.weight", ".mlp.shared_experts.linear_fc1.weight"),
+    "fc2": (".mlp.linear_fc2.weight", ".mlp.shared_experts.linear_fc2.weight"),
+    "experts": (".linear_fc1.weight", ".linear_fc2.weight"),
+    "router": (".mlp.router.weight",),
+}
 TOKENS = [[3, 17, 42, 99, 7, 250, 12, 5, 64, 31]]
-
-
-def family(name: str) -> dict:
-    if name == "qwen3_moe":  # layer 1 dense (mlp_only_layers): its MLP has no PEFT form here
-        raw, _ = load_hf_config("tiny-qwen3-moe")
-        return dict(raw, vocab_size=300, norm_topk_prob=False, mlp_only_layers=[1])
-    raw, _ = load_hf_config("tiny-llama")
-    return dict(raw, vocab_size=300)
-
-
-def make_hf_model(raw: dict, directory: Path) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
-    model = AutoModelForCausalLM.from_config(config).float()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.08)
-    model.save_pretrained(directory)
 
 
 def read_weights(directory: Path) -> dict[str, torch.Tensor]:
@@ -60,14 +55,17 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def random_adapters(arch, hf: dict[str, torch.Tensor], dense_mlp: bool = True):
-    """{Megatron weight name: (fused W, A, B)} on every adaptable linear (`dense_mlp`: with the
-    non-expert MLP's), A and B nonzero."""
+def adapted(name: str, targets: list[str]) -> bool:
+    expert = ".local_experts." in name
+    return any(name.endswith(TARGET_WEIGHTS[t]) and (expert == (t == "experts")) for t in targets)
+
+
+def random_adapters(arch, hf: dict[str, torch.Tensor], targets: list[str]):
+    """{Megatron weight name: (fused W, A, B)} on every linear of `targets`, A and B nonzero."""
     generator = torch.Generator().manual_seed(1)
     out = {}
     for name, hf_names, layout in expand(arch):
-        mlp = ".linear_fc" in name and ".local_experts." not in name
-        if name.endswith(ADAPTED) and (dense_mlp or not mlp):
+        if adapted(name, targets):
             weight = merge(layout, [hf[n] for n in hf_names], arch)
             a = torch.randn(RANK, weight.shape[1], generator=generator) * 0.3
             b = torch.randn(weight.shape[0], RANK, generator=generator) * 0.3
@@ -95,18 +93,33 @@ def logits(model) -> torch.Tensor:
         return model(torch.tensor(TOKENS)).logits[0]
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "llama"])
+# What a run on each family can adapt (model/layout_checks.py) and PEFT can load: a MoE family's
+# dense MLP and shared experts (fc1, fc2) are refused below; multi-latent attention (DeepSeek-V3)
+# has no qkv target, so its attention is adapted on o_proj only.
+PEFT_TARGETS = {
+    "qwen3_moe": ["qkv", "proj", "experts", "router"],
+    "mixtral": ["qkv", "proj", "experts", "router"],
+    "deepseek_v3": ["proj", "experts", "router"],
+    "glm4_moe": ["qkv", "proj", "experts", "router"],
+    "llama": ["qkv", "proj", "fc1", "fc2"],
+    "qwen3": ["qkv", "proj", "fc1", "fc2"],  # tied embeddings, qk-norm
+    "qwen2": ["qkv", "proj", "fc1", "fc2"],  # q/k/v biases
+}
+
+
+@pytest.mark.parametrize("name", list(PEFT_TARGETS))
 def test_peft_export_loads_as_the_merged_model(tmp_path, name):
     from transformers import AutoModelForCausalLM
 
-    raw = family(name)
+    raw = family_configs()[name]
     arch = parse_hf_config(raw)
+    targets = PEFT_TARGETS[name]
+    assert set(targets) == set(family_lora_targets(arch)) - ({"fc1", "fc2"} if arch.is_moe else set())
     base = tmp_path / "base"
     make_hf_model(raw, base)
-    adapters = random_adapters(arch, read_weights(base), dense_mlp=name != "qwen3_moe")
-    assert any(".linear_qkv." in n for n in adapters) and any(".linear_fc1." in n for n in adapters)
-    if name == "qwen3_moe":
-        assert any(".local_experts." in n for n in adapters) and any(".router." in n for n in adapters)
+    adapters = random_adapters(arch, read_weights(base), targets)
+    for target in targets:  # every target has adapters
+        assert any(adapted(n, [target]) for n in adapters), target
     write_merged(arch, base, adapters, tmp_path / "merged")
     exported = tmp_path / "peft"
     exported.mkdir()
@@ -122,10 +135,17 @@ def test_peft_export_loads_as_the_merged_model(tmp_path, name):
     assert (loaded - merged).abs().max().item() <= TOL
 
 
-def test_dense_mlp_of_a_moe_model_is_refused_by_name(tmp_path):
-    arch = parse_hf_config(family("qwen3_moe"))
-    dense = "decoder.layers.1.mlp.linear_fc1.weight"
-    adapters = {dense: (torch.ones(RANK, arch.hidden_size), torch.ones(2 * arch.ffn_hidden_size, RANK))}
-    with pytest.raises(ConfigError, match=r"decoder\.layers\.1\.mlp\.linear_fc1\.weight .*gate_proj"):
+# A dense layer's MLP (Qwen3-MoE's mlp_only_layers, GLM-4.5's first_k_dense_replace) and the
+# shared experts (DeepSeek-V3) share the experts' module names, which PEFT fuses on load.
+REFUSED = [("qwen3_moe", "decoder.layers.1.mlp.linear_fc1.weight", "gate_proj"),
+           ("glm4_moe", "decoder.layers.0.mlp.linear_fc2.weight", "down_proj"),
+           ("deepseek_v3", "decoder.layers.1.mlp.shared_experts.linear_fc1.weight", "gate_proj")]
+
+
+@pytest.mark.parametrize("name, weight, leaf", REFUSED, ids=[r[0] for r in REFUSED])
+def test_dense_mlp_of_a_moe_model_is_refused_by_name(tmp_path, name, weight, leaf):
+    arch = parse_hf_config(family_configs()[name])
+    adapters = {weight: (torch.ones(RANK, 8), torch.ones(8, RANK))}
+    with pytest.raises(ConfigError, match=rf"{weight.replace('.', '[.]')} .*{leaf}.*merged Hugging Face export"):
         write_peft_directory(adapters, arch, RANK, ALPHA, 0.0, tmp_path)
     assert list(tmp_path.iterdir()) == []  # refused before anything is written

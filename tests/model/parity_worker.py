@@ -7,7 +7,8 @@ Every layout runs the same script on the same data with the same starting weight
   3. the gradient of one step, written as a `torch_dist` checkpoint of the model's sharded state
      dict with the gradients in place of the weights, so Megatron's own sharding metadata (fused
      QKV, SwiGLU halves, expert ids, pipeline layer offsets) turns every layout into full tensors;
-  4. the loss of 3 optimizer steps.
+  4. the loss of 3 optimizer steps;
+  5. with model.lora, the merged HF export after those steps (every stage's leader its layers).
 The test (test_parity.py) compares these files with the reference's.
 """
 
@@ -110,6 +111,17 @@ def save_grads(policy: Policy, directory: Path) -> None:
     full = {k: v for k, v in load_plain_tensors(str(directory)).items() if torch.is_tensor(v)}
     if dist.get_rank() == 0:
         torch.save(full, directory.parent / "grads.pt")
+
+
+def save_merged_export(policy: Policy, out: Path) -> None:
+    """5 (model.lora): the HF export after the steps, each adapter merged into its weight. Only
+    each pipeline stage's leader receives tensors (its own layers), so the files of all ranks
+    together are the whole merged model."""
+    from megatron_rl.bridge import export_hf_weights
+
+    tensors = {name: t.clone() for bucket in export_hf_weights(policy.module, policy.arch) for name, t in bucket}
+    if tensors:
+        torch.save(tensors, out / f"merged_rank{dist.get_rank()}.pt")
 
 
 def set_adapters_nonzero(module) -> None:
@@ -234,6 +246,8 @@ def main() -> None:
             "precision": config.model.precision,
         }
         (out / "losses.json").write_text(json.dumps({"loss": losses, "grad_norm": grad_norms, "layout": layout}))
+    if config.model.lora is not None:
+        save_merged_export(policy, out)
     dist.barrier()
     runtime.shutdown()
 
