@@ -38,8 +38,12 @@ STEPS = 4
 # Overrides on top of test_train_loop's SHORT. No warm start: B = 0 at the first push, nonzero
 # from the second (step 1 trains it). optimizer.lr 2e-3 (adapters take a larger rate, docs/lora.md)
 # makes W + s B A after one step far enough from W that an unmerged push fails the 1e-4 check.
-LORA_RUN = ["model.lora.rank=8", "model.lora.alpha=16", "optimizer.lr=2e-3", f"rl.steps={STEPS}",
-            "rl.prompts_per_step=4", "rl.group_size=4", "warm_start.steps=0", "data.num_heldout=2",
+# dr_grpo: no dynamic sampling, so every step scores every sample whatever the rewards. One
+# update per rollout: train/grad_norm is the last update's, here the step's. Groups of 8 at a
+# reward rate near 0.15: some group has mixed rewards at every step, almost surely.
+LORA_RUN = ["model.lora.rank=8", "model.lora.alpha=16", "optimizer.lr=2e-3", f"rl.steps={STEPS}", "rl.recipe=dr_grpo",
+            "rl.updates_per_rollout=1", "rl.prompts_per_step=4", "rl.group_size=8", "warm_start.steps=0",
+            "data.num_heldout=2",
             "rl.eval_every=0", "checkpoint.every_steps=2", "checkpoint.export_hf=false",
             "rewards.terms=[{name: format, params: {pattern: '.*[0-9].*'}}]"]
 
@@ -70,6 +74,7 @@ def assert_engine_matches_trainer(steps: dict[int, dict]) -> None:
     assert sorted(step for step in steps if step >= 1) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         record = steps[step]
+        # every step moves the adapters: from step 2 on each push carries new merged weights
         assert record["count/tokens"] > 0 and record["train/grad_norm"] > 0, (step, record)
         assert record["mismatch/logp_abs_diff_max"] <= 1e-4, (step, record["mismatch/logp_abs_diff_max"])
 
