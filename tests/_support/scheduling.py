@@ -44,6 +44,7 @@ SHARED_SERVER_MODULES = (
     "tests/rollout/test_partial_rollout.py",
     "tests/rollout/test_teacher_server.py",
     "tests/train/test_async_rl.py",
+    "tests/train/test_lora_server.py",
 )
 HEAVY_MARKS = ("engine", "multiprocess", "slurm")
 

@@ -1,4 +1,5 @@
-"""Resume at another layout: model, Adam's moments, LR schedule and KL reference weights.
+"""Resume at another layout: model, Adam's moments, LR schedule and KL reference weights (with
+model.lora: the adapters and their moments, the base frozen).
 
 A checkpoint written at one layout is resumed at the same layout (the baseline) and at another;
 the two updates after the resume must agree within 1e-5 relative (loss and grad norm). The
@@ -22,6 +23,7 @@ pytestmark = pytest.mark.multiprocess
 WORKER = Path(__file__).with_name("reshard_worker.py")
 REL_TOL = 1e-5
 
+LORA = ["model.lora.rank=4", "model.lora.alpha=8"]
 LAYOUTS = {
     "single": (1, []),
     "ep2": (2, ["parallel.ep=2", "parallel.etp=1"]),
@@ -31,6 +33,11 @@ LAYOUTS = {
     # shared matrix, which a checkpoint stores once and a one-stage layout does not have at all.
     "tied_single": (1, ["model.hf_config=tiny-qwen3"]),
     "tied_pp2": (2, ["model.hf_config=tiny-qwen3", "parallel.pp=2"]),
+    # LoRA (model/lora.py): the adapters and their moments are the whole trainable state. At TP2 x
+    # ETP2 every adapter is split (column-parallel B on its outputs, row-parallel A on its inputs,
+    # the experts' over expert-TP); one process holds them whole.
+    "lora_tp2": (2, ["parallel.tp=2", "parallel.etp=2", *LORA]),
+    "lora_single": (1, LORA),
 }
 
 
@@ -68,13 +75,20 @@ def root(tmp_path_factory):
 
 
 MOVES = [("ep2", "single"), ("single", "ep2"), ("tp2", "dp2_distopt"), ("tied_pp2", "tied_single"),
-         ("tied_single", "tied_pp2")]
+         ("tied_single", "tied_pp2"), ("lora_tp2", "lora_single")]
+
+
+def starting_weights(layout: str) -> str:
+    """The shared starting weights of the layout's model (the tied dense model, the MoE with
+    adapters, the plain MoE): one file set per model, written by its first save."""
+    family = layout.split("_")[0]
+    return f"weights_{family}" if family in ("tied", "lora") else "weights"
 
 
 @pytest.mark.parametrize("saved_at,resumed_at", MOVES)
 def test_resume_at_another_layout_matches_same_layout_resume(root, rank_pools, saved_at, resumed_at):
     ckpt = root / f"ckpt_{saved_at}"
-    weights = "weights_tied" if saved_at.startswith("tied") else "weights"
+    weights = starting_weights(saved_at)
     saved = run("save", saved_at, root, ckpt, root / f"save_{saved_at}", weights=weights, ranks=rank_pools)
     assert saved["grad_norm"][1] > 0  # the saved state has non-zero moments
     baseline = run("resume", saved_at, root, ckpt, root / f"{saved_at}_to_{saved_at}", weights=weights,
