@@ -34,7 +34,7 @@ from megatron_rl.model.fp8 import micro_batch_multiple
 from megatron_rl.model.hf_config import ArchitectureSpec
 from megatron_rl.model.logprobs import vocab_parallel_logprobs_entropy
 from megatron_rl.model.packing import PackedBatch, pack
-from megatron_rl.model.state import model_state
+from megatron_rl.model.state import is_adapter, model_state
 from megatron_rl.runtime.cpu import megatron_patches as cpu_compat
 from megatron_rl.runtime.session import Runtime
 
@@ -229,12 +229,20 @@ class Policy:
 
         The embedding's padded row count must match (it depends on TP unless
         model.padded_vocab_size pins it); Megatron names the tensor if it does not.
+        A checkpoint without LoRA adapters loads into a model with them (model.lora on a base
+        trained without: `megatron-rl sft`, a full fine-tuning run): the adapters keep their
+        initial values, B = 0, so the model is that checkpoint's exactly.
         """
         from megatron.core import dist_checkpointing
 
         with torch.no_grad():
-            state = dist_checkpointing.load(self.module.sharded_state_dict(), directory)
-            self.module.load_state_dict(state)
+            sharded = self.module.sharded_state_dict()
+            fresh = set() if _holds_adapters(directory) else {name for name in sharded if is_adapter(name)}
+            state = dist_checkpointing.load({k: v for k, v in sharded.items() if k not in fresh}, directory)
+            missing, unexpected = self.module.load_state_dict(state, strict=not fresh)
+            if fresh and (unexpected or set(missing) - fresh):
+                raise RuntimeError(f"loading {directory}: keys missing {sorted(set(missing) - fresh)[:5]}, "
+                                   f"unexpected {sorted(unexpected)[:5]}")
         # The optimizer keeps fp32 main copies (bf16) or shard views; refresh them from the model.
         self.optimizer.reload_model_params()
 
@@ -458,3 +466,10 @@ def _finalize_without_token_scaling(model, num_tokens=None, pg_collection=None, 
     # Reduce grads over DP (sum), embeddings across stages and SP norms across TP, but do not
     # divide by a token count: the loss was normalized over the whole step already.
     return finalize_model_grads(model, num_tokens=None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+
+
+def _holds_adapters(directory: str) -> bool:
+    """Whether a torch_dist checkpoint holds LoRA adapters (a LoRA run's)."""
+    from megatron.core import dist_checkpointing
+
+    return any(is_adapter(key) for key in dist_checkpointing.load_tensors_metadata(directory))

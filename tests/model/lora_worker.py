@@ -221,12 +221,19 @@ def policy_checks(config, runtime, out: Path) -> dict:
     base_overrides = BASE
     full = Policy(config, runtime)
     lora = Policy(load_config(None, base_overrides + ["model.lora.rank=4", "model.lora.alpha=8"]), runtime)
-    base_state = {k: v for k, v in full.module.state_dict().items() if not k.endswith("_extra_state")}
-    missing, unexpected = lora.module.load_state_dict(base_state, strict=False)
+    # The base into the LoRA model as checkpoint.init_from loads it: a checkpoint without adapters
+    # (the full model's, saved at this layout), which leaves the adapters at their init.
+    base_ckpt = out / "base_weights"
+    full.save_model(str(base_ckpt))
+    adapters_before = {k: v.clone() for k, v in lora.module.state_dict().items() if k.endswith((".lora_A", ".lora_B"))}
+    lora.load_model(str(base_ckpt))
+    full_state, lora_state = full.module.state_dict(), lora.module.state_dict()
+    base_keys = [k for k in lora_state if not k.endswith(("_extra_state", ".lora_A", ".lora_B"))]
     batches, loss_fn = nll_batches(full, runtime)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    result = {"missing_are_adapters": all(k.endswith((".lora_A", ".lora_B")) for k in missing)
-              and not unexpected and bool(missing)}
+    result = {"missing_are_adapters": bool(adapters_before) and sorted(base_keys) == sorted(
+                  k for k in full_state if not k.endswith("_extra_state"))
+              and all(torch.equal(lora_state[k], full_state[k]) for k in base_keys)
+              and all(torch.equal(lora_state[k], v) for k, v in adapters_before.items())}
     before = full.logprobs(batches)
     with_adapters = lora.logprobs(batches)
     result["b0_logprob_diff"] = max(_max(x["logprobs"], y["logprobs"]) for x, y in zip(before, with_adapters))

@@ -143,6 +143,8 @@ def test_one_lora_linear_against_the_hand_computation(results, case):
 
 @multiprocess
 def test_zero_b_gives_the_base_model_exactly(results):
+    # the base loaded from a checkpoint without adapters (checkpoint.init_from's Policy.load_model):
+    # every base tensor equal, the adapters untouched (before, torch_dist refused the missing keys)
     for result in results:
         assert result["missing_are_adapters"]
         assert result["b0_logprob_diff"] == 0.0, result["b0_logprob_diff"]
