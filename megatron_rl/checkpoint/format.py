@@ -321,8 +321,11 @@ def load_initial_weights(policy, source: str | Path) -> None:
         check_weight_files(weights)
         try:
             policy.load_model(str(weights))  # refreshes the optimizer's main weights too
-        except Exception as exc:
-            raise ConfigError(unloadable(weights, exc)) from exc
+        except BaseException as exc:
+            failure = load_failure(weights, exc)
+            if failure is exc:
+                raise
+            raise failure from exc
     else:
         from megatron_rl.bridge import load_hf_weights
 
@@ -393,8 +396,24 @@ def unloadable(weights: Path, exc: BaseException) -> str:
     text = "\n".join(str(e) for e in _chain(exc))
     file = re.search(r"[\w.-]+\.distcp", text)
     where = f" (file {weights / file.group(0)})" if file else ""
-    return (f"cannot load the weights in {weights}{where}: {_first_line(exc)}. A file is corrupt, or the "
-            f"checkpoint does not match its hf_config/; {USE_ANOTHER}")
+    # torch's CheckpointException says only which ranks failed: the first rank's error says why.
+    gathered = [error for error, _ in (getattr(exc, "failures", None) or {}).values()]
+    return (f"cannot load the weights in {weights}{where}: {_first_line(gathered[0] if gathered else exc)}. "
+            f"A file is corrupt, or the checkpoint does not match its hf_config/; {USE_ANOTHER}")
+
+
+def load_failure(weights: Path, exc: BaseException) -> BaseException:
+    """What a failed torch_dist load of `weights` raises. torch gathers every rank's error into one
+    CheckpointException, a BaseException (as a stop signal is), so `except Exception` let it through
+    as a traceback: a stop signal (raised as itself or gathered) unwinds as itself, a gathered
+    ConfigError as itself, anything else as one line naming the weights (`unloadable`)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_rl.bridge.streamed import failure_to_reraise
+
+    if not isinstance(exc, (Exception, CheckpointException)):
+        return exc  # KeyboardInterrupt, SystemExit: not a load failure, re-raised as they are
+    return failure_to_reraise(exc) or ConfigError(unloadable(weights, exc))
 
 
 def _chain(exc: BaseException | None):
@@ -416,8 +435,11 @@ def load_megatron_weights(module, weights: Path) -> None:
     try:
         with torch.no_grad():
             state = dist_checkpointing.load(_merged_in_place(module.sharded_state_dict()), str(weights))
-    except Exception as exc:
-        raise ConfigError(unloadable(weights, exc)) from exc
+    except BaseException as exc:
+        failure = load_failure(weights, exc)
+        if failure is exc:
+            raise
+        raise failure from exc
     # torch_dist stores no checksum: NaN/infinite weights are the damage that can be seen.
     bad = next((name for name, value in state.items() if isinstance(value, torch.Tensor) and non_finite(value)), None)
     error = first_error(f"tensor {bad} in {weights} holds NaN or infinite values: a file is corrupt or "

@@ -364,6 +364,40 @@ def test_bit_flip_in_converted_torch_dist_is_named(converted, tmp_path):
     assert problem in str(refused.value)
 
 
+class _PolicyWhoseLoadFails:
+    """A stand-in for a built Policy whose `load_model` raises what torch_dist's loader raises:
+    torch gathers every rank's error into one CheckpointException, a BaseException."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def load_model(self, directory: str) -> None:
+        from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+        try:
+            raise self.error
+        except BaseException as raised:
+            raise CheckpointException("load failed", {0: _wrap_exception(raised)}) from None
+
+
+def test_a_gathered_load_error_is_one_line_stand_in_policy(converted):
+    """`checkpoint.init_from` of an intact checkpoint the model cannot take: the load's error,
+    gathered by torch into a CheckpointException (a BaseException), passed `except Exception` and
+    ended the run in a traceback. Seen with a LoRA policy loading a checkpoint without adapters,
+    which Policy.load_model now takes; the stand-in policy raises the exception torch raised then
+    (building a real Policy here would start a Megatron runtime in the test process). A stop
+    signal gathered the same way still unwinds as itself."""
+    missing = KeyError("decoder.layers.0.self_attention.linear_proj.lora_A from model not in state dict")
+    with pytest.raises(ConfigError) as refused:
+        load_initial_weights(_PolicyWhoseLoadFails(missing), converted)
+    line = str(refused.value)
+    assert line.startswith(f"cannot load the weights in {converted}") and ": KeyError: " in line, line
+    assert "lora_A from model not in state dict" in line, line  # the gathered error, not "ranks: [0]"
+    assert "\n" not in line and "use another checkpoint" in line.lower(), line
+    with pytest.raises(KeyboardInterrupt):
+        load_initial_weights(_PolicyWhoseLoadFails(KeyboardInterrupt()), converted)
+
+
 def test_bit_flip_in_converted_hf_directory_is_named(converted_back, tmp_path):
     """`convert megatron-to-hf`'s output carries the manifest too, and the extra file disturbs
     neither transformers nor verify-hf. One bit flipped in its safetensors: `convert
