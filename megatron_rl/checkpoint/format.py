@@ -29,6 +29,7 @@ import dataclasses
 import json
 import re
 from pathlib import Path
+from typing import NoReturn
 
 from megatron_rl.config import RunConfig
 from megatron_rl.data.tokenizer import write_char_tokenizer
@@ -322,10 +323,7 @@ def load_initial_weights(policy, source: str | Path) -> None:
         try:
             policy.load_model(str(weights))  # refreshes the optimizer's main weights too
         except BaseException as exc:
-            failure = load_failure(weights, exc)
-            if failure is exc:
-                raise
-            raise failure from exc
+            raise_load_failure(weights, exc)
     else:
         from megatron_rl.bridge import load_hf_weights
 
@@ -392,28 +390,26 @@ def _first_line(exc: BaseException) -> str:
 
 
 def unloadable(weights: Path, exc: BaseException) -> str:
-    """One line for an exception of the torch_dist loader, naming the .distcp file if it says which."""
+    """One line for an exception of the torch_dist loader, naming the .distcp file if it says which
+    and, for torch's CheckpointException (which names only the failed ranks), the first rank's error."""
     text = "\n".join(str(e) for e in _chain(exc))
     file = re.search(r"[\w.-]+\.distcp", text)
     where = f" (file {weights / file.group(0)})" if file else ""
-    # torch's CheckpointException says only which ranks failed: the first rank's error says why.
     gathered = [error for error, _ in (getattr(exc, "failures", None) or {}).values()]
     return (f"cannot load the weights in {weights}{where}: {_first_line(gathered[0] if gathered else exc)}. "
             f"A file is corrupt, or the checkpoint does not match its hf_config/; {USE_ANOTHER}")
 
 
-def load_failure(weights: Path, exc: BaseException) -> BaseException:
-    """What a failed torch_dist load of `weights` raises. torch gathers every rank's error into one
-    CheckpointException, a BaseException (as a stop signal is), so `except Exception` let it through
-    as a traceback: a stop signal (raised as itself or gathered) unwinds as itself, a gathered
-    ConfigError as itself, anything else as one line naming the weights (`unloadable`)."""
+def raise_load_failure(weights: Path, exc: BaseException) -> NoReturn:
+    """For a failed torch_dist load: a stop signal and a gathered ConfigError as themselves, else one
+    line (`unloadable`). torch gathers rank errors into a CheckpointException, a BaseException."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     from megatron_rl.bridge.streamed import failure_to_reraise
 
     if not isinstance(exc, (Exception, CheckpointException)):
-        return exc  # KeyboardInterrupt, SystemExit: not a load failure, re-raised as they are
-    return failure_to_reraise(exc) or ConfigError(unloadable(weights, exc))
+        raise exc  # KeyboardInterrupt, SystemExit: not a load failure
+    raise failure_to_reraise(exc) or ConfigError(unloadable(weights, exc)) from exc
 
 
 def _chain(exc: BaseException | None):
@@ -436,10 +432,7 @@ def load_megatron_weights(module, weights: Path) -> None:
         with torch.no_grad():
             state = dist_checkpointing.load(_merged_in_place(module.sharded_state_dict()), str(weights))
     except BaseException as exc:
-        failure = load_failure(weights, exc)
-        if failure is exc:
-            raise
-        raise failure from exc
+        raise_load_failure(weights, exc)
     # torch_dist stores no checksum: NaN/infinite weights are the damage that can be seen.
     bad = next((name for name, value in state.items() if isinstance(value, torch.Tensor) and non_finite(value)), None)
     error = first_error(f"tensor {bad} in {weights} holds NaN or infinite values: a file is corrupt or "
