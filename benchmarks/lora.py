@@ -89,13 +89,6 @@ def checkpoint_bytes(step_dir: Path) -> dict:
             "optimizer_stored_bytes": stored, "tensor_bytes": tensors}
 
 
-def last_checkpoint(run: Path) -> Path:
-    steps = sorted((run / "checkpoints").glob("step_*"))
-    if not steps:
-        raise SystemExit(f"{run}: no checkpoint written")
-    return steps[-1]
-
-
 # Where `megatron-rl plan` counts the optimizer state: the tiny default on one GPU (the runs' own
 # model and layout), and a real MoE on 4 GPUs in bf16 (data parallel, distributed optimizer).
 PLANS = {"tiny default, 1 GPU": ["--gpus", "1"],
@@ -128,6 +121,8 @@ def summarize_run(rows: list[dict]) -> dict:
 
 
 def run_arm(root: Path, arm: str, seed: int, warm: Path, args) -> dict:
+    from megatron_rl.checkpoint.format import resolve_checkpoint
+
     run = root / f"{arm}_seed{seed}"
     load_before = os.getloadavg()[0]
     _, wall = cli("train", "--output-dir", str(run), "logging.wandb_mode=disabled", "checkpoint.export_hf=false",
@@ -137,7 +132,7 @@ def run_arm(root: Path, arm: str, seed: int, warm: Path, args) -> dict:
     # the machine's load (1-minute average) around the run: its step times are only as good as that
     load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     return {"arm": arm, "seed": seed, "wall_s": wall, "loadavg": load, **summarize_run(rows_of(run)),
-            **checkpoint_bytes(last_checkpoint(run))}
+            **checkpoint_bytes(resolve_checkpoint(run))}  # the run's latest step
 
 
 def summarize(runs: list[dict]) -> dict:
