@@ -38,6 +38,7 @@ Needs a CUDA GPU with Transformer Engine; elsewhere it exits with status 2 and s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.metadata
 import importlib.util
@@ -235,11 +236,15 @@ def run_variant(args) -> dict:
         def loss_fn(logprobs, entropy, batch):
             return -(logprobs * batch.loss_mask[0]).sum() / normalizer, {}
 
-        torch.cuda.synchronize()
-        tick = time.perf_counter()
-        result = policy.train_step(batches, loss_fn)
-        torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - tick)
+        profiled = args.profile and len(seconds) == len(steps) - 1  # the last step, after the timed ones settle
+        with profile_step(profiled) as profiler:
+            torch.cuda.synchronize()
+            tick = time.perf_counter()
+            result = policy.train_step(batches, loss_fn)
+            torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - tick)
+        if profiled:
+            write_profile(profiler, f"{args.profile}_{args.child}.txt")
         if timer:
             parts.append(timer.take())
         losses.append(result.loss)
@@ -265,6 +270,23 @@ def run_variant(args) -> dict:
                            "head_flops_per_s": head / sum(p["head"] for p in parts[measured])}
     runtime.shutdown()
     return report
+
+
+def profile_step(enabled: bool):
+    """torch.profiler around one step (CPU ops and CUDA kernels), or nothing."""
+    if not enabled:
+        return contextlib.nullcontext()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    return torch.profiler.profile(activities=activities)
+
+
+def write_profile(profiler, path: str) -> None:
+    """Where one step's time went: the ops and kernels by GPU time, then by CPU time of their own
+    (a step whose GPU idles shows it here: launch overhead and host syncs are CPU time)."""
+    events = profiler.key_averages()
+    Path(path).write_text(
+        "By GPU time (self):\n" + events.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
+        + "\n\nBy CPU time (self):\n" + events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -374,6 +396,8 @@ def main() -> None:
     parser.add_argument("--json", help="also write every variant's figures here (benchmarks/gpu_verify.py reads it)")
     parser.add_argument("--split-time", action="store_true",
                         help="time the decoder (MoE) layers and the output head apart (CUDA events)")
+    parser.add_argument("--profile", metavar="PREFIX",
+                        help="profile each variant's last step (torch.profiler) into PREFIX_<variant>.txt")
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--report", help=argparse.SUPPRESS)
     args = parser.parse_args()

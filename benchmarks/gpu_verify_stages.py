@@ -115,6 +115,7 @@ def policy_step(device: str, precision: str) -> dict:
     runtime = start_runtime(config)
     try:
         policy = Policy(config, runtime)
+        same_start(policy)
         batches = step_batches(policy.arch.vocab_size)
 
         def weights():
@@ -132,6 +133,22 @@ def policy_step(device: str, precision: str) -> dict:
         runtime.shutdown()
     return {"logprobs": logprobs, "loss": result.loss, "grad_norm": result.grad_norm, "updated": result.updated,
             "update": after - before, "weights": after}
+
+
+def same_start(policy) -> None:
+    """The same starting weights in both processes: Megatron initializes on the GPU with CUDA's
+    generator and on the CPU with torch's (builder.py's use_cpu_initialization), so one seed gives
+    two different models (the kit's first GPU run compared those: logprobs 0.76 apart). Every
+    matrix is drawn on the CPU from a generator seeded by its name; norms (ones) and biases (zeros)
+    are already equal. The optimizer's main (fp32) copies are then read again from the weights."""
+    import zlib
+
+    with torch.no_grad():
+        for name, param in policy.module.named_parameters():
+            if param.dim() >= 2:
+                generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    policy.optimizer.reload_model_params()
 
 
 def step_child(device: str, out: str) -> None:

@@ -100,7 +100,10 @@ def quantize_blockwise(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.
     blocks = padded.view(grid[0], block, grid[1], block)
     amax = blocks.abs().amax(dim=(1, 3))
     # An all-zero block gets the smallest positive scale: its values quantize to exact zeros.
-    scale_inv = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    # A tensor divisor, not the Python float: CUDA divides by a CPU scalar as a multiply by its
+    # rounded reciprocal, one ulp off true division for some blocks, and the export must be the
+    # same bits on every device (the GPU kit's stage c found 8 of 8 tensors differing).
+    scale_inv = (amax / amax.new_tensor(FP8_MAX)).clamp(min=torch.finfo(torch.float32).tiny)
     scaled = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
     quantized = scaled.to(FP8_DTYPE).view(padded.shape)[:rows, :cols].contiguous()
     return quantized, scale_inv.contiguous()

@@ -16,8 +16,14 @@ NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_NO_LOCAL_VERSION=1 MAX_JOBS="${MAX_JOBS:-16}"
     CPLUS_INCLUDE_PATH="$cudnn_include${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}" \
     "$python" "$pip_wheel/pip" install -v --no-index --no-deps --no-build-isolation --target "$source.built" "$source"
 rc=$?
+# The build installs its .dist-info at the top and the extension module inside transformer_engine/
+# wheel_lib/. TE's package is already in TE_SITE, so the module is copied into its wheel_lib/ (pip
+# --target over an existing package skips that folder: the first run on a GPU failed that way).
 if [[ $rc == 0 ]]; then
-    mv "$source.built"/transformer_engine_torch* "$te_site/" || rc=1
+    mv "$source.built"/transformer_engine_torch* "$te_site/" \
+        && cp "$source.built"/transformer_engine/wheel_lib/* "$te_site/transformer_engine/wheel_lib/" || rc=1
+    ls "$te_site"/transformer_engine/wheel_lib/transformer_engine_torch*.so \
+        || { echo "the build left no transformer_engine_torch*.so in $te_site/transformer_engine/wheel_lib"; rc=1; }
 fi
 echo "build ended $(date -u +%T) with exit status $rc"
 echo "$rc" > "$rc_file.partial" && mv "$rc_file.partial" "$rc_file"

@@ -4,7 +4,9 @@ The real library (463 MB) is pruned and checked by pack.sh itself; these pin the
 
 import importlib.util
 import lzma
+import os
 import struct
+import subprocess
 import sys
 import zipfile
 
@@ -126,3 +128,42 @@ def test_verify_names_a_changed_or_missing_file(tmp_path):
     (tmp_path / "b.txt").write_bytes(b"B")
     (tmp_path / "wheels" / "a-1.0-py3-none-any.whl").unlink()
     assert kit.verify(packed) == ["b.txt: differs from the manifest", "wheels/a-1.0-py3-none-any.whl: missing"]
+
+
+STUB_PIP = """#!/usr/bin/env bash
+# Stands in for `python PIP_WHEEL/pip install ... --target DIR SOURCE` (the real build needs nvcc):
+# lays out what TE's setup.py installs: the module inside transformer_engine/wheel_lib/, the
+# .dist-info at the top. STUB_MODULE=none leaves the module out.
+while [[ $# -gt 0 && $1 != --target ]]; do shift; done
+target=$2
+mkdir -p "$target/transformer_engine/wheel_lib" "$target/transformer_engine_torch-2.11.0.dist-info"
+touch "$target/transformer_engine_torch-2.11.0.dist-info/RECORD"
+[[ ${STUB_MODULE:-} == none ]] || echo built > "$target/transformer_engine/wheel_lib/transformer_engine_torch.cpython-312-x86_64-linux-gnu.so"
+"""
+
+
+@pytest.mark.parametrize("module_built", [True, False])
+def test_the_built_extension_lands_in_te_wheel_lib_with_a_stub_pip(tmp_path, module_built):
+    """build_te_torch.sh with a stub for pip (named so: the real build needs CUDA): the module must
+    end up in the installed TE's wheel_lib/, beside the core library that is already there, or the
+    build fails by name. The first GPU run moved only the .dist-info and TE could not load."""
+    stub = tmp_path / "python"
+    stub.write_text(STUB_PIP)
+    stub.chmod(0o755)
+    te_site = tmp_path / "te"
+    (te_site / "transformer_engine" / "wheel_lib").mkdir(parents=True)
+    (te_site / "transformer_engine" / "wheel_lib" / "libtransformer_engine.so").write_text("core")
+    rc_file = tmp_path / "te_build.rc"
+    env = dict(os.environ, STUB_MODULE="" if module_built else "none")
+    result = subprocess.run(["bash", str(REPO / "scripts" / "gpu_kit" / "build_te_torch.sh"), str(stub),
+                             str(tmp_path / "pipwheel"), str(tmp_path / "source"), str(te_site), str(rc_file)],
+                            capture_output=True, text=True, env=env)
+    wheel_lib = te_site / "transformer_engine" / "wheel_lib"
+    assert (wheel_lib / "libtransformer_engine.so").read_text() == "core"
+    if module_built:
+        assert result.returncode == 0 and rc_file.read_text().strip() == "0", result.stdout + result.stderr
+        assert (wheel_lib / "transformer_engine_torch.cpython-312-x86_64-linux-gnu.so").read_text() == "built\n"
+        assert (te_site / "transformer_engine_torch-2.11.0.dist-info" / "RECORD").exists()
+    else:
+        assert result.returncode != 0 and rc_file.read_text().strip() != "0"
+        assert "no transformer_engine_torch*.so" in result.stdout

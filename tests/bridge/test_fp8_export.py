@@ -45,6 +45,18 @@ def test_round_trip_within_e4m3_and_scale_grid(shape):
             assert quantized[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].float().abs().max() == FP8_MAX
 
 
+def test_each_scale_is_amax_over_448_correctly_rounded():
+    """The export must be the same bits on every device. Division by a Python float runs on CUDA as
+    a multiply by its rounded reciprocal; the scale is defined as true division, which float64
+    rounded once to float32 reproduces exactly (a multiply by float32(1/448) differs on more than
+    half of these blocks, and so do the values quantized with them)."""
+    torch.manual_seed(3)
+    weight = torch.randn(128 * 16, 128 * 16) * torch.logspace(-4, 1, 128 * 16)[:, None]
+    quantized, scale_inv = quantize_blockwise(weight)
+    amax = weight.view(16, 128, 16, 128).abs().amax(dim=(1, 3))
+    assert torch.equal(scale_inv, (amax.double() / 448).float())
+
+
 def test_blocks_are_scaled_independently():
     weight = torch.randn(256, 256) * 1e-3
     weight[:128, 128:] *= 1e4  # one loud block must not flush the quiet ones to zero
