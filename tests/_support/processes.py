@@ -7,6 +7,11 @@ child process runs in and the command lines that start one (the CLI, a local tor
                             capture_output=True, text=True, timeout=600)
 
 Worker scripts started by file path do not have tests/ on sys.path; they keep their own REPO.
+
+`preloaded=True` (cli_command, python_command, torchrun_command) forks the run from this pytest
+worker's pre-imported server instead of starting Python afresh (zygote.py: what is the same,
+what is not, and so which tests keep fresh processes): a tiny `megatron-rl train` spent 6-10 of
+its 15 CPU-s importing torch, Megatron-Core and transformers.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from pathlib import Path
 
 from megatron_rl.runtime.launch_env import free_port  # the package's own; runtime.distributed re-exports it
 
-__all__ = ["REPO", "child_env", "children_cpu_seconds", "cli_command", "free_port", "torchrun_command"]
+__all__ = ["REPO", "child_env", "children_cpu_seconds", "cli_command", "free_port", "python_command", "torchrun_command"]
 
 REPO: Path = Path(__file__).resolve().parents[2]
 
@@ -33,18 +38,63 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 def torchrun_command(script_or_module: str | os.PathLike, nproc: int, *args: str | os.PathLike,
-                     module: bool = False) -> list[str]:
+                     module: bool = False, preloaded: bool = False) -> list[str]:
     """`python -m torch.distributed.run --nproc-per-node=NPROC --master-port=PORT SCRIPT ARGS...`:
     a single-node local launch on a fresh free master port; with module=True SCRIPT_OR_MODULE is a
-    module name run as `-m MODULE`."""
+    module name run as `-m MODULE`. preloaded=True: the ranks forked from this worker's
+    pre-imported server with torchrun's environment (zygote.py's `ranks`)."""
     target = ["-m", str(script_or_module)] if module else [str(script_or_module)]
+    if preloaded and os.environ.get("MEGATRON_RL_TESTS_FRESH") != "1":
+        return [sys.executable, "-S", str(_zygote.SCRIPT), "ranks", _zygote.socket(), str(nproc), str(free_port()),
+                *target, *(str(arg) for arg in args)]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
             f"--master-port={free_port()}", *target, *(str(arg) for arg in args)]
 
 
-def cli_command(*args: str | os.PathLike) -> list[str]:
-    """`python -m megatron_rl.cli ARGS...`."""
-    return [sys.executable, "-m", "megatron_rl.cli", *(str(arg) for arg in args)]
+def cli_command(*args: str | os.PathLike, preloaded: bool = False) -> list[str]:
+    """`python -m megatron_rl.cli ARGS...`; preloaded=True: the same run forked from this pytest
+    worker's pre-imported server (zygote.py says what differs from a fresh process)."""
+    return python_command("-m", "megatron_rl.cli", *args, preloaded=preloaded)
+
+
+def python_command(*argv: str | os.PathLike, preloaded: bool = False) -> list[str]:
+    """`python ARGV...`; preloaded=True: through zygote.py's client (the server starts on first use).
+    MEGATRON_RL_TESTS_FRESH=1 makes every run a fresh process (to rule the server out of a failure)."""
+    argv = [str(arg) for arg in argv]
+    if not preloaded or os.environ.get("MEGATRON_RL_TESTS_FRESH") == "1":
+        return [sys.executable, *argv]
+    return [sys.executable, "-S", str(_zygote.SCRIPT), "run", _zygote.socket(), *argv]
+
+
+class _Zygote:
+    """This pytest worker's pre-imported server (tests/_support/zygote.py), started on first use and
+    stopped when the worker exits (the server also leaves when its parent is gone)."""
+
+    SCRIPT = Path(__file__).with_name("zygote.py")
+
+    def __init__(self):
+        self.process, self.path = None, ""
+
+    def socket(self) -> str:
+        """The server's socket path; the server is started if it is not running."""
+        if self.process is None or self.process.poll() is not None:
+            self.start()
+        return self.path
+
+    def start(self) -> None:
+        import atexit
+        import subprocess
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="zygote-")
+        self.path = os.path.join(folder, "socket")
+        self.log = open(os.path.join(folder, "server.log"), "wb")
+        self.process = subprocess.Popen([sys.executable, str(self.SCRIPT), "serve", self.path], env=child_env(),
+                                        stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        atexit.register(self.process.kill)
+
+
+_zygote = _Zygote()
 
 
 def children_cpu_seconds() -> float:

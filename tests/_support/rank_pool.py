@@ -1,6 +1,7 @@
-"""Rank pools: one torchrun per world size, running test worker scripts job after job, instead of
-one torchrun (and one import of torch, Megatron-Core and transformers per rank, about 12 s for two
-ranks) per case. A pool serves its module to the end: its gloo groups are made once and reused by
+"""Rank pools: one set of ranks per world size, running test worker scripts job after job, instead
+of one torchrun (and one import of torch, Megatron-Core and transformers per rank, about 12 s for
+two ranks) per case. The ranks are forked from the pytest worker's pre-imported server
+(zygote.py) with the environment torchrun gives its ranks, so a pool costs no import either. A pool serves its module to the end: its gloo groups are made once and reused by
 every job (rank_server.py), so jobs leave no threads behind.
 
     def test_something(rank_pools):                       # the module fixture (tests/conftest.py)
@@ -21,14 +22,13 @@ process in the tests, as it has in use.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from _support.processes import child_env, torchrun_command
+from _support.processes import child_env, free_port, python_command
 
 SERVER = Path(__file__).with_name("rank_server.py")
 # A rank that failed leaves the others where they were: the ones still running get this long to
@@ -36,18 +36,29 @@ SERVER = Path(__file__).with_name("rank_server.py")
 GRACE_S = 20.0
 
 
+def rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
+    """What torchrun's static single-node launch puts in each rank's environment."""
+    return child_env(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_NAME="default",
+                     WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc),
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0",
+                     TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="none")
+
+
 class RankPool:
-    """`nproc` ranks of rank_server.py under one torchrun."""
+    """`nproc` ranks of rank_server.py, each forked from the pre-imported server."""
 
     def __init__(self, nproc: int, root: Path):
         self.nproc, self.jobs = nproc, Path(tempfile.mkdtemp(prefix=f"ranks{nproc}-", dir=root))
-        self.log = open(self.jobs / "torchrun.log", "wb")
-        self.process = subprocess.Popen(torchrun_command(SERVER, nproc, str(self.jobs)), env=child_env(),
-                                        stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.log = open(self.jobs / "ranks.log", "ab")
+        port = free_port()
+        self.processes = [subprocess.Popen(python_command(SERVER, self.jobs, preloaded=True),
+                                           env=rank_env(rank, nproc, port), stdout=self.log,
+                                           stderr=subprocess.STDOUT, start_new_session=True)
+                          for rank in range(nproc)]
         self.next = 0
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        return all(process.poll() is None for process in self.processes)
 
     def run(self, script: Path, args: list[str], paths: list[str], timeout: float) -> subprocess.CompletedProcess:
         index, self.next = self.next, self.next + 1
@@ -61,7 +72,7 @@ class RankPool:
             missing = sorted(set(range(self.nproc)) - set(codes))
             self.stop()  # ranks left in a collective, or a server gone: never reused
             output += (f"\n---- ranks {missing} did not finish" if missing else "") + \
-                f"\n---- torchrun ----\n{self._read(self.jobs / 'torchrun.log')[-3000:]}"
+                f"\n---- the ranks' own output ----\n{self._read(self.jobs / 'ranks.log')[-3000:]}"
         code = next((c for c in codes.values() if c != 0), 0 if len(codes) == self.nproc else 1)
         return subprocess.CompletedProcess([str(script), *args], code, "", output)
 
@@ -86,19 +97,21 @@ class RankPool:
         (self.jobs / "stop").write_text("")
 
     def stop(self) -> None:
-        """Idle ranks leave on the stop file; then torchrun's SIGTERM (which it passes to ranks still
-        in a job), then SIGKILL to the whole process group."""
+        """Idle ranks leave on the stop file; then SIGTERM to the ranks still in a job, then SIGKILL
+        (a rank's client that dies takes its forked rank with it)."""
         self.ask_to_stop()
-        kill = lambda: os.killpg(self.process.pid, signal.SIGKILL)  # noqa: E731
-        for ask, wait_s in ((None, 2), (self.process.terminate, 10), (kill, 10)):
-            if not self.alive():
+        for ask, wait_s in ((None, 2), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+            running = [process for process in self.processes if process.poll() is None]
+            if not running:
                 break
-            if ask is not None:
-                ask()
-            try:
-                self.process.wait(timeout=wait_s)
-            except subprocess.TimeoutExpired:
-                pass
+            for process in running if ask is not None else ():
+                process.send_signal(ask)
+            deadline = time.monotonic() + wait_s
+            for process in running:
+                try:
+                    process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
         self.log.close()
 
 

@@ -1,5 +1,6 @@
-"""One rank of a rank pool (rank_pool.py): started once by torchrun, it runs test worker scripts
-one after another, each as `python SCRIPT ARGS...` would, in this same process.
+"""One rank of a rank pool (rank_pool.py): started once (forked from the pre-imported server with
+torchrun's environment, or by torchrun itself), it runs test worker scripts one after another,
+each as `python SCRIPT ARGS...` would, in this same process.
 
     python -m torch.distributed.run --nproc-per-node=N rank_server.py JOBS_DIR
 

@@ -42,7 +42,7 @@ def train(out: Path, *overrides: str):
     import subprocess
 
     command = cli_command("train", "--config", str(REPO / "configs/tiny_agent.yaml"), "--output-dir", str(out),
-                          *SHORT, *overrides)
+                          *SHORT, *overrides, preloaded=True)
     result = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     return metrics(out)

@@ -6,11 +6,10 @@ be gone afterwards."""
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from _support.processes import REPO, child_env
+from _support.processes import REPO, child_env, python_command
 
 pytestmark = pytest.mark.multiprocess
 
@@ -18,8 +17,8 @@ pytestmark = pytest.mark.multiprocess
 def test_small_run_round_trips_bit_exact_and_reports(tmp_path):
     env = child_env(OMP_NUM_THREADS="2")
     work, out = tmp_path / "work", tmp_path / "results" / "scale"
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "scale.py"), "--sizes", "small",
-                             "--work", str(work), "--out", str(out), "--no-drop-caches"],
+    result = subprocess.run(python_command(REPO / "benchmarks" / "scale.py", "--sizes", "small",
+                                           "--work", work, "--out", out, "--no-drop-caches", preloaded=True),
                             capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     assert "tp1 bit-exact" in result.stdout and "ep2 bit-exact" in result.stdout, result.stdout

@@ -6,11 +6,10 @@ with other settings (each would add about a minute to a suite near its time limi
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from _support.processes import REPO, child_env
+from _support.processes import REPO, child_env, python_command
 
 EFFECTS = ("length",)
 
@@ -20,8 +19,8 @@ def test_the_length_effect_runs_and_reports(tmp_path):
     env = child_env(OMP_NUM_THREADS="2")
     results = tmp_path / "results"
     for effect in EFFECTS:
-        result = subprocess.run([sys.executable, str(REPO / "benchmarks/seed_effects.py"), effect, "--smoke",
-                                 "--work", str(tmp_path / "work"), "--results", str(results)],
+        result = subprocess.run(python_command(REPO / "benchmarks/seed_effects.py", effect, "--smoke",
+                                               "--work", tmp_path / "work", "--results", results, preloaded=True),
                                 capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
         assert result.returncode == 0, f"{effect}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         assert (results / f"seed_effects_{effect}.png").stat().st_size > 10_000

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from _support.processes import REPO
+from _support.processes import REPO, python_command
 from _support.rank_pool import RankPools
 from megatron_rl.model.hf_config import load_hf_config
 
@@ -287,7 +286,7 @@ def test_safetensors_metadata_names_are_checkpoint_format(models):
 def test_benchmark_quick_runs():
     """benchmarks/bridge_export.py --quick must keep working (it is not part of the suite otherwise)."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bridge_export.py"), "--quick"],
+    result = subprocess.run(python_command(REPO / "benchmarks" / "bridge_export.py", "--quick", preloaded=True),
                             env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ratio export/memcpy throughput" in result.stdout and "ratio import/memcpy throughput" in result.stdout

@@ -59,7 +59,7 @@ def read_checkpoint(directory: Path) -> dict[str, torch.Tensor]:
 
 def run_worker(model_dir: Path, out: Path, steps: list[str], overrides: list[str]) -> subprocess.CompletedProcess:
     out.mkdir(parents=True, exist_ok=True)
-    command = torchrun_command(WORKER, 2, "--model", str(model_dir), "--out", str(out))
+    command = torchrun_command(WORKER, 2, "--model", str(model_dir), "--out", str(out), preloaded=True)
     for step in steps:
         command += ["--step", step]
     for item in overrides:

@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from _support.processes import REPO, child_env, torchrun_command
+from _support.processes import REPO, child_env, python_command, torchrun_command
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_bridge import family_configs, make_hf_model, read_checkpoint  # noqa: E402
@@ -34,7 +34,7 @@ ENV = child_env()
 
 
 def tool(name: str, *args: str) -> None:
-    result = subprocess.run([sys.executable, str(REPO / "tools" / name), *args], env=ENV, capture_output=True,
+    result = subprocess.run(python_command(REPO / "tools" / name, *args, preloaded=True), env=ENV, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, f"{name} {args}:\n{result.stderr[-4000:]}"
 
@@ -49,7 +49,7 @@ def test_streamed_save_is_the_live_save_and_loads_at_another_layout(tmp_path):
     live.mkdir()
     result = subprocess.run(
         torchrun_command(WORKER, 2, "--hf", str(hf), "--streamed", str(other), "--live-out", str(live),
-                         "--export", str(export), "--tp", "2", "--ep", "2", "--etp", "1"),
+                         "--export", str(export), "--tp", "2", "--ep", "2", "--etp", "1", preloaded=True),
         env=ENV, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-5000:]
 

@@ -6,12 +6,11 @@ Each check runs in a fresh subprocess (policy_worker.py), as a real single-rank 
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from _support.processes import REPO, child_env, cli_command
+from _support.processes import REPO, child_env, cli_command, python_command
 from megatron_rl.model.hf_config import load_hf_config
 
 pytestmark = pytest.mark.subprocess  # runs a child process (pyproject's marks; scripts/test.sh --quick)
@@ -22,7 +21,7 @@ WORKER = Path(__file__).with_name("policy_worker.py")
 def run_worker(mode: str, hf_config: str, tmp_path: Path) -> dict:
     out = tmp_path / f"{mode}.json"
     env = child_env(OMP_NUM_THREADS="2")
-    result = subprocess.run([sys.executable, str(WORKER), mode, hf_config, str(out)],
+    result = subprocess.run(python_command(WORKER, mode, hf_config, out, preloaded=True),
                             env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-5000:]
     return json.loads(out.read_text())
@@ -64,7 +63,7 @@ def test_parameter_count_matches_transformers(tmp_path, family):
 def test_cli_smoke_run(tmp_path):
     env = child_env(OMP_NUM_THREADS="2")
     result = subprocess.run(
-        cli_command("smoke", "--steps", "2", "--output-dir", str(tmp_path / "run"), "optimizer.lr=1e-3"),
+        cli_command("smoke", "--steps", "2", "--output-dir", str(tmp_path / "run"), "optimizer.lr=1e-3", preloaded=True),
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-5000:]

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from _support.processes import child_env
+from _support.processes import child_env, python_command
 
 pytestmark = pytest.mark.subprocess  # runs a child process (pyproject's marks; scripts/test.sh --quick)
 
@@ -28,8 +27,10 @@ BOUND = {"none": 0.15, "full": 0.30}
 def run_step(out: Path, hidden: int, layers: int, recompute: str, family: str = "qwen3-moe", tokens: int = 2048) -> dict:
     env = child_env(OMP_NUM_THREADS="2", MALLOC_MMAP_THRESHOLD_="65536")
     path = out / f"act-{family}-{hidden}-{layers}-{recompute}.json"
-    result = subprocess.run([sys.executable, str(HERE / "activation_worker.py"), str(path), str(hidden), str(layers),
-                             str(tokens), recompute, family], env=env, capture_output=True, text=True, timeout=600)
+    # A fresh process, not one forked from the pre-imported server: the peak is read from the
+    # process's resident memory, which pages shared with a parent would change.
+    result = subprocess.run(python_command(HERE / "activation_worker.py", path, hidden, layers, tokens, recompute,
+                                           family), env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return json.loads(path.read_text())
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.subprocess  # runs a child process (pyproject's marks; 
 
 def plan(*args: str) -> subprocess.CompletedProcess:
     env = child_env(OMP_NUM_THREADS="2")
-    return subprocess.run(cli_command("plan", *args), capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    return subprocess.run(cli_command("plan", *args, preloaded=True), capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
 
 
 def test_deepseek_v3_recipe_plans_from_its_shipped_architecture():

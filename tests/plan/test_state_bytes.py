@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from _support.processes import child_env
+from _support.processes import child_env, python_command
 from _support.rank_pool import RankPools
 
 pytestmark = pytest.mark.multiprocess
@@ -47,8 +46,8 @@ def measured(ranks: RankPools, out: Path, model: str, world: int, overrides: lis
 
 def predicted(out: Path, model: str, world: int, overrides: list[str]) -> dict[int, dict]:
     path = out / "predicted.json"
-    result = subprocess.run([sys.executable, str(HERE / "plan_worker.py"), "predict", str(path), model, str(world),
-                             *overrides], env=child_env(), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(python_command(HERE / "plan_worker.py", "predict", path, model, world, *overrides,
+                                           preloaded=True), env=child_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return {int(rank): value for rank, value in json.loads(path.read_text()).items()}
 

@@ -48,7 +48,7 @@ def test_r3_replays_the_engines_routes(tmp_path):
     make_hf_model(raw, hf)
     write_tokenizer(hf, raw["vocab_size"])
     out = tmp_path / "report.json"
-    command = torchrun_command(WORKER, 1, "--hf", str(hf), "--out", str(out))
+    command = torchrun_command(WORKER, 1, "--hf", str(hf), "--out", str(out), preloaded=True)
     result = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-6000:]
     report = json.loads(out.read_text())

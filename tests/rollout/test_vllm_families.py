@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from _support.processes import child_env
+from _support.processes import child_env, python_command
 
 pytestmark = pytest.mark.engine
 
@@ -40,7 +39,7 @@ def report(request, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp(family)
     out = root / "report.json"
     env = child_env(OMP_NUM_THREADS="2")
-    result = subprocess.run([sys.executable, str(WORKER), "--family", family, "--root", str(root), "--out", str(out)],
+    result = subprocess.run(python_command(WORKER, "--family", family, "--root", root, "--out", out, preloaded=True),
                             env=env, capture_output=True, text=True, timeout=600)
     if result.returncode != 0:
         raise AssertionError(f"families worker failed ({family}):\n{result.stderr[-6000:]}")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from _support.processes import REPO, child_env, torchrun_command
+from _support.processes import REPO, child_env, python_command, torchrun_command
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
 
@@ -62,7 +62,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 def run_sync(hf_dir: Path, out_dir: Path, mode: str, nproc: int, overrides: list[str]) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     command = torchrun_command(WORKER, nproc, "--hf", str(hf_dir), "--out", str(out_dir / "report.json"),
-                               "--mode", mode)
+                               "--mode", mode, preloaded=True)
     for item in overrides:
         command += ["--override", item]
     env = child_env()
@@ -135,8 +135,8 @@ def test_rollout_benchmark_quick_runs(tmp_path):
     its two generate paths must produce the same tokens (the script checks that itself)."""
     out = tmp_path / "bench.json"
     env = child_env()
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "rollout.py"), "--quick", "--rounds", "2",
-                             "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(python_command(REPO / "benchmarks" / "rollout.py", "--quick", "--rounds", "2",
+                                           "--json", out, preloaded=True), env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["generated_tokens"] > 0 and report["overhead_ratio"] > 0

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from _support.processes import REPO, child_env, cli_command
+from _support.processes import REPO, child_env, cli_command, python_command
 from megatron_rl.checkpoint.output_guard import MARKER
 
 sys.path.insert(0, str(REPO / "tests" / "bridge"))
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.multiprocess
 
 def tool(name: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     env = child_env()
-    result = subprocess.run([sys.executable, str(REPO / "tools" / name), *args], env=env,
+    result = subprocess.run(python_command(REPO / "tools" / name, *args, preloaded=True), env=env,
                             capture_output=True, text=True, timeout=600)
     if check and result.returncode != 0:
         raise AssertionError(f"{name} {args} failed:\n{result.stderr[-5000:]}")

@@ -16,13 +16,12 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from _support.processes import REPO, child_env, torchrun_command
+from _support.processes import REPO, child_env, python_command, torchrun_command
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
 
@@ -38,7 +37,8 @@ SHORT = ["rl.steps=5", "rl.prompts_per_step=8", "rl.group_size=4", "rl.max_respo
 
 
 def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, *args], env=child_env(), capture_output=True, text=True, timeout=900)
+    result = subprocess.run(python_command(*args, preloaded=True), env=child_env(), capture_output=True, text=True,
+                            timeout=900)
     if check:
         assert result.returncode == 0, f"{' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result
@@ -204,7 +204,7 @@ def test_tp2_ep2_checkpoint_resumes_on_one_process_and_converts(tmp_path):
     out = tmp_path / "run"
     common = ["rl.steps=3", "warm_start.steps=4", "rl.recipe=grpo", f"model.hf_config={tmp_path / 'model'}"]
     command = torchrun_command("megatron_rl.cli", 2, "train", "--output-dir", str(out), *SHORT, *common,
-                               "parallel.tp=2", "parallel.ep=2", "parallel.etp=1", module=True)
+                               "parallel.tp=2", "parallel.ep=2", "parallel.etp=1", module=True, preloaded=True)
     result = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     step2 = out / "checkpoints" / "step_000002"

@@ -50,7 +50,7 @@ def recipe_with_controls(path: Path) -> Path:
 
 def test_code_task_rewards_come_from_running_the_expressions(tmp_path):
     config = recipe_with_controls(tmp_path / "tiny_code.yaml")
-    command = cli_command("train", "--config", str(config), "--output-dir", str(tmp_path / "run"), *SHORT)
+    command = cli_command("train", "--config", str(config), "--output-dir", str(tmp_path / "run"), *SHORT, preloaded=True)
     result = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     steps = metrics(tmp_path / "run")

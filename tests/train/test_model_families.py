@@ -34,7 +34,7 @@ RUN = ["rl.steps=3", "rl.prompts_per_step=8", "rl.group_size=4", "rl.max_respons
 @pytest.mark.parametrize("preset", ["tiny-deepseek-v3"])
 def test_rl_steps_with_engine_parity(tmp_path, preset):
     out = tmp_path / preset
-    command = cli_command("train", "--output-dir", str(out), f"model.hf_config={preset}", *RUN)
+    command = cli_command("train", "--output-dir", str(out), f"model.hf_config={preset}", *RUN, preloaded=True)
     result = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     steps = {step: record for step, record in metrics(out).items() if step >= 1}  # step 0: the eval before RL

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from _support.processes import REPO, child_env, children_cpu_seconds, cli_command, torchrun_command
+from _support.processes import REPO, child_env, children_cpu_seconds, cli_command, python_command, torchrun_command
 
 pytestmark = [pytest.mark.engine, pytest.mark.multiprocess]
 
@@ -34,7 +33,8 @@ TEXT = "12+7=19"  # a prompt of the synthetic add task and its answer, in the ch
 
 
 def cli(*args: str, torchrun: int = 0, check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:
-    command = torchrun_command("megatron_rl.cli", torchrun, *args, module=True) if torchrun else cli_command(*args)
+    command = torchrun_command("megatron_rl.cli", torchrun, *args, module=True, preloaded=True) if torchrun else \
+        cli_command(*args, preloaded=True)
     result = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=timeout)
     if check:
         assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
@@ -91,15 +91,15 @@ runtime.shutdown()
 
 
 def megatron_logits(checkpoint: Path, tokens: list[int], out: Path) -> torch.Tensor:
-    result = subprocess.run([sys.executable, "-c", MEGATRON_LOGITS, str(checkpoint), json.dumps(tokens), str(out)],
+    result = subprocess.run(python_command("-c", MEGATRON_LOGITS, checkpoint, json.dumps(tokens), out, preloaded=True),
                             env=child_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-5000:]
     return torch.load(out)
 
 
 def convert_to_hf(checkpoint: Path, out: Path) -> None:
-    result = subprocess.run([sys.executable, str(REPO / "tools" / "convert_megatron_to_hf.py"),
-                             "--ckpt", str(checkpoint), "--out", str(out)],
+    result = subprocess.run(python_command(REPO / "tools" / "convert_megatron_to_hf.py", "--ckpt", checkpoint,
+                                           "--out", out, preloaded=True),
                             env=child_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-5000:]
 

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from _support.processes import REPO, child_env
+from _support.processes import REPO, child_env, python_command
 
 pytestmark = pytest.mark.subprocess
 
@@ -96,7 +95,7 @@ def test_the_trainer_held_teacher_scores_as_transformers_and_sets_the_advantage(
         loss_mask = [1, 1, 0, 0, 1, 1, 1] if index == 1 else None  # a multi-turn observation at 2-3
         sequences.append((prompt, response, loss_mask))
     out = tmp_path / "out.json"
-    result = subprocess.run([sys.executable, "-c", SCRIPT, str(teacher_dir), json.dumps(sequences), str(out)], cwd=REPO,
+    result = subprocess.run(python_command("-c", SCRIPT, teacher_dir, json.dumps(sequences), out, preloaded=True), cwd=REPO,
                             env=child_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     got = json.loads(out.read_text())

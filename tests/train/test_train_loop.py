@@ -40,7 +40,8 @@ def command(out: Path, *overrides: str) -> list[str]:
 
 
 def run(out: Path, *overrides: str, config: Path | None = None) -> subprocess.CompletedProcess:
-    cmd = command(out, *overrides) + (["--config", str(config)] if config else [])
+    cmd = cli_command("train", "--output-dir", str(out), *SHORT, *overrides, *(["--config", str(config)] if config else []),
+                      preloaded=True)
     result = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"{' '.join(cmd)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result

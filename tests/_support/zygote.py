@@ -1,0 +1,298 @@
+"""A pre-imported parent for the tests' CLI runs: torch, Megatron-Core, transformers and the trainer
+imported once per pytest worker, each run forked from it instead of importing them again.
+
+    subprocess.run(cli_command("train", ..., preloaded=True), env=child_env(), capture_output=True)
+
+Why: a tiny `megatron-rl train` used 15 CPU-s, 6-10 of them importing; the suite starts dozens.
+
+The command is `python -S zygote.py run SOCKET ARGV...`: a client of a few milliseconds, with the shape of
+the process it stands for. It passes its argv, environment, working directory and standard streams
+(the file descriptors themselves) to the server, which forks; the fork becomes what `python ARGV...`
+would be there (sys.argv, sys.path with that PYTHONPATH, environment, cwd, streams, `__main__`) and
+runs it, in a session of its own. The client forwards SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2
+to it and exits with its exit status (or dies of its signal); a client that dies takes the fork's
+session with it (SIGKILL), so a killed test leaves nothing behind.
+
+What stays different from a fresh process, so a test that depends on it keeps one (the default):
+modules imported in the server read their environment at import time, not the run's (vLLM is not
+preloaded for that reason: its logging is configured at import); the fork is not the client's
+child (RUSAGE_CHILDREN, process trees, a signal to the client's process group); its resident
+memory starts with pages shared with the server (a peak read from VmHWM is another figure);
+import-time warnings are not printed again; the hash seed is the server's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import time
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+# Imported once by the server: what every CLI run imports before its first step. Not vLLM
+# (configures its logging from the environment at import) and not wandb's service (threads).
+PRELOAD = (
+    "torch", "transformers", "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
+    "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.pipeline_parallel",
+    "megatron.core.dist_checkpointing", "megatron_rl.cli", "megatron_rl.model.policy", "megatron_rl.train.trainer",
+    "megatron_rl.bridge", "matplotlib.pyplot",
+)
+
+
+# ------------------------------------------------------------------------------------------------
+# The client: stands for `python ARGV...` (stdlib only; started with -S).
+# ------------------------------------------------------------------------------------------------
+
+
+def _recv_line(conn: socket.socket) -> bytes | None:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(4096)
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def _connect(path: str) -> socket.socket | None:
+    deadline = time.monotonic() + 300  # the server may still be importing
+    while True:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(path)
+            break
+        except (FileNotFoundError, ConnectionRefusedError):
+            conn.close()
+            if time.monotonic() > deadline:
+                print(f"zygote: no server at {path}", file=sys.stderr)
+                return None
+            time.sleep(0.1)
+    return conn
+
+
+def _start(path: str, argv: list[str], env: dict) -> tuple[socket.socket, int] | None:
+    """One run forked by the server: its connection and pid."""
+    conn = _connect(path)
+    if conn is None:
+        return None
+    request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode() + b"\n"
+    socket.send_fds(conn, [request], [0, 1, 2])
+    reply = _recv_line(conn)
+    if reply is None:
+        print("zygote: the server closed the connection before starting the run", file=sys.stderr)
+        return None
+    return conn, json.loads(reply)["pid"]
+
+
+def client(path: str, argv: list[str]) -> int:
+    started = _start(path, argv, dict(os.environ))
+    if started is None:
+        return 70
+    conn, pid = started
+    for signum in FORWARDED:
+        signal.signal(signum, lambda s, _f: os.kill(pid, s))
+    status = _recv_line(conn)
+    if status is None:
+        print("zygote: the server went away during the run", file=sys.stderr)
+        return 70
+    code = json.loads(status)
+    if code["signal"]:  # die of the same signal, as the run did
+        if code["signal"] != signal.SIGKILL:
+            signal.signal(code["signal"], signal.SIG_DFL)
+        os.kill(os.getpid(), code["signal"])
+    return code["exit"]
+
+
+def ranks(path: str, nproc: int, port: int, argv: list[str]) -> int:
+    """Stands for `torchrun --nproc-per-node=NPROC --master-port=PORT ARGV...` on one node: NPROC
+    runs with the environment torchrun gives its ranks (rank 0 hosts the rendezvous store, as
+    without torchrun's agent). As torchrun does: when one rank fails the others are stopped
+    (SIGTERM, then SIGKILL after 30 s), the failure is named on stderr, and the exit status is 1."""
+    runs = {}
+    for rank in range(nproc):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
+                   ROLE_NAME="default", WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                   ROLE_WORLD_SIZE=str(nproc), GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
+                   TORCHELASTIC_RUN_ID="none")
+        env.setdefault("OMP_NUM_THREADS", "1")
+        started = _start(path, argv, env)
+        if started is None:
+            for _conn, pid in runs.values():
+                os.kill(pid, signal.SIGKILL)
+            return 70
+        runs[rank] = started
+    for signum in FORWARDED:
+        signal.signal(signum, lambda s, _f: [_signal(pid, s) for _c, pid in runs.values()])
+    failed, stopped, kill_at = {}, set(), None
+    pending = dict(runs)
+    while pending:
+        readable, _, _ = select.select([conn for conn, _pid in pending.values()], [], [], 0.5)
+        for rank in [r for r, (conn, _pid) in pending.items() if conn in readable]:
+            line = _recv_line(pending.pop(rank)[0])
+            code = json.loads(line) if line else {"exit": 70, "signal": 0}
+            if code["exit"] or code["signal"]:
+                failed[rank] = code
+        if failed and kill_at is None and pending:
+            stopped.update(pending)
+            for _conn, pid in pending.values():
+                _signal(pid, signal.SIGTERM)
+            kill_at = time.monotonic() + 30
+        if kill_at is not None and time.monotonic() > kill_at:
+            for _conn, pid in pending.values():
+                _signal(pid, signal.SIGKILL)
+    for rank, code in sorted(failed.items()):
+        how = f"signal {code['signal']}" if code["signal"] else f"exit code {code['exit']}"
+        why = "stopped after another rank failed" if rank in stopped else "failed"
+        print(f"zygote ranks: rank {rank} ({argv[0]}) {why}: {how}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+# ------------------------------------------------------------------------------------------------
+# The server: imports, then forks one child per request.
+# ------------------------------------------------------------------------------------------------
+
+
+def _become(request: dict, fds: list[int]) -> None:
+    """In the fork: turn into `python ARGV...` and run it; never returns."""
+    import runpy
+    import threading
+    import traceback
+
+    code = 0
+    try:
+        os.setsid()
+        for target, fd in enumerate(fds[:3]):
+            os.dup2(fd, target)
+        for fd in fds:
+            os.close(fd)
+        for signum in (*FORWARDED, signal.SIGCHLD, signal.SIGPIPE):
+            signal.signal(signum, signal.SIG_DFL if signum != signal.SIGPIPE else signal.SIG_IGN)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        argv = request["argv"]
+        pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        base = [p for p in sys.path[1:] if p not in _SERVER_PYTHONPATH]
+        import torch
+
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            sys.path[:] = [os.getcwd(), *pythonpath, *base]
+            sys.modules.pop(argv[1], None)  # preloaded as a module; it runs again as __main__
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        elif argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            sys.path[:] = ["", *pythonpath, *base]
+            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        else:
+            sys.argv = list(argv)
+            sys.path[:] = [os.path.dirname(os.path.abspath(argv[0])), *pythonpath, *base]
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, int) and exc.code is not None:
+            print(exc.code, file=sys.stderr)
+    except KeyboardInterrupt:  # the interpreter prints it, then dies of SIGINT
+        traceback.print_exc()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    except BaseException:  # what the interpreter would print, and its exit status
+        traceback.print_exc()
+        code = 1
+    try:  # what the interpreter does at exit: non-daemon threads, atexit, flushed streams
+        threading._shutdown()
+        import atexit
+
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+_SERVER_PYTHONPATH: set[str] = set()
+
+
+def serve(path: str) -> None:
+    import importlib
+    import warnings
+
+    _SERVER_PYTHONPATH.update(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in PRELOAD:
+            importlib.import_module(name)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".tmp")
+    os.rename(path + ".tmp", path)  # clients connect only once the imports are done
+    listener.listen(64)
+    parent = os.getppid()
+    running: dict[int, socket.socket | None] = {}  # child pid -> its client's connection (None: client gone)
+    while os.getppid() == parent:
+        readable, _, _ = select.select([listener, *(c for c in running.values() if c)], [], [], 0.2)
+        for conn in readable:
+            if conn is listener:
+                accepted, _ = listener.accept()
+                message, fds, _, _ = socket.recv_fds(accepted, 1 << 20, 3)
+                while not message.endswith(b"\n"):
+                    message += accepted.recv(1 << 20)
+                pid = os.fork()
+                if pid == 0:
+                    listener.close()
+                    for other in running.values():
+                        if other is not None:
+                            other.close()
+                    accepted.close()
+                    _become(json.loads(message), fds)
+                for fd in fds:
+                    os.close(fd)
+                accepted.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                running[pid] = accepted
+            elif not conn.recv(1, socket.MSG_PEEK):  # the client died: so does its run
+                pid = next(p for p, c in running.items() if c is conn)
+                _kill_session(pid)
+                running[pid] = None
+                conn.close()
+        while running:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            conn = running.pop(pid, None)
+            if conn is not None:
+                result = {"exit": os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1,
+                          "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0}
+                try:
+                    conn.sendall(json.dumps(result).encode() + b"\n")
+                except OSError:
+                    pass
+                conn.close()
+    for pid in running:
+        _kill_session(pid)
+
+
+def _kill_session(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "run":
+        sys.exit(client(sys.argv[2], sys.argv[3:]))
+    if sys.argv[1] == "ranks":
+        sys.exit(ranks(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:]))
+    serve(sys.argv[2])

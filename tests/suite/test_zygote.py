@@ -1,0 +1,100 @@
+"""The pre-imported server the suite forks CLI runs and pool ranks from (tests/_support/zygote.py):
+a run through it must look, to the test, like `python ARGV...` started fresh (argv, sys.path from
+its PYTHONPATH, environment, working directory, streams, exit status, signals), while its heavy
+imports are already done. Compared with a fresh process running the same probe."""
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from _support.processes import child_env, python_command
+
+pytestmark = pytest.mark.subprocess
+
+PROBE = """
+import json, os, sys
+preloaded = "torch" in sys.modules  # before anything is imported here
+sys.stderr.write("to stderr\\n")
+print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("PROBE_VALUE"),
+                  "path_head": sys.path[:3], "main": __name__, "preloaded": preloaded,
+                  "stdin": sys.stdin.read()}))
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("form", ["script", "-c"])
+def test_a_run_through_the_server_is_the_fresh_run_with_imports_done(tmp_path, form):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    extra = tmp_path / "plugins"
+    extra.mkdir()
+    argv = [script, "3", "x y"] if form == "script" else ["-c", PROBE, "3", "x y"]
+    env = child_env(PROBE_VALUE="seen", PYTHONPATH=f"{extra}{os.pathsep}{child_env()['PYTHONPATH']}")
+    outputs = {}
+    for preloaded in (False, True):
+        result = subprocess.run(python_command(*argv, preloaded=preloaded), env=env, cwd=tmp_path, input="from stdin",
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 3, result.stderr
+        assert result.stderr.endswith("to stderr\n"), result.stderr
+        outputs[preloaded] = json.loads(result.stdout)
+    fresh, forked = outputs[False], outputs[True]
+    assert (fresh["preloaded"], forked["preloaded"]) == (False, True)
+    for key in ("argv", "cwd", "env", "main", "stdin", "path_head"):
+        assert forked[key] == fresh[key], key
+    assert str(extra) in forked["path_head"]
+
+
+def wait_for_line(process) -> str:
+    line = process.stdout.readline()
+    assert line, "the run printed nothing"
+    return line.strip()
+
+
+def test_signals_reach_the_run_and_its_status_comes_back():
+    handler = ("import signal, sys, time\n"
+               "signal.signal(signal.SIGTERM, lambda *a: (print('stopping', flush=True), sys.exit(7)))\n"
+               "print('ready', flush=True)\ntime.sleep(120)")
+    process = subprocess.Popen(python_command("-c", handler, preloaded=True), env=child_env(),
+                               stdout=subprocess.PIPE, text=True)
+    assert wait_for_line(process) == "ready"
+    process.terminate()
+    assert process.wait(timeout=60) == 7
+    assert process.stdout.read().strip() == "stopping"
+
+    dies = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    assert subprocess.run(python_command("-c", dies, preloaded=True), env=child_env(), timeout=60).returncode == -9
+
+
+def test_a_killed_client_takes_the_run_and_its_children_with_it():
+    spawn = ("import subprocess, sys, time\n"
+             "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+             "import os\nprint(os.getpid(), child.pid, flush=True)\ntime.sleep(120)")
+    process = subprocess.Popen(python_command("-c", spawn, preloaded=True), env=child_env(),
+                               stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in wait_for_line(process).split()]
+    process.kill()
+    process.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in pids), pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_server_never_forks_with_a_thread_of_python_running():
+    """A fork copies only the forking thread; a Python thread holding a lock at that moment would
+    leave it held in every run. The server imports nothing that starts one."""
+    probe = "import threading; print(threading.active_count())"
+    result = subprocess.run(python_command("-c", probe, preloaded=True), env=child_env(), capture_output=True,
+                            text=True, timeout=300)
+    assert result.stdout.strip() == "1", result.stdout + result.stderr
