@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from _support.processes import child_env
+from _support.processes import child_env, python_command
 from megatron_rl.bridge.fp8_export import fp8_quantization_config, quantized_names, with_quantization_config
 from megatron_rl.config import load_config
 from megatron_rl.errors import ConfigError
@@ -47,7 +46,7 @@ def exported(tmp_path_factory):
     env = child_env()
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
         env.pop(key, None)  # a world of one, whatever launched pytest
-    result = subprocess.run([sys.executable, str(WORKER), "--model", str(work / "model"), "--out", str(work)],
+    result = subprocess.run(python_command(WORKER, "--model", work / "model", "--out", work, preloaded=True),
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-6000:]
     streams = torch.load(work / "streams.pt")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from _support.processes import REPO, child_env
+from _support.processes import REPO, child_env, python_command
 from megatron_rl.config import load_config
 from megatron_rl.model.hf_config import load_hf_config, parse_hf_config
 from megatron_rl.train.preflight import check_layout_and_paths
@@ -176,7 +176,6 @@ def test_recipe_headers_are_the_planners_tables_for_their_clusters():
     imports are most of its time): the table must be what the planner says today, the recipe's
     own layout must fit, and the cluster must be the one the recipe states."""
     import subprocess
-    import sys
 
     headers = {}
     for name in sorted(MODELS):
@@ -190,8 +189,8 @@ def test_recipe_headers_are_the_planners_tables_for_their_clusters():
         + [f"print({_SEPARATOR!r}); main(['plan', *{command.split()!r}, '--recipe-header', {command!r}])"
            for command, _ in headers.values()])
     env = child_env(OMP_NUM_THREADS="2")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env,
-                            cwd=REPO)
+    result = subprocess.run(python_command("-c", script, preloaded=True), capture_output=True, text=True, timeout=600,
+                            env=env, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     printed = [part.strip() for part in result.stdout.split(_SEPARATOR)[1:]]
     for (name, (_, block)), fresh in zip(headers.items(), printed, strict=True):

@@ -27,7 +27,7 @@ RATE = 0.01
 
 def run(tmp_path: Path, nproc: int, overrides: list[str]) -> list[dict]:
     out = tmp_path / "result"
-    command = torchrun_command(WORKER, nproc, "tiny-deepseek-v3", str(out))
+    command = torchrun_command(WORKER, nproc, "tiny-deepseek-v3", str(out), preloaded=True)
     for item in overrides:
         command += ["--override", item]
     env = child_env()

@@ -211,11 +211,10 @@ def test_a_lora_checkpoint_converts_to_peft_and_to_the_merged_model(results, tmp
     process: megatron-to-peft's directory, loaded by peft on the base, gives the live merged
     export's logits; megatron-to-hf --merge-lora writes the live merged export's tensors."""
     import subprocess
-    import sys
 
     from safetensors.torch import load_file
 
-    from _support.processes import child_env
+    from _support.processes import child_env, python_command
 
     pytest.importorskip("peft")
     out = Path(results[0]["out"])
@@ -223,7 +222,8 @@ def test_a_lora_checkpoint_converts_to_peft_and_to_the_merged_model(results, tmp
     script = ("import sys; from megatron_rl.tools.convert import main; "
               f"sys.exit(main(['megatron-to-peft', '--ckpt', {str(out / 'ckpt')!r}, '--out', {str(peft_dir)!r}]) or "
               f"main(['megatron-to-hf', '--merge-lora', '--ckpt', {str(out / 'ckpt')!r}, '--out', {str(merged_dir)!r}]))")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=child_env(), timeout=300)
+    done = subprocess.run(python_command("-c", script, preloaded=True), capture_output=True, text=True, env=child_env(),
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     live = load_file(str(out / "merged" / "model.safetensors"))
     converted = {k: v for f in merged_dir.glob("*.safetensors") for k, v in load_file(str(f)).items()}

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from _support.processes import child_env
+from _support.processes import child_env, python_command
 
 pytestmark = pytest.mark.subprocess  # runs a child process (pyproject's marks; scripts/test.sh --quick)
 
@@ -22,7 +21,7 @@ HERE = Path(__file__).parent
 def test_composed_stages_equal_whole_stages_built_on_meta(tmp_path):
     out = tmp_path / "compose.json"
     env = child_env(OMP_NUM_THREADS="2")
-    result = subprocess.run([sys.executable, str(HERE / "plan_worker.py"), "compose", str(out)], env=env,
+    result = subprocess.run(python_command(HERE / "plan_worker.py", "compose", out, preloaded=True), env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     cases = json.loads(out.read_text())

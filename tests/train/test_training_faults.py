@@ -13,12 +13,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from _support.processes import REPO, child_env
+from _support.processes import REPO, child_env, python_command
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
 
@@ -34,8 +33,9 @@ SHORT = ["rl.steps=4", "rl.prompts_per_step=4", "rl.group_size=4", "rl.max_respo
 def train_with(out: Path, *faults: str, overrides=(), config: Path | None = None) -> subprocess.CompletedProcess:
     """`megatron-rl train` with `faults` injected (injected_divergence.py)."""
     env = child_env(PYTHONPATH=f"{REPO}{os.pathsep}{HERE}")
-    command = [sys.executable, str(HERE / "injected_divergence.py"), *faults, "--", "train",
-               *(["--config", str(config)] if config else []), "--output-dir", str(out), *SHORT, *overrides]
+    command = python_command(HERE / "injected_divergence.py", *faults, "--", "train",
+                             *(["--config", str(config)] if config else []), "--output-dir", out, *SHORT, *overrides,
+                             preloaded=True)
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
 
 
