@@ -163,7 +163,7 @@ def _signal(pid: int, signum: int) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def _become(request: dict, fds: list[int]) -> None:
+def _become(request: dict, fds: list[int], server_pythonpath: set[str]) -> None:
     """In the fork: turn into `python ARGV...` and run it; never returns."""
     import runpy
     import threading
@@ -183,7 +183,7 @@ def _become(request: dict, fds: list[int]) -> None:
         os.environ.update(request["env"])
         argv = request["argv"]
         pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        base = [p for p in sys.path[1:] if p not in _SERVER_PYTHONPATH]
+        base = [p for p in sys.path[1:] if p not in server_pythonpath]
         import torch
 
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -223,14 +223,11 @@ def _become(request: dict, fds: list[int]) -> None:
         os._exit(code)
 
 
-_SERVER_PYTHONPATH: set[str] = set()
-
-
 def serve(path: str) -> None:
     import importlib
     import warnings
 
-    _SERVER_PYTHONPATH.update(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
+    pythonpath = {p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}  # a run's own replaces it
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name in PRELOAD:
@@ -256,7 +253,7 @@ def serve(path: str) -> None:
                         if other is not None:
                             other.close()
                     accepted.close()
-                    _become(json.loads(message), fds)
+                    _become(json.loads(message), fds, pythonpath)
                 for fd in fds:
                     os.close(fd)
                 accepted.sendall(json.dumps({"pid": pid}).encode() + b"\n")

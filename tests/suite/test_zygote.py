@@ -47,6 +47,11 @@ def test_a_run_through_the_server_is_the_fresh_run_with_imports_done(tmp_path, f
     assert str(extra) in forked["path_head"]
 
 
+def start_preloaded(code: str) -> subprocess.Popen:
+    return subprocess.Popen(python_command("-c", code, preloaded=True), env=child_env(), stdout=subprocess.PIPE,
+                            text=True)
+
+
 def wait_for_line(process) -> str:
     line = process.stdout.readline()
     assert line, "the run printed nothing"
@@ -57,8 +62,7 @@ def test_signals_reach_the_run_and_its_status_comes_back():
     handler = ("import signal, sys, time\n"
                "signal.signal(signal.SIGTERM, lambda *a: (print('stopping', flush=True), sys.exit(7)))\n"
                "print('ready', flush=True)\ntime.sleep(120)")
-    process = subprocess.Popen(python_command("-c", handler, preloaded=True), env=child_env(),
-                               stdout=subprocess.PIPE, text=True)
+    process = start_preloaded(handler)
     assert wait_for_line(process) == "ready"
     process.terminate()
     assert process.wait(timeout=60) == 7
@@ -72,8 +76,7 @@ def test_a_killed_client_takes_the_run_and_its_children_with_it():
     spawn = ("import subprocess, sys, time\n"
              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
              "import os\nprint(os.getpid(), child.pid, flush=True)\ntime.sleep(120)")
-    process = subprocess.Popen(python_command("-c", spawn, preloaded=True), env=child_env(),
-                               stdout=subprocess.PIPE, text=True)
+    process = start_preloaded(spawn)
     pids = [int(p) for p in wait_for_line(process).split()]
     process.kill()
     process.wait(timeout=60)
