@@ -11,7 +11,8 @@ Worker scripts started by file path do not have tests/ on sys.path; they keep th
 `preloaded=True` (cli_command, python_command, torchrun_command) forks the run from this pytest
 worker's pre-imported server instead of starting Python afresh (zygote.py: what is the same,
 what is not, and so which tests keep fresh processes): a tiny `megatron-rl train` spent 6-10 of
-its 15 CPU-s importing torch, Megatron-Core and transformers.
+its 15 CPU-s importing torch, Megatron-Core and transformers. `children=True` as well: the Python
+processes the run starts (a tool's torchrun and ranks, a benchmark's runs) are forked from it too.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ import resource
 import sys
 from pathlib import Path
 
+from _support import zygote
 from megatron_rl.runtime.launch_env import free_port  # the package's own; runtime.distributed re-exports it
 
-__all__ = ["REPO", "child_env", "children_cpu_seconds", "cli_command", "free_port", "python_command", "torchrun_command"]
+__all__ = ["REPO", "child_env", "children_cpu_seconds", "cli_command", "forked_python", "free_port", "python_command",
+           "torchrun_command"]
 
 REPO: Path = Path(__file__).resolve().parents[2]
 
@@ -38,32 +41,45 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 def torchrun_command(script_or_module: str | os.PathLike, nproc: int, *args: str | os.PathLike,
-                     module: bool = False, preloaded: bool = False) -> list[str]:
+                     module: bool = False, preloaded: bool = False, children: bool = False) -> list[str]:
     """`python -m torch.distributed.run --nproc-per-node=NPROC --master-port=PORT SCRIPT ARGS...`:
     a single-node local launch on a fresh free master port; with module=True SCRIPT_OR_MODULE is a
     module name run as `-m MODULE`. preloaded=True: the ranks forked from this worker's
-    pre-imported server with torchrun's environment (zygote.py's `ranks`)."""
+    pre-imported server with torchrun's environment (zygote.py's `ranks`); children=True: their
+    own Python children forked from it too."""
     target = ["-m", str(script_or_module)] if module else [str(script_or_module)]
     if preloaded and os.environ.get("MEGATRON_RL_TESTS_FRESH") != "1":
-        return [sys.executable, "-S", str(_zygote.SCRIPT), "ranks", _zygote.socket(), str(nproc), str(free_port()),
-                *target, *(str(arg) for arg in args)]
+        return [sys.executable, "-S", str(_zygote.SCRIPT), "ranks", *(["--children"] if children else []),
+                _zygote.socket(), str(nproc), str(free_port()), *target, *(str(arg) for arg in args)]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
             f"--master-port={free_port()}", *target, *(str(arg) for arg in args)]
 
 
-def cli_command(*args: str | os.PathLike, preloaded: bool = False) -> list[str]:
+def cli_command(*args: str | os.PathLike, preloaded: bool = False, children: bool = False) -> list[str]:
     """`python -m megatron_rl.cli ARGS...`; preloaded=True: the same run forked from this pytest
-    worker's pre-imported server (zygote.py says what differs from a fresh process)."""
-    return python_command("-m", "megatron_rl.cli", *args, preloaded=preloaded)
+    worker's pre-imported server (zygote.py says what differs from a fresh process); children=True:
+    the Python processes it starts forked from the server too."""
+    return python_command("-m", "megatron_rl.cli", *args, preloaded=preloaded, children=children)
 
 
-def python_command(*argv: str | os.PathLike, preloaded: bool = False) -> list[str]:
-    """`python ARGV...`; preloaded=True: through zygote.py's client (the server starts on first use).
+def python_command(*argv: str | os.PathLike, preloaded: bool = False, children: bool = False) -> list[str]:
+    """`python ARGV...`; preloaded=True: through zygote.py's client (the server starts on first use);
+    children=True (with preloaded): the run's own Python children through it too (`run --children`).
     MEGATRON_RL_TESTS_FRESH=1 makes every run a fresh process (to rule the server out of a failure)."""
     argv = [str(arg) for arg in argv]
     if not preloaded or os.environ.get("MEGATRON_RL_TESTS_FRESH") == "1":
         return [sys.executable, *argv]
-    return [sys.executable, "-S", str(_zygote.SCRIPT), "run", _zygote.socket(), *argv]
+    return [sys.executable, "-S", str(_zygote.SCRIPT), "run", *(["--children"] if children else []),
+            _zygote.socket(), *argv]
+
+
+def forked_python() -> str:
+    """An executable that stands for `python` with children=True (zygote.py's SHIM), for a script
+    that takes its interpreter as a path (e.g. `PYTHON=... bash run.sh`); the interpreter itself
+    under MEGATRON_RL_TESTS_FRESH=1."""
+    if os.environ.get("MEGATRON_RL_TESTS_FRESH") == "1":
+        return sys.executable
+    return zygote.shim_path(_zygote.socket())
 
 
 class _Zygote:
@@ -83,11 +99,14 @@ class _Zygote:
 
     def start(self) -> None:
         import atexit
+        import shutil
         import subprocess
         import tempfile
 
         folder = tempfile.mkdtemp(prefix="zygote-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)  # runs after the kill below (last in, first out)
         self.path = os.path.join(folder, "socket")
+        zygote.write_shim(self.path)
         self.log = open(os.path.join(folder, "server.log"), "wb")
         self.process = subprocess.Popen([sys.executable, str(self.SCRIPT), "serve", self.path], env=child_env(),
                                         stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)

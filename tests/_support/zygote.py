@@ -13,6 +13,11 @@ runs it, in a session of its own. The client forwards SIGTERM, SIGINT, SIGHUP, S
 to it and exits with its exit status (or dies of its signal); a client that dies takes the fork's
 session with it (SIGKILL), so a killed test leaves nothing behind.
 
+`run --children SOCKET ARGV...` (and `ranks --children`): the run's own Python children are forked
+from the server too (its sys.executable is SHIM below): a conversion tool's torchrun and its ranks,
+a benchmark's CLI runs, a SLURM job's launcher and ranks. A test whose run measures its children
+(their memory, their CPU time) leaves them fresh.
+
 What stays different from a fresh process, so a test that depends on it keeps one (the default):
 modules imported in the server read their environment at import time, not the run's (vLLM is not
 preloaded for that reason: its logging is configured at import); the fork is not the client's
@@ -26,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shlex
 import signal
 import socket
 import sys
@@ -73,12 +79,12 @@ def _connect(path: str) -> socket.socket | None:
     return conn
 
 
-def _start(path: str, argv: list[str], env: dict) -> tuple[socket.socket, int] | None:
+def _start(path: str, argv: list[str], env: dict, children: bool) -> tuple[socket.socket, int] | None:
     """One run forked by the server: its connection and pid."""
     conn = _connect(path)
     if conn is None:
         return None
-    request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode() + b"\n"
+    request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(), "children": children}).encode() + b"\n"
     socket.send_fds(conn, [request], [0, 1, 2])
     reply = _recv_line(conn)
     if reply is None:
@@ -87,8 +93,8 @@ def _start(path: str, argv: list[str], env: dict) -> tuple[socket.socket, int] |
     return conn, json.loads(reply)["pid"]
 
 
-def client(path: str, argv: list[str]) -> int:
-    started = _start(path, argv, dict(os.environ))
+def client(path: str, argv: list[str], children: bool = False) -> int:
+    started = _start(path, argv, dict(os.environ), children)
     if started is None:
         return 70
     conn, pid = started
@@ -106,7 +112,7 @@ def client(path: str, argv: list[str]) -> int:
     return code["exit"]
 
 
-def ranks(path: str, nproc: int, port: int, argv: list[str]) -> int:
+def ranks(path: str, nproc: int, port: int, argv: list[str], children: bool = False) -> int:
     """Stands for `torchrun --nproc-per-node=NPROC --master-port=PORT ARGV...` on one node: NPROC
     runs with the environment torchrun gives its ranks (rank 0 hosts the rendezvous store, as
     without torchrun's agent). As torchrun does: when one rank fails the others are stopped
@@ -119,7 +125,7 @@ def ranks(path: str, nproc: int, port: int, argv: list[str]) -> int:
                    MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
                    TORCHELASTIC_RUN_ID="none")
         env.setdefault("OMP_NUM_THREADS", "1")
-        started = _start(path, argv, env)
+        started = _start(path, argv, env, children)
         if started is None:
             for _conn, pid in runs.values():
                 os.kill(pid, signal.SIGKILL)
@@ -163,7 +169,45 @@ def _signal(pid: int, signum: int) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def _become(request: dict, fds: list[int], server_pythonpath: set[str]) -> None:
+# `python` as a run forked with --children sees it (sys.executable): a script, `-m MODULE` or
+# `-c CODE` is forked from the server too, with --children again, so a tool's torchrun and its
+# ranks or a benchmark's runs import nothing; the interpreter itself runs whatever needs a real
+# one: interpreter flags (the sandbox's -I -S), a multiprocessing spawn (it passes other file
+# descriptors), vLLM and SGLang servers (imported fresh, as a user's are).
+SHIM = """#!/bin/sh
+real={real}
+case "$1" in -u) unbuffered=1; shift ;; *) unbuffered= ;; esac
+case "$1" in
+  -m) case "$2" in vllm.*|sglang.*) direct=1 ;; *) direct= ;; esac ;;
+  -c) case " $* " in *" --multiprocessing-fork "*) direct=1 ;; *) direct= ;; esac ;;
+  ""|-*) direct=1 ;;
+  *) direct= ;;
+esac
+if [ -n "$direct" ]; then
+  if [ -n "$unbuffered" ]; then exec "$real" -u "$@"; fi
+  exec "$real" "$@"
+fi
+if [ -n "$unbuffered" ]; then PYTHONUNBUFFERED=1; export PYTHONUNBUFFERED; fi
+exec "$real" -S {script} run --children {socket} "$@"
+"""
+
+
+def shim_path(path: str) -> str:
+    """The SHIM of the server at socket `path` (beside it)."""
+    return os.path.join(os.path.dirname(path), "python")
+
+
+def write_shim(path: str) -> None:
+    """SHIM for the server at socket `path`, written before the server starts (so it is there as
+    soon as a test asks for it)."""
+    shim = shim_path(path)
+    with open(shim, "w") as out:
+        out.write(SHIM.format(real=shlex.quote(sys.executable), script=shlex.quote(os.path.abspath(__file__)),
+                              socket=shlex.quote(path)))
+    os.chmod(shim, 0o755)
+
+
+def _become(request: dict, fds: list[int], server_pythonpath: set[str], shim: str) -> None:
     """In the fork: turn into `python ARGV...` and run it; never returns."""
     import runpy
     import threading
@@ -187,6 +231,14 @@ def _become(request: dict, fds: list[int], server_pythonpath: set[str]) -> None:
         import torch
 
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        if os.environ.get("PYTHONUNBUFFERED"):  # the streams were made by the server, buffered
+            sys.stdout.reconfigure(write_through=True)
+            sys.stderr.reconfigure(write_through=True)
+        if request.get("children"):
+            import multiprocessing
+
+            multiprocessing.set_executable(sys.executable)  # a spawn needs the real interpreter
+            sys.executable = shim
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
             sys.path[:] = [os.getcwd(), *pythonpath, *base]
@@ -232,6 +284,7 @@ def serve(path: str) -> None:
         warnings.simplefilter("ignore")
         for name in PRELOAD:
             importlib.import_module(name)
+    shim = shim_path(path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
     os.rename(path + ".tmp", path)  # clients connect only once the imports are done
@@ -253,7 +306,7 @@ def serve(path: str) -> None:
                         if other is not None:
                             other.close()
                     accepted.close()
-                    _become(json.loads(message), fds, pythonpath)
+                    _become(json.loads(message), fds, pythonpath, shim)
                 for fd in fds:
                     os.close(fd)
                 accepted.sendall(json.dumps({"pid": pid}).encode() + b"\n")
@@ -288,8 +341,11 @@ def _kill_session(pid: int) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "run":
-        sys.exit(client(sys.argv[2], sys.argv[3:]))
-    if sys.argv[1] == "ranks":
-        sys.exit(ranks(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:]))
-    serve(sys.argv[2])
+    mode, rest = sys.argv[1], sys.argv[2:]
+    forked_children = rest[:1] == ["--children"]
+    rest = rest[1:] if forked_children else rest
+    if mode == "run":
+        sys.exit(client(rest[0], rest[1:], forked_children))
+    if mode == "ranks":
+        sys.exit(ranks(rest[0], int(rest[1]), int(rest[2]), rest[3:], forked_children))
+    serve(rest[0])

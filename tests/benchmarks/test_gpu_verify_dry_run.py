@@ -5,11 +5,10 @@ for bit (one thread, the same code), well inside the tolerances stated for the G
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from _support.processes import REPO, child_env
+from _support.processes import REPO, child_env, forked_python
 
 pytestmark = pytest.mark.subprocess  # runs the kit's script and its stage processes
 
@@ -17,7 +16,7 @@ RUN = REPO / "scripts" / "gpu_kit" / "run.sh"
 
 
 def dry_run(out, *extra):
-    result = subprocess.run(["bash", str(RUN), "--dry-run", str(out), *extra], env=child_env(PYTHON=sys.executable),
+    result = subprocess.run(["bash", str(RUN), "--dry-run", str(out), *extra], env=child_env(PYTHON=forked_python()),
                             capture_output=True, text=True, timeout=600)
     return result, json.loads((out / "gpu_verify.json").read_text()), (out / "gpu_verify.md").read_text()
 

@@ -20,7 +20,8 @@ def test_the_length_effect_runs_and_reports(tmp_path):
     results = tmp_path / "results"
     for effect in EFFECTS:
         result = subprocess.run(python_command(REPO / "benchmarks/seed_effects.py", effect, "--smoke",
-                                               "--work", tmp_path / "work", "--results", results, preloaded=True),
+                                               "--work", tmp_path / "work", "--results", results, preloaded=True,
+                                               children=True),
                                 capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
         assert result.returncode == 0, f"{effect}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         assert (results / f"seed_effects_{effect}.png").stat().st_size > 10_000

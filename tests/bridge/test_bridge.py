@@ -286,7 +286,7 @@ def test_safetensors_metadata_names_are_checkpoint_format(models):
 def test_benchmark_quick_runs():
     """benchmarks/bridge_export.py --quick must keep working (it is not part of the suite otherwise)."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    result = subprocess.run(python_command(REPO / "benchmarks" / "bridge_export.py", "--quick", preloaded=True),
-                            env=env, capture_output=True, text=True, timeout=300)
+    command = python_command(REPO / "benchmarks" / "bridge_export.py", "--quick", preloaded=True, children=True)
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ratio export/memcpy throughput" in result.stdout and "ratio import/memcpy throughput" in result.stdout

@@ -34,8 +34,8 @@ ENV = child_env()
 
 
 def tool(name: str, *args: str) -> None:
-    result = subprocess.run(python_command(REPO / "tools" / name, *args, preloaded=True), env=ENV, capture_output=True,
-                            text=True, timeout=600)
+    result = subprocess.run(python_command(REPO / "tools" / name, *args, preloaded=True, children=True), env=ENV,
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{name} {args}:\n{result.stderr[-4000:]}"
 
 

@@ -26,8 +26,8 @@ pytestmark = pytest.mark.multiprocess
 
 def tool(name: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     env = child_env()
-    result = subprocess.run(python_command(REPO / "tools" / name, *args, preloaded=True), env=env,
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(python_command(REPO / "tools" / name, *args, preloaded=True, children=True),
+                            env=env, capture_output=True, text=True, timeout=600)
     if check and result.returncode != 0:
         raise AssertionError(f"{name} {args} failed:\n{result.stderr[-5000:]}")
     return result

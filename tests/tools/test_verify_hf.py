@@ -64,9 +64,11 @@ if os.environ.get("VERIFY_HF_TEST_EPS"):
 
 def verify(*args: str, torchrun: int = 0, env: dict[str, str] | None = None,
            pythonpath: str | None = None) -> subprocess.CompletedProcess:
-    """`python -m megatron_rl.cli verify-hf ARGS`, or under `torchrun --nproc-per-node=N` when given."""
+    """`python -m megatron_rl.cli verify-hf ARGS`, or under `torchrun --nproc-per-node=N` when given.
+    A `pythonpath` with a sitecustomize hook: the ranks verify-hf starts are fresh interpreters,
+    which run it (a fork of the pre-imported server has imported transformers already)."""
     command = (torchrun_command("megatron_rl.cli", torchrun, "verify-hf", *args, module=True, preloaded=True) if torchrun
-               else cli_command("verify-hf", *args, preloaded=True))
+               else cli_command("verify-hf", *args, preloaded=True, children=pythonpath is None))
     environment = child_env(PYTHONPATH=pythonpath or str(REPO), **(env or {}))
     for name in ("RANK", "WORLD_SIZE", "MEGATRON_RL_VERBOSE", "MEGATRON_RL_VERIFY_REPORT"):
         if name not in (env or {}):

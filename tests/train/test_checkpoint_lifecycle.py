@@ -37,8 +37,8 @@ SHORT = ["rl.steps=5", "rl.prompts_per_step=8", "rl.group_size=4", "rl.max_respo
 
 
 def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run(python_command(*args, preloaded=True), env=child_env(), capture_output=True, text=True,
-                            timeout=900)
+    result = subprocess.run(python_command(*args, preloaded=True, children=True), env=child_env(), capture_output=True,
+                            text=True, timeout=900)
     if check:
         assert result.returncode == 0, f"{' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result
