@@ -1,5 +1,6 @@
 """Multi-turn RL end to end with the real parts: `megatron-rl train --config configs/tiny_agent.yaml`
-(Megatron-Core policy, vLLM CPU rollouts, the built-in calculator tool over several turns), short.
+(Megatron-Core policy, vLLM CPU rollouts, the built-in calculator tool over several turns), short,
+both runs from one warm start (`megatron-rl sft` on the recipe's demonstrations, made once).
 
 - colocated, with R3 (the engine's MoE routes replayed in the trainer; the last turn's request
   routed every token of the trajectory, observations included): every step trains on multi-turn
@@ -15,6 +16,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -30,26 +32,39 @@ from run_records import metrics  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
-# dr_grpo: no dynamic sampling, so the few steps train on every group whatever the rewards
+CONFIG = REPO / "configs/tiny_agent.yaml"
 # every demonstration calls the tool, so 40 warm-start steps make a model that calls it
-SHORT = ["rl.recipe=dr_grpo", "rl.steps=2", "rl.prompts_per_step=4", "rl.group_size=4", "warm_start.steps=40",
-         "data.synthetic.tool_demonstrations=1.0",
-         "data.num_heldout=8", "rl.eval_every=0", "checkpoint.every_steps=0", "checkpoint.export_hf=false",
-         "logging.wandb_mode=disabled"]
+DATA = ["data.synthetic.tool_demonstrations=1.0", "data.num_heldout=8"]
+# dr_grpo: no dynamic sampling, so the few steps train on every group whatever the rewards
+SHORT = ["rl.recipe=dr_grpo", "rl.steps=2", "rl.prompts_per_step=4", "rl.group_size=4", *DATA, "rl.eval_every=0",
+         "checkpoint.every_steps=0", "checkpoint.export_hf=false", "logging.wandb_mode=disabled"]
 
 
-def train(out: Path, *overrides: str):
-    import subprocess
-
-    command = cli_command("train", "--config", str(REPO / "configs/tiny_agent.yaml"), "--output-dir", str(out),
-                          *SHORT, *overrides, preloaded=True)
-    result = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=900)
+def cli(*args: str) -> subprocess.CompletedProcess:
+    result = subprocess.run(cli_command(*args, preloaded=True), env=child_env(), capture_output=True, text=True,
+                            timeout=900)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def warm_start(tmp_path_factory) -> Path:
+    """The multi-turn warm start, made once for both runs: `megatron-rl sft` on the recipe's
+    demonstrations; `train checkpoint.init_from=DIR warm_start.steps=0` starts from exactly its
+    weights (tests/train/test_sft.py)."""
+    out = tmp_path_factory.mktemp("agent") / "sft"
+    cli("sft", "--config", str(CONFIG), "--output-dir", str(out), "warm_start.steps=40", *DATA)
+    return out
+
+
+def train(out: Path, warm: Path, *overrides: str):
+    cli("train", "--config", str(CONFIG), "--output-dir", str(out), *SHORT, f"checkpoint.init_from={warm}",
+        "warm_start.steps=0", *overrides)
     return metrics(out)
 
 
-def test_colocated_multi_turn_steps_match_the_engine_on_every_model_token(tmp_path):
-    steps = train(tmp_path / "run", "rl.routing_replay=rollout")
+def test_colocated_multi_turn_steps_match_the_engine_on_every_model_token(warm_start, tmp_path):
+    steps = train(tmp_path / "run", warm_start, "rl.routing_replay=rollout")
     for step in (1, 2):
         record = steps[step]
         assert record["agent/turns_mean"] > 1.1 and record["agent/tool_call_rate"] > 0.25, record
@@ -64,9 +79,9 @@ def test_colocated_multi_turn_steps_match_the_engine_on_every_model_token(tmp_pa
     assert "eval/tool_call_rate" in steps[2] and steps[2]["eval/turns_mean"] >= 1
 
 
-def test_asynchronous_server_multi_turn(tiny_vllm_server, tmp_path):
+def test_asynchronous_server_multi_turn(tiny_vllm_server, warm_start, tmp_path):
     url = tiny_vllm_server[0]
-    steps = train(tmp_path / "async", "rollout.mode=server", f"rollout.server_urls=[{url}]",
+    steps = train(tmp_path / "async", warm_start, "rollout.mode=server", f"rollout.server_urls=[{url}]",
                   "rollout.weight_transport=files", f"rollout.staging_dir={tmp_path / 'staging'}",
                   "rl.max_staleness=1")
     assert steps[1]["rollout/staleness_max"] == 0 and steps[2]["rollout/staleness_max"] == 1

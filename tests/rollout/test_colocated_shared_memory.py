@@ -48,11 +48,14 @@ def test_stale_segments_are_the_unmapped_old_ones(tmp_path):
     assert found == sorted(names[:2]), found  # not the mapped one, the young one, nor other files
 
 
-def launch(out: Path) -> subprocess.Popen:
-    env = child_env()
-    return subprocess.Popen(cli_command("launch", "local", "--nproc-per-node", "2", "--output-dir", str(out), *SHORT,
-                                        "rl.steps=2"), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+def launch(out: Path, preloaded: bool = False) -> subprocess.Popen:
+    """`megatron-rl launch local` on 2 ranks; preloaded: the launcher, its torchrun and the ranks
+    forked from the pre-imported server (not for the run whose rank the test finds and kills: its
+    ranks must be this process's descendants)."""
+    command = cli_command("launch", "local", "--nproc-per-node", "2", "--output-dir", str(out), *SHORT, "rl.steps=2",
+                          preloaded=preloaded, children=preloaded)
+    return subprocess.Popen(command, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
 
 
 def wait_for_first_metrics(process: subprocess.Popen, out: Path, timeout_s: float = 600) -> None:
@@ -87,7 +90,8 @@ def test_rank_killed_with_sigkill_then_the_same_command_and_another_run_both_wor
         for path in planted:
             path.write_bytes(b"\0" * 4096)
             os.utime(path, (old, old))
-        rerun, other = launch(crashed), launch(tmp_path / "other")  # the same command, and a second run beside it
+        # the same command, and a second run beside it
+        rerun, other = launch(crashed, preloaded=True), launch(tmp_path / "other", preloaded=True)
         rerun_out, _ = rerun.communicate(timeout=900)
         other_out, _ = other.communicate(timeout=900)
     finally:

@@ -96,8 +96,8 @@ def test_sigmoid_router_families_round_trip_through_ep2(tmp_path, family, layout
 
 def test_cli_wrapper(llama, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    result = subprocess.run(cli_command("convert", "hf-to-megatron", "--hf-dir", str(llama),
-                                        "--out", str(tmp_path / "mcore")),
+    result = subprocess.run(cli_command("convert", "hf-to-megatron", "--hf-dir", str(llama), "--out", str(tmp_path / "mcore"),
+                                        preloaded=True, children=True),
                             env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "mcore" / "metadata.json").is_file()
