@@ -7,7 +7,9 @@ cluster configured to reject).
 
 Against a real SLURM (slurmctld + three slurmd on this host, see conftest.py; skipped with the
 reason where it cannot start): the tiny default, shortened, runs to completion through
-`megatron-rl launch slurm` on two nodes; a job requeued mid-run (`scontrol requeue`: SIGTERM to
+`megatron-rl launch slurm` on two nodes (its launchers, torchrun and ranks forked from the tests'
+pre-imported Python, tests/_support/zygote.py; the other jobs run fresh processes, all of them
+tracked and signalled by SLURM); a job requeued mid-run (`scontrol requeue`: SIGTERM to
 every process of the job, wandb's helper included, as at preemption) writes its stop checkpoint and
 resumes from it; the preemption warning (USR1 to the batch script)
 makes the trainer checkpoint and the job requeue itself and finish; the disaggregated template
@@ -41,10 +43,14 @@ SHORT = ["rl.prompts_per_step=8", "rl.group_size=4", "rl.max_response_tokens=6",
 LONG = 20
 
 
-def cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def cli(*args: str, env: dict | None = None, timeout: float = 120, children: bool = False) -> subprocess.CompletedProcess:
+    """`megatron-rl ARGS...`, forked from the pre-imported server. children=True: the job it submits
+    runs its launcher, torchrun and ranks forked from that server too (its script's interpreter is
+    the server's stand-in for python), outside SLURM's process tracking: only for a job whose
+    claim does not depend on what SLURM signals (not the requeue and preemption tests)."""
     environment = dict(env or os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    return subprocess.run(cli_command(*args), env=environment, capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO)
+    return subprocess.run(cli_command(*args, preloaded=True, children=children), env=environment, capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO)
 
 
 # ---- without SLURM ------------------------------------------------------------------------------
@@ -148,9 +154,10 @@ def test_launch_local_dry_run_and_layout_check(tmp_path):
 # ---- against a real SLURM -----------------------------------------------------------------------
 
 
-def submit(cluster, out: Path, nodes: int, *overrides: str, extra: tuple[str, ...] = ()) -> tuple[str, Path]:
+def submit(cluster, out: Path, nodes: int, *overrides: str, extra: tuple[str, ...] = (),
+           children: bool = False) -> tuple[str, Path]:
     result = cli("launch", "slurm", "--nodes", str(nodes), "--output-dir", str(out), "--job-name", out.name,
-                 *extra, *SHORT, *overrides, env=cluster.env)
+                 *extra, *SHORT, *overrides, env=cluster.env, children=children)
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     job_id = re.search(r"submitted job (\d+)", result.stdout).group(1)
     log = out / "logs" / f"slurm-{job_id}.out"
@@ -189,7 +196,7 @@ def checkpointed(out: Path) -> bool:
 
 def test_job_completes_on_two_nodes(slurm_cluster, tmp_path):
     out = tmp_path / "two-nodes"
-    job_id, log = submit(slurm_cluster, out, 2, "rl.steps=3")
+    job_id, log = submit(slurm_cluster, out, 2, "rl.steps=3", children=True)
     wait_until(lambda: finished(slurm_cluster, job_id, out), 240, "the job to end", slurm_cluster, log, job_id)
     text = log.read_text(errors="replace")
     assert slurm_cluster.job_state(job_id) == "COMPLETED", text[-4000:]
