@@ -101,3 +101,34 @@ def test_the_server_never_forks_with_a_thread_of_python_running():
     result = subprocess.run(python_command("-c", probe, preloaded=True), env=child_env(), capture_output=True,
                             text=True, timeout=300)
     assert result.stdout.strip() == "1", result.stdout + result.stderr
+
+
+CHILD_PROBE = """
+import subprocess, sys
+def child(*flags):
+    code = "import sys; print('torch' in sys.modules)"
+    return subprocess.run([sys.executable, *flags, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+print(child(), child("-I"))
+"""
+
+
+@pytest.mark.parametrize("children", [False, True])
+def test_with_children_the_runs_own_python_children_are_forked_too(children):
+    """children=True: the run's `sys.executable ...` children come from the server too (torch is
+    imported before their first line); a child with interpreter flags (the sandbox's -I) is the
+    real interpreter. Without it every child is the real interpreter."""
+    result = subprocess.run(python_command("-c", CHILD_PROBE, preloaded=True, children=children), env=child_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == (["True", "False"] if children else ["False", "False"]), result.stdout
+
+
+def test_a_fork_configures_vllms_logging_from_its_own_environment():
+    """vLLM, preloaded, configured its logger from the server's environment at import; each run
+    gets the level its own VLLM_LOGGING_LEVEL says, as a fresh import would give it."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
+    probe = "import logging, sys; print('vllm' in sys.modules, logging.getLevelName(logging.getLogger('vllm').level))"
+    for level in ("DEBUG", "ERROR"):
+        result = subprocess.run(python_command("-c", probe, preloaded=True), env=child_env(VLLM_LOGGING_LEVEL=level),
+                                capture_output=True, text=True, timeout=300)
+        assert result.stdout.split() == ["True", level], result.stdout + result.stderr
