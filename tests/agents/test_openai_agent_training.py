@@ -37,7 +37,7 @@ def test_openai_client_agent_trains_on_the_engines_exact_tokens(tmp_path):
     command = cli_command("train", "--config", str(REPO / "configs/tiny_agent.yaml"), "--output-dir", str(out),
                           *SHORT, "warm_start.steps=0",
                           "rollout.agent=openai_test_agents:extends_then_rewrites",
-                          "rl.routing_replay=rollout")
+                          "rl.routing_replay=rollout", preloaded=True)
     env = child_env(PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests" / "agents")]))
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]

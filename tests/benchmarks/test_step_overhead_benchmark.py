@@ -5,11 +5,10 @@ ratios and the profile breakdown. Only that it runs and what it prints are check
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 
-from _support.processes import REPO, child_env
+from _support.processes import REPO, child_env, python_command
 
 pytestmark = pytest.mark.subprocess  # runs a child process (pyproject's marks; scripts/test.sh --quick)
 
@@ -19,7 +18,7 @@ SCRIPT = REPO / "benchmarks" / "step_overhead.py"
 def test_quick_run_checks_agreement_and_prints_ratios():
     env = child_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--skip-large", "--skip-startup", "--skip-train"],
+        python_command(SCRIPT, "--quick", "--skip-large", "--skip-startup", "--skip-train", preloaded=True, children=True),
         capture_output=True, text=True, timeout=240, env=env, cwd=REPO,
     )
     output = result.stdout

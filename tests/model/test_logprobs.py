@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import datetime
 import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from _support.processes import REPO, free_port
+from _support.processes import REPO, free_port, python_command
 from megatron_rl.model.logprobs import naive_logprobs_entropy, vocab_parallel_logprobs_entropy
 
 pytestmark = pytest.mark.multiprocess
@@ -282,7 +281,7 @@ def test_tensor_parallel_two_ranks_matches_single_process():
 # ----------------------------------------------------------------------------- benchmark smoke
 def test_benchmark_quick_runs():
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "logprobs.py"), "--quick"],
+        python_command(REPO / "benchmarks" / "logprobs.py", "--quick", preloaded=True, children=True),
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

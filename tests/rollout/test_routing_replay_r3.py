@@ -82,7 +82,7 @@ def test_train_runs_with_rollout_routing_replay(tmp_path):
     command = cli_command("train", "--output-dir", str(out), "rl.routing_replay=rollout", "rl.recipe=grpo",
                           "rl.steps=1", "rl.prompts_per_step=4", "rl.group_size=4", "warm_start.steps=0",
                           "data.num_heldout=2", "rl.eval_every=0", "checkpoint.every_steps=0",
-                          "checkpoint.export_hf=false", "logging.wandb_mode=disabled")
+                          "checkpoint.export_hf=false", "logging.wandb_mode=disabled", preloaded=True)
     result = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
