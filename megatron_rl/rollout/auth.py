@@ -17,6 +17,7 @@ from __future__ import annotations
 import hmac
 import os
 import secrets
+import threading
 
 TOKEN_ENV = "MEGATRON_RL_ROLLOUT_TOKEN"
 OPEN_PATHS = frozenset({"/health"})
@@ -27,12 +28,18 @@ def rollout_token() -> str | None:
     return os.environ.get(TOKEN_ENV) or None
 
 
+# Servers started from several threads at once (the engine pool's) must all get one token: without
+# the lock two threads could each make one, and the first server would refuse this process's token.
+_TOKEN_LOCK = threading.Lock()
+
+
 def ensure_rollout_token() -> str:
     """This job's token, made now (and exported to the servers this process starts) if unset."""
-    token = rollout_token()
-    if token is None:
-        token = os.environ[TOKEN_ENV] = secrets.token_urlsafe(32)
-    return token
+    with _TOKEN_LOCK:
+        token = rollout_token()
+        if token is None:
+            token = os.environ[TOKEN_ENV] = secrets.token_urlsafe(32)
+        return token
 
 
 def authorization_header(token: str | None) -> dict[str, str]:

@@ -59,8 +59,7 @@ class VllmServerProcess(ServerProcess):
         env = dict(os.environ)
         env.update(vllm_environment(cache_dir, on_cpu=on_cpu, kv_cache_gib=cpu_kv_cache_gib))
         env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache
-        ensure_rollout_token()  # exported: the server reads it, our clients send it (rollout/auth.py)
-        env[TOKEN_ENV] = os.environ[TOKEN_ENV]
+        env[TOKEN_ENV] = ensure_rollout_token()  # the server reads it, our clients send it (rollout/auth.py)
         command = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model_dir), "--host", host, "--port", str(port),
