@@ -86,22 +86,33 @@ def test_rank_killed_with_sigkill_then_the_same_command_and_another_run_both_wor
     # is exactly what blocked every later run.
     planted = [SHM / "-tp:0-[0-1]-cpushm_0", SHM / "megatron-rl-1-dead-tp:0-[0-1]-cpushm_1"]
     old = time.time() - 3600
+    # Any run on this host that starts a colocated engine removes stale segments, and a test on
+    # another worker may start one between the planting and this run's engine start: then the
+    # segments are gone but named in that run's output, not in ours. The claim (this run removes
+    # and names them) is then checked again on a run of its own, planted anew.
+    said, attempts = "", 0
     try:
-        for path in planted:
-            path.write_bytes(b"\0" * 4096)
-            os.utime(path, (old, old))
-        # the same command, and a second run beside it
-        rerun, other = launch(crashed, preloaded=True), launch(tmp_path / "other", preloaded=True)
-        rerun_out, _ = rerun.communicate(timeout=900)
-        other_out, _ = other.communicate(timeout=900)
+        while True:
+            attempts += 1
+            for path in planted:
+                path.write_bytes(b"\0" * 4096)
+                os.utime(path, (old, old))
+            if attempts == 1:  # the same command, and a second run beside it
+                runs = [launch(crashed, preloaded=True), launch(tmp_path / "other", preloaded=True)]
+            else:
+                runs = [launch(tmp_path / f"again-{attempts}", preloaded=True)]
+            outputs = [run.communicate(timeout=900)[0] for run in runs]
+            for run, output in zip(runs, outputs):
+                assert run.returncode == 0, output[-5000:]
+            said = "".join(outputs)
+            if all(path.name in said for path in planted) or attempts == 3:
+                break
+            assert not any(path.exists() for path in planted), f"a run left stale segments in place:\n{said[-3000:]}"
     finally:
         for path in planted:
             path.unlink(missing_ok=True)
-    assert rerun.returncode == 0, rerun_out[-5000:]
-    assert other.returncode == 0, other_out[-5000:]
-    said = rerun_out + other_out
     assert "stale vLLM shared-memory segment(s)" in said, said[-3000:]
     for path in planted:
-        assert path.name in said, said[-3000:]
+        assert path.name in said, f"after {attempts} run(s) of our own:\n{said[-3000:]}"
     assert not [path for path in SHM.iterdir() if "-cpushm" in path.name and path.name.startswith("megatron-rl-")
                 and path.stat().st_mtime > old + 60], "a finished run left its segments"
