@@ -4,6 +4,10 @@
     python benchmarks/seed_effects.py length              # one effect: length | entropy |
                                                           #   zero_signal | moe | curriculum
     python benchmarks/seed_effects.py length_long         # the length effect's second setting (not in all)
+    python benchmarks/seed_effects.py pad_runaway         # the filler runaway counted on 16 paired seeds
+                                                          #   (not in all; about 45 minutes)
+    python benchmarks/seed_effects.py mismatch            # no correction / TIS / IcePop on an engine
+                                                          #   two pushes stale (not in all; ~20 minutes)
     python benchmarks/seed_effects.py report              # tables and plots from the runs on disk
     python benchmarks/seed_effects.py length --smoke      # the pipeline in a minute: nothing judged
 
@@ -42,6 +46,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from math import comb
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,6 +55,8 @@ RESULTS = REPO / "benchmarks/results"
 # relative to the repository, where every run starts (the reward registry resolves it there)
 RANDOM_REWARD = "benchmarks/seed_effects_rewards.py:random_reward"
 SEEDS = (11, 12, 13, 14, 15, 16, 17, 18)   # fixed before any run; all of them are reported
+# The filler runaway's count (pad_runaway): SEEDS and eight more, fixed before its runs.
+RUNAWAY_SEEDS = SEEDS + (19, 20, 21, 22, 23, 24, 25, 26)
 LAST_FRACTION = 0.2
 BOOTSTRAP = 10_000
 
@@ -103,6 +110,18 @@ class Comparison:
 
 
 @dataclass
+class Runaway:
+    """A per-run event decided by a rule fixed before the runs: the run's `key`, averaged over the
+    last LAST_FRACTION of its RL steps, is at least `threshold`. Counted per arm and compared with
+    exact tests (one-sided, the treatment more often): Fisher's on the 2x2 table, and McNemar's on
+    the seeds where exactly one arm of the pair ran away."""
+
+    key: str
+    threshold: float
+    label: str
+
+
+@dataclass
 class Effect:
     name: str
     title: str
@@ -121,6 +140,8 @@ class Effect:
     model: dict | None = None
     few_seed_arms: dict[str, int] = field(default_factory=dict)  # arms on fewer seeds (controls)
     note: str = ""
+    seed_list: tuple[int, ...] = SEEDS  # the seeds this effect may use, in order
+    runaway: Runaway | None = None      # a per-run event counted beside the mean comparison
 
 
 EFFECTS = {
@@ -261,6 +282,57 @@ EXTRA_EFFECTS = {
              "equal (wrong length over the last 12 steps 24.25 vs 24.27), see docs/reproductions.md."),
 }
 
+EXTRA_EFFECTS["pad_runaway"] = Effect(
+    "pad_runaway", "Filler runaway: GRPO's 1/|o| lets a free filler run to the length cap, counted on 16 seeds",
+    "Dr. GRPO arXiv:2503.20783 Fig. 1, 5", "response/truncated_frac", "truncated-response share",
+    arms=[Arm("pad_dr_grpo", ["rl.recipe=dr_grpo"], task="pad"),
+          Arm("pad_grpo", ["rl.recipe=grpo", "rl.kl_coef=0"], task="pad")],
+    comparisons=[Comparison("pad_dr_grpo", "pad_grpo", +1,
+                            "GRPO's filler runs to the cap more often than Dr. GRPO's")],
+    steps=50, seeds=len(RUNAWAY_SEEDS), reference_seeds=len(RUNAWAY_SEEDS), seed_list=RUNAWAY_SEEDS,
+    common=["rl.updates_per_rollout=1"],
+    runaway=Runaway("response/truncated_frac", 0.2,
+                    "the share of responses truncated at the 64-token cap, over the last 20% of RL steps, "
+                    "is at least 0.2"),
+    secondary=("length_bias/length/wrong_mean", "length_bias/length/correct_mean", "mode/padded", "reward/mean"),
+    plot=("response/truncated_frac", "length_bias/length/wrong_mean", "reward/mean"),
+    note="The length effect's negative-control arms (`pad` task, the same settings: GRPO = std-normalised "
+         "advantage, seq-mean-token-mean, clip 0.2, no KL; Dr. GRPO = mean-only advantage, token sum / the "
+         "64-token budget; lr 1e-3, 50 steps, one update per rollout) on 16 paired seeds each, because there "
+         "GRPO ran the filler to the cap on 2 of 6 seeds and Dr. GRPO on none: a per-seed event that a mean "
+         "difference does not call. The rule and the seeds (11-26) were fixed before these runs; both exact "
+         "tests are one-sided at 0.05.")
+
+# The deliberately mismatched engine: rollout servers that sample with weights up to two pushes old
+# (asynchronous RL), so every sampled token's engine logprob mu differs from the trainer's pi_old by
+# what two updates changed; each arm's correction is against mu (docs/algorithms.md).
+STALE = ["rollout.mode=server", "rl.max_staleness=2"]
+EXTRA_EFFECTS["mismatch"] = Effect(
+    "mismatch", "A mismatched engine: no correction, TIS and IcePop against the engine's logprobs",
+    "IcePop (Ring-1T arXiv:2510.18855); TIS (Yao et al. 2025)", "reward/mean", "sampled reward",
+    arms=[Arm("stale_tis", [*STALE, "rl.off_policy.method=tis"]),
+          Arm("stale_icepop", [*STALE, "rl.off_policy.method=icepop"]),
+          Arm("stale_off", [*STALE, "rl.off_policy.method=off"]),
+          Arm("sync_off", ["rollout.mode=server", "rl.max_staleness=0", "rl.off_policy.method=off"])],
+    comparisons=[Comparison("stale_tis", "stale_icepop", +1,
+                            "IcePop keeps the sampled reward above TIS's on the mismatched engine"),
+                 Comparison("stale_off", "stale_tis", +1, "TIS keeps it above no correction"),
+                 Comparison("sync_off", "stale_off", -1, "the mismatched engine alone costs reward")],
+    steps=40, seeds=3, reference_seeds=3,
+    common=["rl.recipe=grpo", "rl.kl_coef=0", "rl.updates_per_rollout=2"],
+    secondary=("mismatch/masked_frac", "mismatch/logp_abs_diff_mean", "mismatch/logp_abs_diff_max", "mismatch/kl",
+               "mismatch/chi2_seq", "train/grad_norm_max", "reward/collapses"),
+    plot=("reward/mean", "mismatch/logp_abs_diff_max", "mismatch/masked_frac"),
+    note="The engine samples with weights up to two pushes old (`rollout.mode=server rl.max_staleness=2`, "
+         "asynchronous RL), so mu differs from the trainer's pi_old by two updates; an engine at another "
+         "precision was tried first and is too close here (a bfloat16 engine against the float32 trainer, 2 steps: "
+         "|delta logp| 0.005 on average, 0.08 at most, never outside IcePop's band). GRPO without KL at lr 1e-3 "
+         "(where the recipe's GRPO was the less stable arm of the length effect), two updates per rollout, "
+         "40 steps; the arms differ only in `rl.off_policy` (tis: token, truncated at 2; icepop: masked outside "
+         "[0.5, 5]; off: none); sync_off is the same server engine without staleness. Stability is read from "
+         "the sampled reward, its collapses (a step below half the best 3-step mean so far) and the largest "
+         "gradient norm.")
+
 SMOKE = ["rl.steps=2", "rl.prompts_per_step=4", "rl.group_size=4", "data.num_heldout=4", "rl.eval_every=0"]
 
 
@@ -350,17 +422,17 @@ def run_arm(effect: Effect, arm: Arm, seed: int, work: Path, smoke: bool) -> Pat
 
 def seeds_of(effect: Effect, arm: Arm, smoke: bool) -> tuple[int, ...]:
     if smoke:
-        return SEEDS[:1]
+        return effect.seed_list[:1]
     if arm.name == effect.comparisons[0].reference:
-        return SEEDS[: effect.reference_seeds]
-    return SEEDS[: effect.few_seed_arms.get(arm.name, effect.seeds)]
+        return effect.seed_list[: effect.reference_seeds]
+    return effect.seed_list[: effect.few_seed_arms.get(arm.name, effect.seeds)]
 
 
 def run_effect(effect: Effect, work: Path, smoke: bool) -> None:
     # seed-major: every arm of a seed before the next seed, so a stopped benchmark has paired runs
     # smoke: the reference arm and the last (the one most unlike it: another task, reward or routing)
     arms = [effect.arms[0], effect.arms[-1]] if smoke else effect.arms
-    for seed in SEEDS:
+    for seed in effect.seed_list:
         for arm in arms:
             if seed in seeds_of(effect, arm, smoke):
                 run_arm(effect, arm, seed, work, smoke)
@@ -413,6 +485,41 @@ def bootstrap_interval(differences: list[float], seed: int = 0) -> tuple[float, 
     return means[int(0.025 * BOOTSTRAP)], means[int(0.975 * BOOTSTRAP) - 1]
 
 
+def fisher_exact_greater(treatment_events: int, treatment_runs: int, reference_events: int,
+                         reference_runs: int) -> float:
+    """One-sided p of Fisher's exact test that the treatment has the event more often: with the
+    margins fixed, P(X >= treatment_events) for X hypergeometric (all runs, all events, the
+    treatment's runs drawn)."""
+    runs, events = treatment_runs + reference_runs, treatment_events + reference_events
+    total = comb(runs, treatment_runs)
+    top = min(events, treatment_runs)
+    return sum(comb(events, x) * comb(runs - events, treatment_runs - x) for x in range(treatment_events, top + 1)) / total
+
+
+def mcnemar_exact_greater(treatment_only: int, reference_only: int) -> float:
+    """One-sided p of McNemar's exact test on paired runs: of the pairs where exactly one arm had the
+    event, P(X >= treatment_only) for X ~ Binomial(those pairs, 1/2)."""
+    pairs = treatment_only + reference_only
+    return sum(comb(pairs, k) for k in range(treatment_only, pairs + 1)) / 2 ** pairs
+
+
+def runaway_counts(rule: Runaway, reference: dict[int, dict], treatment: dict[int, dict]) -> dict:
+    """Which runs of each arm meet the rule, and both exact tests (the paired one on common seeds)."""
+    def events(runs: dict[int, dict]) -> list[int]:
+        return sorted(seed for seed, values in runs.items() if values[rule.key] >= rule.threshold)
+
+    ran_reference, ran_treatment = events(reference), events(treatment)
+    paired = set(reference) & set(treatment)
+    treatment_only = len([s for s in paired if s in ran_treatment and s not in ran_reference])
+    reference_only = len([s for s in paired if s in ran_reference and s not in ran_treatment])
+    return {"rule": rule.label, "key": rule.key, "threshold": rule.threshold,
+            "reference_events": ran_reference, "reference_runs": len(reference),
+            "treatment_events": ran_treatment, "treatment_runs": len(treatment),
+            "fisher_p": fisher_exact_greater(len(ran_treatment), len(treatment), len(ran_reference), len(reference)),
+            "discordant": [treatment_only, reference_only],
+            "mcnemar_p": mcnemar_exact_greater(treatment_only, reference_only)}
+
+
 def group_size_of(run: Path) -> int:
     command = json.loads((run / "done.json").read_text())["command"]
     sizes = [int(c.split("=", 1)[1]) for c in command if c.startswith("rl.group_size=")]
@@ -425,7 +532,7 @@ def measure(effect: Effect, work: Path) -> dict:
     curves: dict[str, dict[int, dict[str, list]]] = {}
     group_size = 8
     for arm in effect.arms:
-        for seed in SEEDS:
+        for seed in effect.seed_list:
             run = work / effect.name / arm.name / f"seed{seed}"
             if not (run / "done.json").exists():
                 continue
@@ -452,6 +559,8 @@ def measure(effect: Effect, work: Path) -> dict:
         row = {"reference": comparison.reference, "treatment": comparison.treatment, "claim": comparison.claim,
                "expected_sign": comparison.sign, "seeds": paired, "reference_seeds": sorted(reference),
                "reference_spread": spread, "differences": differences}
+        if effect.runaway is not None and reference and treatment:
+            row["runaway"] = runaway_counts(effect.runaway, reference, treatment)
         if len(differences) >= 2:
             mean = statistics.fmean(differences)
             low, high = bootstrap_interval(differences)
@@ -561,6 +670,23 @@ def section(effect: Effect, measured: dict, png_name: str, smoke: bool) -> str:
         lines.append(f"| {row['claim']} | {row['treatment']} - {row['reference']} | {len(row['seeds'])} | "
                      f"{row['mean']:+.4f} | [{row['interval'][0]:+.4f}, {row['interval'][1]:+.4f}] | "
                      f"{2 * row['reference_spread']:.4f} | **{row['verdict']}** |")
+    counted = [row for row in measured["comparisons"] if "runaway" in row]
+    if counted:
+        lines += ["", f"A run counts as a runaway when {effect.runaway.label} (rule fixed before the runs).", "",
+                  "| treatment vs reference | runaways (treatment) | runaways (reference) | pairs where only one ran "
+                  "away (treatment, reference) | Fisher exact, one-sided p | McNemar exact (paired), one-sided p |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for row in counted:
+            count = row["runaway"]
+
+            def events(arm: str) -> str:
+                seeds = count[f"{arm}_events"]
+                return f"{len(seeds)} of {count[f'{arm}_runs']}" + (f" (seeds {', '.join(map(str, seeds))})"
+                                                                     if seeds else "")
+
+            lines.append(f"| {row['treatment']} vs {row['reference']} | {events('treatment')} | "
+                         f"{events('reference')} | {count['discordant'][0]}, {count['discordant'][1]} | "
+                         f"{count['fisher_p']:.4f} | {count['mcnemar_p']:.4f} |")
     if smoke:
         lines += ["", "_Smoke run: 2 steps of a few samples; the pipeline, not the effect._"]
     return "\n".join(lines) + "\n"
@@ -579,6 +705,11 @@ def report(effect: Effect, work: Path, results: Path, smoke: bool) -> dict:
     store.write_text(json.dumps(everything, indent=1) + "\n")
     write_markdown(everything, results / "seed_effects.md")
     for row in measured["comparisons"]:
+        if "runaway" in row:
+            count = row["runaway"]
+            print(f"{effect.name}: runaways {row['treatment']} {len(count['treatment_events'])}/"
+                  f"{count['treatment_runs']}, {row['reference']} {len(count['reference_events'])}/"
+                  f"{count['reference_runs']}; Fisher p {count['fisher_p']:.4f}, McNemar p {count['mcnemar_p']:.4f}")
         if "mean" in row:
             print(f"{effect.name}: {row['treatment']} - {row['reference']} = {row['mean']:+.4f} "
                   f"[{row['interval'][0]:+.4f}, {row['interval'][1]:+.4f}], 2 x spread "
@@ -593,7 +724,8 @@ def write_markdown(everything: dict, path: Path) -> None:
         "`docs/reproductions.md` reads them). The rules, fixed before any run:", "",
         f"- Seeds {', '.join(map(str, SEEDS))}, chosen in advance; every finished run is in the tables. The "
         "reference arm of an effect runs on all of them (its standard deviation over seeds is the noise), "
-        "the other arms on the first few (listed per arm).",
+        "the other arms on the first few (listed per arm). The filler-runaway count (pad_runaway) uses "
+        f"{', '.join(map(str, RUNAWAY_SEEDS[len(SEEDS):]))} as well, fixed before its runs.",
         "- Paired: for a seed, every arm starts from the same warm-start checkpoint (one per task) and sees "
         "the same prompt stream and engine sampling seeds.",
         f"- One primary metric per effect, the mean over the last {LAST_FRACTION:.0%} of RL steps. A "
