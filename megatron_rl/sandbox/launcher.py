@@ -404,13 +404,15 @@ def watch(child: int, proc: int, limit_kb: int, socket_kb: int) -> dict:
     while True:
         poller.poll(WATCH_SECONDS * 1000)  # first: a program shorter than that is never read
         ended = reap(child)
-        if ended is not None:
-            break
+        # Read also once the snippet has ended: the processes it left behind hold their memory
+        # until init exits, and they may have gone over the limit since the last reading.
         memory_kb = sandbox_memory_kb(proc, socket_kb)
         peak_kb = max(peak_kb, memory_kb)
         if memory_kb > limit_kb and not over:
             over = True
             os.kill(-1, SIGKILL)  # every process of this PID namespace but init
+        if ended is not None:
+            break
     status, usage = ended
     report = {"cpu_seconds": usage.ru_utime + usage.ru_stime, "max_rss_kb": usage.ru_maxrss,
               "memory_peak_kb": peak_kb, "memory_exceeded": over}

@@ -182,6 +182,32 @@ def test_socket_buffers_count_against_the_limit(sandbox):
     assert max(queued, default=0) <= LIMITS.memory_mb, queued[-1]  # before: 672 MB in kernel buffers
 
 
+SOCKETS_LEFT_BEHIND = """
+import os, socket, time
+done = os.pipe()
+for _ in range(6):  # six children of 28 socket pairs each: 336 sockets, charged 2 x 208 KiB each
+    if os.fork() == 0:
+        pairs = [socket.socketpair() for _ in range(28)]
+        os.write(done[1], b'd')
+        time.sleep(30)
+os.close(done[1])
+finished = 0
+while finished < 6:
+    finished += len(os.read(done[0], 16))
+os._exit(0)  # at once: the children's sockets exist for a few ms before, a reading comes every 10 ms
+"""
+
+
+def test_what_a_program_leaves_behind_when_it_ends_is_counted(sandbox):
+    """The program's main process ends the moment its children went over the limit: the reading
+    taken as it ends counts them. Before, only the 10 ms readings could, and they missed it in 24
+    of 30 runs (status ok); five runs here, so that a missing final reading fails the test."""
+    for _ in range(5):
+        result = sandbox.run_python(SOCKETS_LEFT_BEHIND)
+        assert result.status == "memory_limit", result
+        assert result.memory_mb > LIMITS.memory_mb, result
+
+
 FILL_THE_DISK = """
 with open('/tmp/first', 'wb') as f:  # /tmp and /work share the quota
     f.write(b'x' * (3 << 20))
