@@ -99,3 +99,36 @@ print("after:", torch.allclose(out, x @ w.T, atol=1e-6))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "before: NameError" in result.stdout and "after: True" in result.stdout, result.stdout
+
+
+@pytest.mark.subprocess  # a fresh interpreter: the CPU layer is process-wide
+def test_functions_megatron_compiles_run_eagerly_under_the_cpu_layer():
+    """Megatron's `jit_fuser` is torch.compile: on CPU every decorated function (the router's
+    expert-bias count, the experts' GLU) was built by inductor with the machine's C++ compiler,
+    once per new shape (36.1 s -> 27.2 s for the tiny DeepSeek-V3 run without it). Under the CPU
+    layer they run as plain Python, before (Megatron decorated them at import) and after it."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from torch._dynamo.utils import counters
+from megatron.core.jit import jit_fuser
+from megatron.core.transformer.moe.router import TopKRouter  # decorated at import
+
+@jit_fuser
+def count(routing_map, totals):
+    seen.append(torch.compiler.is_compiling())
+    totals += routing_map.sum(dim=0)
+    return totals
+
+from megatron_rl.runtime.cpu import megatron_patches
+megatron_patches.activate()
+seen, totals = [], torch.zeros(4)
+for tokens in (5, 9):
+    totals = count(torch.ones(tokens, 4, dtype=torch.bool), totals)
+print("compiling:", seen, "frames:", counters["frames"]["total"], "totals:", totals.tolist())
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "compiling: [False, False] frames: 0 totals: [14.0, 14.0, 14.0, 14.0]" in result.stdout, result.stdout

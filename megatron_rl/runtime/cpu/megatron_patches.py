@@ -24,6 +24,11 @@ behaviour it redirects (measured list: `docs/architecture.md`, "CPU compatibilit
 10. RoPE on packed (`thd`) rows gathers each token's frequencies by its position in its sample in
     one indexing op, instead of Megatron's per-sample slice-and-concatenate loop (a Python step per
     sample, per layer, for q and k: the local layer spec is the only user of that path).
+11. Functions Megatron compiles (`jit_fuser` is `torch.compile` from torch 2.2: the router's
+    expert-bias count, the experts' GLU) run eagerly. On CPU, inductor builds each one with the
+    machine's C++ compiler at run time, once per new shape: 5-9 s per run of the tiny DeepSeek-V3
+    on 2 cores (36.1 s -> 27.2 s, cold cache), a compiler every user would need, for element-wise
+    kernels that gain nothing here.
 
 Everything here is process-wide by necessity (Megatron's own calls are), idempotent, and never
 runs when the device is CUDA: `activate()` refuses to run if CUDA is available and in use.
@@ -86,9 +91,18 @@ def activate() -> None:
             )
         _patch_torch_cuda()
         _patch_megatron()
+        _run_compiled_functions_eagerly()
         mode = _CudaToCpuMode()
         mode.__enter__()  # stays entered for the life of the process: Megatron is CPU-bound now
         _active_mode = mode
+
+
+def _run_compiled_functions_eagerly() -> None:
+    """11: torch.compile'd functions run as plain Python (read at each call, so it also holds for
+    the functions Megatron decorated when it was imported)."""
+    from torch._dynamo import config as dynamo_config
+
+    dynamo_config.disable = True
 
 
 # ----------------------------------------------------------------------------------------------
