@@ -73,8 +73,21 @@ class VllmServerProcess(ServerProcess):
             command.append("--enforce-eager")
             command += cpu_kernel_flags(model_dir, dtype)
         command += extra_args or []
+        if on_cpu and _backend(command) == "uni":
+            # vLLM's CPU platform turns `uni` into `mp` while V1 multiprocessing is on, spawning a
+            # process for the one worker (one more start-up import of torch and vLLM). The server's
+            # engine core runs in its own process either way (AsyncLLM); with this off the worker
+            # runs inside it, as `uni` asks.
+            env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         return cls.launch(command, env=env, url=f"http://{host}:{port}", log_path=log_path, name=name,
                           startup_timeout_s=startup_timeout_s)
+
+def _backend(command: list[str]) -> str | None:
+    """The server's --distributed-executor-backend, the last one given."""
+    values = [command[i + 1] for i, arg in enumerate(command[:-1]) if arg == "--distributed-executor-backend"]
+    values += [arg.split("=", 1)[1] for arg in command if arg.startswith("--distributed-executor-backend=")]
+    return values[-1] if values else None
+
 
 class VllmServerEngine(ServerEngineBase):
     def __init__(
