@@ -19,7 +19,6 @@ import os
 import signal
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
