@@ -105,7 +105,7 @@ print("after:", torch.allclose(out, x @ w.T, atol=1e-6))
 def test_functions_megatron_compiles_run_eagerly_under_the_cpu_layer():
     """Megatron's `jit_fuser` is torch.compile: on CPU every decorated function (the router's
     expert-bias count, the experts' GLU) was built by inductor with the machine's C++ compiler,
-    once per new shape (36.1 s -> 27.2 s for the tiny DeepSeek-V3 run without it). Under the CPU
+    once per new shape (36.1 s -> 25.9 s for the tiny DeepSeek-V3 run without it). Under the CPU
     layer they run as plain Python, before (Megatron decorated them at import) and after it."""
     import subprocess
     import sys

@@ -82,6 +82,7 @@ class VllmServerProcess(ServerProcess):
         return cls.launch(command, env=env, url=f"http://{host}:{port}", log_path=log_path, name=name,
                           startup_timeout_s=startup_timeout_s)
 
+
 def _backend(command: list[str]) -> str | None:
     """The server's --distributed-executor-backend, the last one given."""
     values = [command[i + 1] for i, arg in enumerate(command[:-1]) if arg == "--distributed-executor-backend"]

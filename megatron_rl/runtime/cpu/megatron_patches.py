@@ -27,7 +27,7 @@ behaviour it redirects (measured list: `docs/architecture.md`, "CPU compatibilit
 11. Functions Megatron compiles (`jit_fuser` is `torch.compile` from torch 2.2: the router's
     expert-bias count, the experts' GLU) run eagerly. On CPU, inductor builds each one with the
     machine's C++ compiler at run time, once per new shape: 5-9 s per run of the tiny DeepSeek-V3
-    on 2 cores (36.1 s -> 27.2 s, cold cache), a compiler every user would need, for element-wise
+    on 2 cores (36.1 s -> 25.9 s, cold cache), a compiler every user would need, for element-wise
     kernels that gain nothing here.
 
 Everything here is process-wide by necessity (Megatron's own calls are), idempotent, and never
