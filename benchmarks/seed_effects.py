@@ -636,6 +636,12 @@ def fmt(value: float, digits: int = 3) -> str:
     return "n/a" if value != value else f"{value:.{digits}f}"
 
 
+def _events(count: dict, arm: str) -> str:
+    """'2 of 16 (seeds 13, 15)': an arm's runaways in a runaway count."""
+    seeds = count[f"{arm}_events"]
+    return f"{len(seeds)} of {count[f'{arm}_runs']}" + (f" (seeds {', '.join(map(str, seeds))})" if seeds else "")
+
+
 def section(effect: Effect, measured: dict, png_name: str, smoke: bool) -> str:
     lines = [f"## {effect.name}: {effect.title}", "",
              f"Paper: {effect.paper}. Primary metric (fixed before the runs): **{effect.primary_label}** "
@@ -678,14 +684,8 @@ def section(effect: Effect, measured: dict, png_name: str, smoke: bool) -> str:
                   "| --- | --- | --- | --- | --- | --- |"]
         for row in counted:
             count = row["runaway"]
-
-            def events(arm: str) -> str:
-                seeds = count[f"{arm}_events"]
-                return f"{len(seeds)} of {count[f'{arm}_runs']}" + (f" (seeds {', '.join(map(str, seeds))})"
-                                                                     if seeds else "")
-
-            lines.append(f"| {row['treatment']} vs {row['reference']} | {events('treatment')} | "
-                         f"{events('reference')} | {count['discordant'][0]}, {count['discordant'][1]} | "
+            lines.append(f"| {row['treatment']} vs {row['reference']} | {_events(count, 'treatment')} | "
+                         f"{_events(count, 'reference')} | {count['discordant'][0]}, {count['discordant'][1]} | "
                          f"{count['fisher_p']:.4f} | {count['mcnemar_p']:.4f} |")
     if smoke:
         lines += ["", "_Smoke run: 2 steps of a few samples; the pipeline, not the effect._"]

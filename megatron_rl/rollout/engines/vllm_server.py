@@ -84,10 +84,14 @@ class VllmServerProcess(ServerProcess):
 
 
 def _backend(command: list[str]) -> str | None:
-    """The server's --distributed-executor-backend, the last one given."""
-    values = [command[i + 1] for i, arg in enumerate(command[:-1]) if arg == "--distributed-executor-backend"]
-    values += [arg.split("=", 1)[1] for arg in command if arg.startswith("--distributed-executor-backend=")]
-    return values[-1] if values else None
+    """The server's --distributed-executor-backend (the last one given, either spelling)."""
+    flag, backend = "--distributed-executor-backend", None
+    for arg, following in zip(command, command[1:] + [None]):
+        if arg == flag:
+            backend = following
+        elif arg.startswith(flag + "="):
+            backend = arg.split("=", 1)[1]
+    return backend
 
 
 class VllmServerEngine(ServerEngineBase):
