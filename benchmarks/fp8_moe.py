@@ -215,6 +215,7 @@ def run_variant(args) -> dict:
                  "optimizer.adam_beta2=0.95"]
     if args.child != "bf16":
         overrides.append(f"model.fp8_recipe={args.child}")
+    overrides += args.set  # after ours: a --set of the same key wins
     config = load_config(None, overrides)
     runtime = start_runtime(config)
     try:
@@ -392,6 +393,8 @@ def main() -> None:
     parser.add_argument("--recipes", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--peak-tflops", type=float, help="dense BF16 peak of this GPU, if not in the table")
     parser.add_argument("--out", help="markdown results file (default: benchmarks/results/fp8_moe_<gpu>.md)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every variant (e.g. model.moe_permute_fusion=true)")
     parser.add_argument("--quick", action="store_true", help="a tiny model and 6 steps: checks the pipeline")
     parser.add_argument("--json", help="also write every variant's figures here (benchmarks/gpu_verify.py reads it)")
     parser.add_argument("--split-time", action="store_true",

@@ -77,6 +77,11 @@ class ModelConfig:
     # Grouped-GEMM experts (TE's GroupedLinear: all local experts in one kernel). None = on with
     # the Transformer Engine layer spec, off with the local spec (which cannot run it).
     moe_grouped_gemm: bool | None = None
+    # Megatron's fused token permutation: TE's moe_permute/moe_unpermute kernels sort tokens to
+    # their experts and back in one kernel each, instead of a chain of small torch ops per
+    # micro-batch (the per-expert host work that bounds a 128-expert layer on one GPU). Needs the
+    # Transformer Engine layer spec (its kernels are CUDA-only). False = Megatron's torch path.
+    moe_permute_fusion: bool = False
     # The rollout engines serve FP8 weights: weight sync hands them every linear weight as
     # float8_e4m3fn with one scale per 128x128 block (the HF FP8 checkpoint format of DeepSeek-V3
     # and Qwen3-FP8; bridge/fp8_export.py), the engine's config.json says so, and embeddings,

@@ -60,6 +60,16 @@ def use_grouped_gemm(model: ModelConfig, use_te: bool) -> bool:
     return model.moe_grouped_gemm
 
 
+def use_permute_fusion(model: ModelConfig, use_te: bool) -> bool:
+    """TE's fused permute/unpermute kernels for the MoE token dispatch: only with the TE spec."""
+    if model.moe_permute_fusion and not use_te:
+        raise ConfigError(
+            "model.moe_permute_fusion=true needs the Transformer Engine layer spec (CUDA and the "
+            "transformer-engine package: its permute kernels are CUDA-only); leave it false on this machine"
+        )
+    return model.moe_permute_fusion
+
+
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """Megatron's rule: pad to a multiple of divisible_by * tp so every TP shard is equal."""
     multiple = divisible_by * tp
@@ -121,7 +131,7 @@ def transformer_config(
             moe_router_load_balancing_type="aux_loss" if config.model.moe_aux_loss_coeff > 0 else "none",
             moe_aux_loss_coeff=config.model.moe_aux_loss_coeff,
             moe_grouped_gemm=grouped_gemm,
-            moe_permute_fusion=False,
+            moe_permute_fusion=use_permute_fusion(config.model, use_te),
         )
     else:
         # Megatron validates the dispatcher even for dense models; its default (allgather)

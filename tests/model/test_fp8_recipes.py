@@ -251,6 +251,16 @@ def test_grouped_gemm_follows_the_layer_spec():
         builder.use_grouped_gemm(ModelConfig(moe_grouped_gemm=True), use_te=False)
 
 
+def test_permute_fusion_is_asked_for_and_needs_the_te_spec():
+    config, arch = run(["model.moe_permute_fusion=true"])
+    assert builder.use_permute_fusion(config.model, use_te=True) is True
+    assert builder.use_permute_fusion(ModelConfig(), use_te=True) is False  # off unless asked for
+    with pytest.raises(ConfigError, match="model.moe_permute_fusion=true needs the Transformer Engine layer spec"):
+        builder.transformer_config(arch, config, CPU, use_te=False)  # before Megatron's own assert
+    config.model.moe_permute_fusion = False
+    assert builder.transformer_config(arch, config, CPU, use_te=False).moe_permute_fusion is False
+
+
 def test_cpu_builds_local_experts_and_refuses_grouped_gemm():
     config, arch = run([])
     assert builder.use_transformer_engine(config.model, CPU) is False
