@@ -33,7 +33,8 @@ ownership alone protects nothing):
   read-only flag the kernel locks); a seccomp filter refusing (EPERM) memfd_create,
   memfd_secret, io_uring_setup and bpf, whose memory no limit above counts (the syscalls of
   another ABI, x32 or 32-bit, are refused too); then exec with the given environment only.
-  PID 1 reaps every orphan until the snippet ends and, every WATCH_SECONDS meanwhile, adds up
+  PID 1 reaps every orphan until the snippet ends and, every WATCH_SECONDS meanwhile (sooner
+  while memory grows toward the limit: next_reading_in), adds up
   the resident memory of all the sandbox's processes and its SysV segments: above the memory
   limit it kills them all (the address-space limit is per process; this one counts them
   together). Then it writes how the snippet ended (a marshalled dict) to the status pipe (the
@@ -48,6 +49,7 @@ import os
 import resource
 import select
 import sys
+import time
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
@@ -79,6 +81,8 @@ SOL_SOCKET, SOCKET_BUFFER_OPTIONS = 1, (7, 8, 32, 33)  # SO_SNDBUF, SO_RCVBUF, S
 F_SETPIPE_SZ = 1031
 X32_SYSCALL_BIT = 0x40000000  # x86_64's other ABI: the same audit arch, numbers with this bit set
 WATCH_SECONDS = 0.01  # how often PID 1 adds up the sandbox's memory
+# ... and how soon at the soonest, while memory grows fast enough to pass the limit before then
+WATCH_SECONDS_GROWING = 0.001
 PROC = "/.proc"  # where PID 1's /proc is mounted while the jail is built (then detached)
 # statvfs flags a user namespace may not clear on a bind of a host mount (the kernel locks them)
 LOCKED_FLAGS = ((os.ST_NOSUID, MS_NOSUID), (os.ST_NODEV, MS_NODEV), (os.ST_NOEXEC, MS_NOEXEC))
@@ -389,10 +393,10 @@ def write_files(files: dict, owner: int) -> None:
 
 
 def watch(child: int, proc: int, limit_kb: int, socket_kb: int) -> dict:
-    """Reap every process until the snippet ends. Meanwhile, every WATCH_SECONDS (and at once
-    when the snippet ends: its pidfd wakes the poll), add up the sandbox's memory; above
-    `limit_kb`, kill every process in the namespace. The report: how the snippet ended, its CPU
-    time, the largest memory reading and whether it was over."""
+    """Reap every process until the snippet ends. Meanwhile, every WATCH_SECONDS or sooner
+    (next_reading_in), and at once when the snippet ends (its pidfd wakes the poll), add up the
+    sandbox's memory; above `limit_kb`, kill every process in the namespace. The report: how the
+    snippet ended, its CPU time, the largest memory reading and whether it was over."""
     try:
         pidfd = os.pidfd_open(child)
     except OSError as error:
@@ -401,13 +405,16 @@ def watch(child: int, proc: int, limit_kb: int, socket_kb: int) -> dict:
     poller = select.poll()
     poller.register(pidfd, select.POLLIN)
     peak_kb, over = 0, False
+    wait, last_kb, last_at = WATCH_SECONDS, 0, time.monotonic()
     while True:
-        poller.poll(WATCH_SECONDS * 1000)  # first: a program shorter than that is never read
+        poller.poll(wait * 1000)  # first: a program shorter than WATCH_SECONDS is read once, as it ends
         ended = reap(child)
         # Read also once the snippet has ended: the processes it left behind hold their memory
         # until init exits, and they may have gone over the limit since the last reading.
-        memory_kb = sandbox_memory_kb(proc, socket_kb)
+        memory_kb, now = sandbox_memory_kb(proc, socket_kb), time.monotonic()
         peak_kb = max(peak_kb, memory_kb)
+        wait = next_reading_in(memory_kb - last_kb, now - last_at, limit_kb - memory_kb)
+        last_kb, last_at = memory_kb, now
         if memory_kb > limit_kb and not over:
             over = True
             os.kill(-1, SIGKILL)  # every process of this PID namespace but init
@@ -421,6 +428,19 @@ def watch(child: int, proc: int, limit_kb: int, socket_kb: int) -> dict:
     else:
         report["exit_code"] = os.WEXITSTATUS(status)
     return report
+
+
+def next_reading_in(grown_kb: int, seconds: float, headroom_kb: int) -> float:
+    """Seconds to the next memory reading. A program can take what it allocates in one interval
+    beyond the limit before a reading ends it, and a loaded machine stretches intervals; so while
+    memory grows at a rate that would pass the limit within WATCH_SECONDS, read again after half
+    the time that rate leaves (at least WATCH_SECONDS_GROWING): the overshoot shrinks with the
+    headroom instead of growing with the machine's speed. Steady or shrinking memory: the usual
+    cadence, so a program idling near its limit costs no more than one far below it."""
+    if grown_kb <= 0 or seconds <= 0:
+        return WATCH_SECONDS
+    time_to_limit = max(headroom_kb, 0) * seconds / grown_kb
+    return min(WATCH_SECONDS, max(WATCH_SECONDS_GROWING, time_to_limit / 2))
 
 
 def reap(child: int):

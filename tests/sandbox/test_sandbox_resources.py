@@ -19,8 +19,8 @@ MB = 1 << 20
 # gets a fraction of a core (the suite's other worker; at 8 s one ended by the clock there).
 LIMITS = SandboxLimits(wall_seconds=40, cpu_seconds=4, memory_mb=128, processes=16, output_bytes=8192, file_mb=4,
                        disk_mb=16, disk_files=200)
-# The memory of all processes together is read every 10 ms; a program can fault in this much
-# more before the next reading ends it.
+# The memory of all processes together is read every 10 ms, sooner while it grows toward the
+# limit; a program can fault in this much more before the next reading ends it.
 OVERSHOOT_MB = 48
 
 
@@ -65,6 +65,30 @@ def test_memory_of_all_its_processes_together_is_capped(sandbox):
     assert max(held, default=0) <= LIMITS.memory_mb + OVERSHOOT_MB, held[-1]  # before: 480 MB held
     assert result.memory_mb is not None and result.memory_mb > LIMITS.memory_mb
     assert sandbox.run_python("x = b'x' * (64 << 20)\nprint(len(x) >> 20)").stdout == "64\n"  # within: fine
+
+
+def test_memory_is_read_sooner_while_it_grows_toward_the_limit():
+    """The watcher's cadence (launcher.next_reading_in): what a program takes beyond the limit is
+    what it allocates between two readings, so while memory grows fast enough to pass the limit
+    before the next usual reading, the next comes after half the time left (at least 1 ms).
+    Measured on the sandbox (4 MB every 0.5 ms from four processes, 15 runs each): the last
+    reading before the kill 9.1 MB over the limit (median; worst 22.3) at a fixed 10 ms, 2.6
+    (worst 12.9) with this cadence."""
+    from megatron_rl.sandbox.launcher import WATCH_SECONDS, WATCH_SECONDS_GROWING, next_reading_in
+
+    assert WATCH_SECONDS_GROWING < WATCH_SECONDS
+    assert next_reading_in(0, WATCH_SECONDS, 1000) == WATCH_SECONDS  # steady: the usual cadence
+    assert next_reading_in(-5000, WATCH_SECONDS, 1000) == WATCH_SECONDS  # shrinking
+    assert next_reading_in(100, WATCH_SECONDS, 100_000) == WATCH_SECONDS  # slow growth, far below
+    # 8 MB in 10 ms with 24 MB left: the limit is 30 ms away, beyond the next usual reading
+    assert next_reading_in(8 << 10, 0.010, 24 << 10) == WATCH_SECONDS
+    # 8 MB in 10 ms with 8 MB left: 10 ms away, so read in 5 ms; with 2 MB left, in 1.25 ms
+    assert next_reading_in(8 << 10, 0.010, 8 << 10) == pytest.approx(0.005)
+    assert next_reading_in(8 << 10, 0.010, 2 << 10) == pytest.approx(0.00125)
+    # never sooner than the floor, also at or past the limit
+    assert next_reading_in(8 << 10, 0.010, 100) == WATCH_SECONDS_GROWING
+    assert next_reading_in(8 << 10, 0.010, -100) == WATCH_SECONDS_GROWING
+    assert next_reading_in(8 << 10, 0.0, 100) == WATCH_SECONDS  # no time between readings: no rate
 
 
 SYSV_SEGMENTS = """
