@@ -34,10 +34,9 @@ ownership alone protects nothing):
   memfd_secret, io_uring_setup and bpf, whose memory no limit above counts (the syscalls of
   another ABI, x32 or 32-bit, are refused too); then exec with the given environment only.
   PID 1 reaps every orphan until the snippet ends and, every WATCH_SECONDS meanwhile (sooner
-  while memory grows toward the limit: next_reading_in), adds up
-  the resident memory of all the sandbox's processes and its SysV segments: above the memory
-  limit it kills them all (the address-space limit is per process; this one counts them
-  together). Then it writes how the snippet ended (a marshalled dict) to the status pipe (the
+  while memory grows toward the limit: next_reading_in), adds up the resident memory of all the
+  sandbox's processes and its SysV segments: above the memory limit it kills them all (the
+  address-space limit is per process; this one counts them together). Then it writes how the snippet ended (a marshalled dict) to the status pipe (the
   snippet's copy is closed), and exits, which kills every process left in the namespace.
 
 No status written (exit 121-127, a line on stderr): the jail could not be built; the runner
