@@ -22,7 +22,7 @@ import re
 
 import pytest
 
-from _support.processes import free_port
+from _support.processes import forked_python, free_port
 from _support.rank_pool import RankPools
 
 # How the suite is spread over pytest-xdist workers.
@@ -98,8 +98,11 @@ class TinyServer:
             model = self.root / "model"
             if not model.exists():
                 write_engine_model_dir(load_config(), model)
+            # Forked from the worker's pre-imported Python, its engine process too (zygote.py).
             self.server = VllmServerProcess.start(model, port=free_port(), log_path=self.root / "vllm.log",
-                                                  load_format="dummy", max_model_len=1024, seed=0)
+                                                  load_format="dummy", max_model_len=1024, seed=0,
+                                                  extra_args=["--distributed-executor-backend", "uni"],
+                                                  python=forked_python())
         return self.server.url, self.root / "model"
 
     def stop(self):
@@ -124,7 +127,8 @@ def tiny_vllm_server(tiny_server_handle):
     push their own weights into it first (partial rollouts, asynchronous RL, agents, the teacher),
     under the names a checkpoint has on disk as the trainer's export does (a push is applied in
     place against the names of the push before it, whoever made that one): one start-up
-    (about 40 s on 2 cores) for the modules that use it, which run one after the other
+    (about 15 s on 2 cores, forked with its engine process from the worker's pre-imported Python,
+    tests/_support/zygote.py) for the modules that use it, which run one after the other
     (tests/_support/scheduling.py). Yields (url, model directory)."""
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
     yield tiny_server_handle.get()

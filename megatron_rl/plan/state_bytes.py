@@ -54,7 +54,9 @@ class RankState:
         return self.params + self.grads + self.optimizer
 
     def __add__(self, other: "RankState") -> "RankState":
-        return RankState(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+        # Field by field, not dataclasses.astuple (which deep-copies): the planner adds millions.
+        return RankState(self.params + other.params, self.grads + other.grads, self.main_params + other.main_params,
+                         self.moments + other.moments)
 
 
 ZERO = RankState(0, 0, 0, 0)
@@ -178,8 +180,10 @@ def stage_states(params: list[ParamEntry], *, dp: int, expert_dp: int, distribut
     dense = [p for p in trained if not p.expert]
     expert = [p for p in trained if p.expert]
 
-    def frozen_bytes(is_expert: bool) -> RankState:
-        return RankState(sum(p.numel * p.itemsize for p in params if p.frozen and p.expert == is_expert), 0, 0, 0)
-
-    return StageStates([s + frozen_bytes(False) for s in _part_states(dense, dp, distributed_optimizer)],
-                       [s + frozen_bytes(True) for s in _part_states(expert, expert_dp, distributed_optimizer)])
+    frozen = {False: 0, True: 0}
+    for p in params:
+        if p.frozen:
+            frozen[p.expert] += p.numel * p.itemsize
+    dense_frozen, expert_frozen = RankState(frozen[False], 0, 0, 0), RankState(frozen[True], 0, 0, 0)
+    return StageStates([s + dense_frozen for s in _part_states(dense, dp, distributed_optimizer)],
+                       [s + expert_frozen for s in _part_states(expert, expert_dp, distributed_optimizer)])

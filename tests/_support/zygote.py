@@ -15,8 +15,11 @@ session with it (SIGKILL), so a killed test leaves nothing behind.
 
 `run --children SOCKET ARGV...` (and `ranks --children`): the run's own Python children are forked
 from the server too (its sys.executable is SHIM below): a conversion tool's torchrun and its ranks,
-a benchmark's CLI runs, a SLURM job's launcher and ranks. A test whose run measures its children
-(their memory, their CPU time) leaves them fresh.
+a benchmark's CLI runs, a SLURM job's launcher and ranks, a vLLM server and the engine processes it
+spawns (a tiny server healthy in about half the time: each of its processes imported torch and
+vLLM for 10-15 s on 2 cores). A fork holds the client's inheritable file descriptors under their
+numbers (the pipes a multiprocessing spawn passes its child). A test whose run measures its
+children (their memory, their CPU time) leaves them fresh.
 
 What stays different from a fresh process, so a test that depends on it keeps one (the default):
 modules imported in the server read their environment at import time, not the run's (vLLM's
@@ -39,6 +42,7 @@ import sys
 import time
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+MAX_FDS = 64  # passed to a fork (SCM_RIGHTS takes up to 253)
 # Imported once by the server: what every CLI run imports before its first step. Not wandb's
 # service (threads).
 PRELOAD = (
@@ -47,10 +51,12 @@ PRELOAD = (
     "megatron.core.dist_checkpointing", "megatron_rl.cli", "megatron_rl.model.policy", "megatron_rl.train.trainer",
     "megatron_rl.bridge", "matplotlib.pyplot",
 )
-# And the colocated vLLM engine's modules where vLLM is installed (2.8 CPU-s per run measured).
+# And vLLM's where it is installed: the colocated engine's (2.8 CPU-s per run measured), a server's
+# and its engine core's.
 # vLLM configures its logging from the environment at import: the fork configures it again from
 # the run's (_become).
-PRELOAD_IF_INSTALLED = ("vllm", "vllm.entrypoints.llm", "vllm.inputs", "megatron_rl.rollout.engines.vllm_colocated")
+PRELOAD_IF_INSTALLED = ("vllm", "vllm.entrypoints.llm", "vllm.inputs", "megatron_rl.rollout.engines.vllm_colocated",
+                        "vllm.entrypoints.openai.api_server", "vllm.v1.engine.core", "vllm.v1.worker.cpu_worker")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -89,13 +95,29 @@ def _start(path: str, argv: list[str], env: dict, children: bool) -> tuple[socke
     conn = _connect(path)
     if conn is None:
         return None
-    request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(), "children": children}).encode() + b"\n"
-    socket.send_fds(conn, [request], [0, 1, 2])
+    fds = _open_fds()
+    request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(), "children": children,
+                          "fds": fds}).encode() + b"\n"
+    socket.send_fds(conn, [request], fds)
     reply = _recv_line(conn)
     if reply is None:
         print("zygote: the server closed the connection before starting the run", file=sys.stderr)
         return None
     return conn, json.loads(reply)["pid"]
+
+
+def _open_fds() -> list[int]:
+    """The file descriptors this client was given: its standard streams and whatever its starter
+    passed on, such as the pipes a multiprocessing spawn reads its process object from (the
+    inheritable ones; the client's own connections are not). The fork gets each under its number."""
+    fds = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.get_inheritable(int(name)):
+                fds.append(int(name))
+        except OSError:  # the listing's own descriptor, closed by now
+            continue
+    return sorted(fds)[:MAX_FDS]
 
 
 def client(path: str, argv: list[str], children: bool = False) -> int:
@@ -176,15 +198,22 @@ def _signal(pid: int, signum: int) -> None:
 
 # `python` as a run forked with --children sees it (sys.executable): a script, `-m MODULE` or
 # `-c CODE` is forked from the server too, with --children again, so a tool's torchrun and its
-# ranks or a benchmark's runs import nothing; the interpreter itself runs whatever needs a real
-# one: interpreter flags (the sandbox's -I -S), a multiprocessing spawn (it passes other file
-# descriptors), vLLM and SGLang servers (imported fresh, as a user's are).
+# ranks, a benchmark's runs, a vLLM server and the engine processes it spawns (multiprocessing's
+# spawn: its pipes are passed on under their numbers) import nothing; the interpreter itself runs
+# what needs a real one: interpreter flags (the sandbox's -I -S), SGLang servers.
 SHIM = """#!/bin/sh
 real={real}
-case "$1" in -u) unbuffered=1; shift ;; *) unbuffered= ;; esac
+unbuffered=
+while :; do
+  case "$1" in
+    -u) unbuffered=1; shift ;;
+    -B) PYTHONDONTWRITEBYTECODE=1; export PYTHONDONTWRITEBYTECODE; shift ;;  # as a spawn passes it on
+    *) break ;;
+  esac
+done
 case "$1" in
-  -m) case "$2" in vllm.*|sglang.*) direct=1 ;; *) direct= ;; esac ;;
-  -c) case " $* " in *" --multiprocessing-fork "*) direct=1 ;; *) direct= ;; esac ;;
+  -m) case "$2" in sglang.*) direct=1 ;; *) direct= ;; esac ;;
+  -c) direct= ;;
   ""|-*) direct=1 ;;
   *) direct= ;;
 esac
@@ -221,9 +250,18 @@ def _become(request: dict, fds: list[int], server_pythonpath: set[str], shim: st
     code = 0
     try:
         os.setsid()
-        for target, fd in enumerate(fds[:3]):
-            os.dup2(fd, target)
+        # Each descriptor to its number in the client, moved out of the way first so that one
+        # received under another's number is not overwritten before it is placed.
+        import fcntl
+
+        targets = request.get("fds", [0, 1, 2])
+        above = max(targets, default=2) + 1
+        moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, above) for fd in fds]
         for fd in fds:
+            os.close(fd)
+        for target, fd in zip(targets, moved):
+            os.dup2(fd, target)  # inheritable, as in the client
+        for fd in moved:
             os.close(fd)
         for signum in (*FORWARDED, signal.SIGCHLD, signal.SIGPIPE):
             signal.signal(signum, signal.SIG_DFL if signum != signal.SIGPIPE else signal.SIG_IGN)
@@ -246,7 +284,7 @@ def _become(request: dict, fds: list[int], server_pythonpath: set[str], shim: st
         if request.get("children"):
             import multiprocessing
 
-            multiprocessing.set_executable(sys.executable)  # a spawn needs the real interpreter
+            multiprocessing.set_executable(shim)  # a spawn is forked from the server too
             sys.executable = shim
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
@@ -312,7 +350,7 @@ def serve(path: str) -> None:
         for conn in readable:
             if conn is listener:
                 accepted, _ = listener.accept()
-                message, fds, _, _ = socket.recv_fds(accepted, 1 << 20, 3)
+                message, fds, _, _ = socket.recv_fds(accepted, 1 << 20, MAX_FDS)
                 while not message.endswith(b"\n"):
                     message += accepted.recv(1 << 20)
                 pid = os.fork()

@@ -7,14 +7,14 @@ cluster configured to reject).
 
 Against a real SLURM (slurmctld + three slurmd on this host, see conftest.py; skipped with the
 reason where it cannot start): the tiny default, shortened, runs to completion through
-`megatron-rl launch slurm` on two nodes (its launchers, torchrun and ranks forked from the tests'
-pre-imported Python, tests/_support/zygote.py; the other jobs run fresh processes, all of them
-tracked and signalled by SLURM); a job requeued mid-run (`scontrol requeue`: SIGTERM to
-every process of the job, wandb's helper included, as at preemption) writes its stop checkpoint and
-resumes from it; the preemption warning (USR1 to the batch script)
-makes the trainer checkpoint and the job requeue itself and finish; the disaggregated template
-(one training node, two rollout nodes running a vLLM server each) trains with every weight push
-reaching both servers.
+`megatron-rl launch slurm` on two nodes; the disaggregated template (one training node, two
+rollout nodes running a vLLM server each) trains with every weight push reaching both servers
+(both jobs' launchers, torchrun, ranks, rollout nodes and vLLM servers forked from the tests'
+pre-imported Python, tests/_support/zygote.py). One job, in fresh processes all tracked and
+signalled by SLURM, is interrupted twice: requeued mid-run (`scontrol requeue`: SIGTERM to every
+process of the job, wandb's helper included, as at preemption) it writes its stop checkpoint and
+resumes from it; then the preemption warning (USR1 to the batch script) makes the trainer
+checkpoint and the job requeue itself, resume and finish.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ SHORT = ["rl.prompts_per_step=8", "rl.group_size=4", "rl.max_response_tokens=6",
          "data.num_heldout=16", "rl.eval_every=0", "checkpoint.every_steps=2", "logging.wandb_mode=disabled"]
 
 
-# The interrupted runs: long enough that the interruption lands mid-run, though the test sees a
+# The interrupted run: long enough that each interruption lands mid-run, though the test sees a
 # checkpoint only once it is published (a background save finishes a step or two later) and
 # polls once a second (a step takes ~0.2 s here).
-LONG = 20
+LONG = 24
 
 
 def cli(*args: str, env: dict | None = None, timeout: float = 120, children: bool = False) -> subprocess.CompletedProcess:
@@ -207,21 +207,42 @@ def test_job_completes_on_two_nodes(slurm_cluster, tmp_path):
     assert (out / "config.yaml").is_file() and "training finished (exit 0)" in text
 
 
-def test_requeued_job_stops_with_a_checkpoint_and_resumes_from_it(slurm_cluster, tmp_path):
+@pytest.fixture(scope="module")
+def interrupted_job(slurm_cluster, tmp_path_factory):
+    """One job interrupted twice, as SLURM interrupts jobs (one job instead of one per interruption:
+    each start imports torch and trains the warm start again): `scontrol requeue` after its first
+    RL step, then, once the requeued run has resumed and taken a step, the preemption warning (USR1
+    to the batch script). Returns the job id, its output directory and its whole log."""
+    out = tmp_path_factory.mktemp("interrupted") / "requeue"
+    job_id, log = submit(slurm_cluster, out, 1, f"rl.steps={LONG}", "logging.wandb_mode=offline")
+    wait_until(lambda: max(steps_logged(out), default=0) >= 1, 240, "the first RL step", slurm_cluster, log, job_id)
+    slurm_cluster.run("scontrol", "requeue", job_id)
+
+    def stepped_after_restart() -> bool:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        after = text.split("restart 1:", 1)[1] if "restart 1:" in text else ""
+        return "resumed from" in after and re.search(rf"^step \d+/{LONG}", after.split("resumed from", 1)[1],
+                                                     re.MULTILINE) is not None
+
+    wait_until(stepped_after_restart, 300, "the requeued run's first step", slurm_cluster, log, job_id)
+    # What SLURM does --signal-lead-seconds before the time limit: USR1 to the batch script.
+    slurm_cluster.run("scancel", "--batch", "--signal=USR1", job_id)
+    wait_until(lambda: slurm_cluster.job_field(job_id, "Restarts") not in (None, "0", "1")
+               and finished(slurm_cluster, job_id, out), 300, "the job to end after the warning", slurm_cluster,
+               log, job_id)
+    return job_id, out, log.read_text(errors="replace")
+
+
+def test_requeued_job_stops_with_a_checkpoint_and_resumes_from_it(slurm_cluster, interrupted_job):
     """`scontrol requeue` is what SLURM does to a job it preempts (PreemptMode=REQUEUE): SIGTERM to
     every process of the job, not only the trainer (SLURM's process tracking reaches wandb's helper
     process, which has its own session), SIGKILL KillWait later, then the job runs again. With wandb
     offline, as by default, the trainer still finishes its step and writes the stop checkpoint, and
     the requeued job resumes from that one, not from the older periodic checkpoint."""
-    out = tmp_path / "requeue"
-    job_id, log = submit(slurm_cluster, out, 1, f"rl.steps={LONG}", "logging.wandb_mode=offline")
-    wait_until(lambda: max(steps_logged(out), default=0) >= 1, 240, "the first RL step", slurm_cluster, log, job_id)
-    slurm_cluster.run("scontrol", "requeue", job_id)
-    wait_until(lambda: slurm_cluster.job_field(job_id, "Restarts") not in (None, "0")
-               and finished(slurm_cluster, job_id, out), 300, "the requeued job to end", slurm_cluster, log, job_id)
-    text = log.read_text(errors="replace")
-    assert slurm_cluster.job_state(job_id) == "COMPLETED", text[-4000:]
-    assert "restart 1:" in text
+    job_id, out, whole = interrupted_job
+    assert slurm_cluster.job_state(job_id) == "COMPLETED", whole[-4000:]
+    assert "restart 1:" in whole
+    text = whole[:whole.index("restart 2:")] if "restart 2:" in whole else whole  # until the warning's requeue
     stopped = re.search(r"stopped by SIGTERM after step (\d+); checkpoint \S+step_0*(\d+)\.", text)
     assert stopped and stopped.group(1) == stopped.group(2), f"no stop checkpoint:\n{text[-6000:]}"
     stop_step = int(stopped.group(1))
@@ -240,19 +261,18 @@ def test_requeued_job_stops_with_a_checkpoint_and_resumes_from_it(slurm_cluster,
     assert json.loads((out / "run_state.json").read_text()) == {"step": LONG, "finished": True}
 
 
-def test_preemption_warning_checkpoints_and_requeues(slurm_cluster, tmp_path):
-    out = tmp_path / "preempt"
-    job_id, log = submit(slurm_cluster, out, 1, f"rl.steps={LONG}", "checkpoint.every_steps=0")
-    wait_until(lambda: max(steps_logged(out), default=0) >= 1, 240, "the first RL step", slurm_cluster, log, job_id)
-    # What SLURM does --signal-lead-seconds before the time limit: USR1 to the batch script.
-    slurm_cluster.run("scancel", "--batch", "--signal=USR1", job_id)
-    wait_until(lambda: slurm_cluster.job_field(job_id, "Restarts") not in (None, "0")
-               and finished(slurm_cluster, job_id, out), 300, "the requeued job to end", slurm_cluster, log, job_id)
-    text = log.read_text(errors="replace")
-    assert slurm_cluster.job_state(job_id) == "COMPLETED", text[-4000:]
-    stopped = re.search(r"stopped by SIGUSR1 after step (\d+)", text)
-    assert stopped, text[-4000:]
-    assert "requeueing job" in text
+def test_preemption_warning_checkpoints_and_requeues(slurm_cluster, interrupted_job):
+    """The preemption warning, to the job requeued once already: the batch script asks the trainer
+    to stop (USR1 to the job's steps), which checkpoints after its step; the script requeues the
+    job, which resumes from that checkpoint and finishes."""
+    job_id, out, whole = interrupted_job
+    assert slurm_cluster.job_state(job_id) == "COMPLETED", whole[-4000:]
+    assert "restart 2:" in whole, whole[-4000:]
+    warned = whole[whole.index("restart 1:"):whole.index("restart 2:")]
+    stopped = re.search(r"stopped by SIGUSR1 after step (\d+); checkpoint \S+step_0*(\d+)\.", warned)
+    assert stopped and stopped.group(1) == stopped.group(2), warned[-4000:]
+    assert "requeueing job" in warned
+    text = whole[whole.index("restart 2:"):]
     assert re.search(rf"resumed from \S+ at step {stopped.group(1)}", text), text[-4000:]
     assert sorted(steps_logged(out)) == list(range(LONG + 1))
 
@@ -276,7 +296,7 @@ def test_disaggregated_job_pushes_every_step_to_both_servers(slurm_cluster, tmp_
     servers start from the config, the trainer finds them from the URLs the job passes it, and
     the collective transport (gloo here) delivers every push to both of them."""
     out = tmp_path / "disaggregated"
-    job_id, log = submit(slurm_cluster, out, 1, *DISAGGREGATED, extra=("--rollout-nodes", "2"))
+    job_id, log = submit(slurm_cluster, out, 1, *DISAGGREGATED, extra=("--rollout-nodes", "2"), children=True)
     wait_until(lambda: finished(slurm_cluster, job_id, out), 300, "the job to end", slurm_cluster, log, job_id)
     text = log.read_text(errors="replace")
     assert slurm_cluster.job_state(job_id) == "COMPLETED", text[-4000:]

@@ -28,7 +28,7 @@ import psutil
 import pytest
 import torch
 
-from _support.processes import free_port
+from _support.processes import forked_python, free_port
 from _support.world import world  # noqa: F401  (the one-rank world the transports need)
 from megatron_rl.rollout import EngineError, EnginePool, SamplingParams
 from megatron_rl.rollout.protocol import EngineDied, EngineUnavailable
@@ -61,10 +61,12 @@ def servers(tmp_path_factory):
     write_tokenizer(root / "hf", raw["vocab_size"])
 
     def start(index):
+        # vllm-0 is a fresh process tree (the reaping test looks at it); vllm-1, the one killed in
+        # flight, is forked with its engine process from the pre-imported Python (zygote.py).
         return VllmServerProcess.start(
             root / "hf", port=free_port(), log_path=root / f"vllm-{index}.log", name=f"vllm-{index}",
             max_model_len=256, load_format="dummy", startup_timeout_s=300,
-            extra_args=["--distributed-executor-backend", "uni"])
+            extra_args=["--distributed-executor-backend", "uni"], python=forked_python() if index else None)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         started = [pool.submit(start, index) for index in range(2)]

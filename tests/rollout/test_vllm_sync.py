@@ -61,8 +61,9 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 def run_sync(hf_dir: Path, out_dir: Path, mode: str, nproc: int, overrides: list[str]) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
+    # children=True: the servers the trainer starts are forked from the pre-imported Python too.
     command = torchrun_command(WORKER, nproc, "--hf", str(hf_dir), "--out", str(out_dir / "report.json"),
-                               "--mode", mode, preloaded=True)
+                               "--mode", mode, preloaded=True, children=True)
     for item in overrides:
         command += ["--override", item]
     env = child_env()

@@ -123,6 +123,41 @@ def test_with_children_the_runs_own_python_children_are_forked_too(children):
     assert result.stdout.split() == (["True", "False"] if children else ["False", "False"]), result.stdout
 
 
+SPAWN_PROBE = """
+import multiprocessing, os, subprocess, sys
+
+def child(queue):
+    queue.put("torch" in sys.modules)
+    sys.exit(3)
+
+if __name__ == "__main__":
+    queue = multiprocessing.get_context("spawn").Queue()
+    process = multiprocessing.get_context("spawn").Process(target=child, args=(queue,))
+    process.start()
+    preloaded = queue.get(timeout=120)
+    process.join()
+    read, write = os.pipe()
+    os.write(write, b"through")
+    os.close(write)
+    code = f"import os, sys; print(os.read({read}, 16).decode(), 'torch' in sys.modules)"
+    passed = subprocess.run([sys.executable, "-c", code], pass_fds=(read,), capture_output=True, text=True)
+    print(preloaded, process.exitcode, passed.stdout.strip(), passed.returncode)
+"""
+
+
+def test_with_children_a_multiprocessing_spawn_is_forked_with_its_pipes(tmp_path):
+    """children=True: a `multiprocessing` spawn (how vLLM starts its engine processes on CPU) comes
+    from the server too: the child gets its process object through the pipes spawn passes it
+    (under their numbers), runs preloaded, and its exit status comes back; a descriptor a run
+    passes to its own child (pass_fds) reaches the fork under its number."""
+    script = tmp_path / "spawn_probe.py"
+    script.write_text(SPAWN_PROBE)
+    result = subprocess.run(python_command(script, preloaded=True, children=True), env=child_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "3", "through", "True", "0"], result.stdout + result.stderr
+
+
 def test_a_fork_configures_vllms_logging_from_its_own_environment():
     """vLLM, preloaded, configured its logger from the server's environment at import; each run
     gets the level its own VLLM_LOGGING_LEVEL says, as a fresh import would give it."""
