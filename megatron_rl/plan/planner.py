@@ -154,6 +154,28 @@ def _export_bytes(params, config) -> int:
     return total
 
 
+@dataclasses.dataclass(frozen=True)
+class _PushBytes:
+    """Bytes a pipeline stage pushes to the engines, by piece. A stage's parameters are the probe's
+    pieces one after the other (meta_model.ProbeParameters.stage), so its bytes are the sum of
+    theirs: counted once per piece instead of once per parameter of every stage of every layout
+    (a 256-GPU DeepSeek-V3 search went through over 12 million parameter entries that way)."""
+
+    first: int  # what only the first stage holds (the embedding)
+    layer: dict  # layer kind -> one layer's
+    last: int  # what only the last stage holds (final norm, output layer)
+
+    @classmethod
+    def of(cls, full, config, pp: int) -> "_PushBytes":
+        return cls(_export_bytes(full.stage([], first=True, last=False, pp=pp), config),
+                   {kind: _export_bytes(full.stage([kind], first=False, last=False, pp=pp), config)
+                    for kind in full.layers},
+                   _export_bytes(full.stage([], first=False, last=True, pp=pp), config))
+
+    def stage(self, kinds: list[str], *, first: bool, last: bool) -> int:
+        return (self.first if first else 0) + sum(self.layer[kind] for kind in kinds) + (self.last if last else 0)
+
+
 def kv_bytes_per_token(arch, itemsize: int, tp: int) -> int:
     """KV cache per token per GPU of an engine of tensor parallel size tp (MLA caches its latent)."""
     if arch.mla is not None:
@@ -176,6 +198,7 @@ def evaluate(config, arch, cluster: Cluster) -> LayoutPlan:
         tokens=config.micro_batch_tokens // p.cp, tp=p.tp, ep=p.ep, etp=p.expert_tp,
         sequence_parallel=p.uses_sequence_parallel, itemsize=_itemsize(config), recompute=config.model.recompute,
         logprob_chunk_tokens=config.logprob_chunk_tokens, vocab_rows=model_vocab_rows(arch, config.model, p.tp))
+    push = _PushBytes.of(full, config, p.pp)
     stages, start = [], 0
     for stage, count in enumerate(stage_layer_counts(arch.num_layers, p)):
         first, last = stage == 0, stage == p.pp - 1
@@ -186,11 +209,11 @@ def evaluate(config, arch, cluster: Cluster) -> LayoutPlan:
                              distributed_optimizer=p.distributed_optimizer).worst()
         in_flight = p.pp - stage  # 1F1B: the first stage holds pp micro-batches before its first backward
         activations = in_flight * act.stage_bytes(arch, stage_kinds, x, first=first, last=last)
-        pushed = full.stage(stage_kinds, first=first, last=last, pp=p.pp)
-        stages.append(StagePlan(stage, count, state, activations, in_flight, _export_bytes(pushed, config)))
+        stages.append(StagePlan(stage, count, state, activations, in_flight,
+                                push.stage(stage_kinds, first=first, last=last)))
     engine_gpu = cluster.gpu_memory if cluster.colocated else (cluster.rollout_gpu_memory or cluster.gpu_memory)
     engine_budget = int(config.rollout.gpu_memory_utilization * engine_gpu)
-    total_export = _export_bytes(full.stage(kinds, first=True, last=True, pp=1), config)
+    total_export = _PushBytes.of(full, config, 1).stage(kinds, first=True, last=True)
     engine_itemsize = 4 if config.rollout.dtype == "float32" else 2
     if not cluster.colocated:
         engine_tp = _server_tp(config)
