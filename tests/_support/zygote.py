@@ -254,7 +254,7 @@ def _become(request: dict, fds: list[int], server_pythonpath: set[str], shim: st
         # received under another's number is not overwritten before it is placed.
         import fcntl
 
-        targets = request.get("fds", [0, 1, 2])
+        targets = request["fds"]
         above = max(targets, default=2) + 1
         moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, above) for fd in fds]
         for fd in fds:

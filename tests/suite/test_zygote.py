@@ -131,8 +131,9 @@ def child(queue):
     sys.exit(3)
 
 if __name__ == "__main__":
-    queue = multiprocessing.get_context("spawn").Queue()
-    process = multiprocessing.get_context("spawn").Process(target=child, args=(queue,))
+    spawn = multiprocessing.get_context("spawn")
+    queue = spawn.Queue()
+    process = spawn.Process(target=child, args=(queue,))
     process.start()
     preloaded = queue.get(timeout=120)
     process.join()
