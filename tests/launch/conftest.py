@@ -133,12 +133,14 @@ def start_cluster(directory: Path, nodes: int = 2) -> SlurmCluster:
     (directory / "slurm.conf").write_text("\n".join([
         "ClusterName=megatronrltest", f"SlurmctldHost={host}(127.0.0.1)", f"SlurmctldPort={ctld_port}",
         "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge", "CredType=cred/munge",
-        "AuthInfo=cred_expire=10",
+        # SLURM holds a requeued job back for cred_expire + 1 s (its old credential must expire
+        # first); 5 is the least it accepts, and the interrupted-job test waits it out twice.
+        "AuthInfo=cred_expire=5",
         "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "SwitchType=switch/none", "MpiDefault=none",
         "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
         "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
         "ReturnToService=2", "JobRequeue=1", "MailProg=/bin/true",
-        "SchedulerParameters=bf_interval=2,sched_interval=5", "SlurmctldParameters=preempt_send_user_signal",
+        "SchedulerParameters=bf_interval=1,sched_interval=1", "SlurmctldParameters=preempt_send_user_signal",
         f"StateSaveLocation={directory / 'state'}", f"SlurmdSpoolDir={directory / 'spool'}/%n",
         f"SlurmctldPidFile={directory / 'slurmctld.pid'}", f"SlurmdPidFile={directory / 'slurmd-%n.pid'}",
         f"SlurmctldLogFile={directory / 'slurmctld.log'}", f"SlurmdLogFile={directory / 'slurmd-%n.log'}",

@@ -214,7 +214,9 @@ def interrupted_job(slurm_cluster, tmp_path_factory):
     RL step, then, once the requeued run has resumed and taken a step, the preemption warning (USR1
     to the batch script). Returns the job id, its output directory and its whole log."""
     out = tmp_path_factory.mktemp("interrupted") / "requeue"
-    job_id, log = submit(slurm_cluster, out, 1, f"rl.steps={LONG}", "logging.wandb_mode=offline")
+    # No warm start and no HF export: what the test asserts is the interruptions and the resumes.
+    job_id, log = submit(slurm_cluster, out, 1, f"rl.steps={LONG}", "logging.wandb_mode=offline", "warm_start.steps=0",
+                         "checkpoint.export_hf=false")
     wait_until(lambda: max(steps_logged(out), default=0) >= 1, 240, "the first RL step", slurm_cluster, log, job_id)
     slurm_cluster.run("scontrol", "requeue", job_id)
 

@@ -14,14 +14,13 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from _support.processes import REPO, child_env, children_cpu_seconds, cli_command
+from _support.processes import REPO, child_env, children_cpu_seconds, cli_command, python_command
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
 
@@ -172,10 +171,10 @@ sys.exit(code)
 def run_with_route_probe(out: Path, *overrides: str) -> tuple[dict, dict]:
     """(step 1's metrics, {mode: [routes used that differ from the recorded ones, routes used]})."""
     counts = out.parent / f"{out.name}_routes.json"
-    cmd = [sys.executable, "-c", ROUTE_PROBE, *command(out, *overrides)[3:]]
-    result = subprocess.run(cmd, env=child_env(ROUTES_USED=str(counts)), capture_output=True,
-                            text=True, timeout=900)
-    assert result.returncode == 0, f"{' '.join(cmd[3:])} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    args = ["train", "--output-dir", str(out), *SHORT, *overrides]
+    result = subprocess.run(python_command("-c", ROUTE_PROBE, *args, preloaded=True), env=child_env(ROUTES_USED=str(counts)),
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, f"{' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return metrics(out)[1], json.loads(counts.read_text())
 
 
