@@ -27,7 +27,10 @@ logging, configured at import, is configured again from the run's; the variables
 are set in the run's environment unless it has them); the fork is not the client's
 child (RUSAGE_CHILDREN, process trees, a signal to the client's process group); its resident
 memory starts with pages shared with the server (a peak read from VmHWM is another figure);
-import-time warnings are not printed again; the hash seed is the server's.
+import-time warnings are not printed again; the hash seed is the server's. A `sitecustomize.py` in a
+directory of the run's PYTHONPATH runs in the fork, as `site` runs it at a fresh start, but after
+the server's imports: a hook that waits for a module's import must also act on a module imported
+already (tests/tools/pause_hook/sitecustomize.py does).
 """
 
 from __future__ import annotations
@@ -241,6 +244,21 @@ def write_shim(path: str) -> None:
     os.chmod(shim, 0o755)
 
 
+def _run_sitecustomize(directories: list[str]) -> None:
+    """What `site` does at start-up with the first sitecustomize.py of these directories (the run's
+    own PYTHONPATH): run it as the module `sitecustomize`."""
+    import importlib.util
+
+    for directory in directories:
+        path = os.path.join(directory, "sitecustomize.py")
+        if os.path.isfile(path):
+            spec = importlib.util.spec_from_file_location("sitecustomize", path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["sitecustomize"] = module
+            spec.loader.exec_module(module)
+            return
+
+
 def _become(request: dict, fds: list[int], server_pythonpath: set[str], shim: str, imported_env: dict) -> None:
     """In the fork: turn into `python ARGV...` and run it; never returns."""
     import runpy
@@ -286,6 +304,7 @@ def _become(request: dict, fds: list[int], server_pythonpath: set[str], shim: st
 
             multiprocessing.set_executable(shim)  # a spawn is forked from the server too
             sys.executable = shim
+        _run_sitecustomize([p for p in pythonpath if p not in server_pythonpath])
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
             sys.path[:] = [os.getcwd(), *pythonpath, *base]

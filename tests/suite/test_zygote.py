@@ -20,7 +20,7 @@ preloaded = "torch" in sys.modules  # before anything is imported here
 sys.stderr.write("to stderr\\n")
 print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("PROBE_VALUE"),
                   "path_head": sys.path[:3], "main": __name__, "preloaded": preloaded,
-                  "stdin": sys.stdin.read()}))
+                  "stdin": sys.stdin.read(), "site": os.environ.get("PROBE_SITE")}))
 sys.exit(int(sys.argv[1]))
 """
 
@@ -31,6 +31,8 @@ def test_a_run_through_the_server_is_the_fresh_run_with_imports_done(tmp_path, f
     script.write_text(PROBE)
     extra = tmp_path / "plugins"
     extra.mkdir()
+    # A hook on the run's PYTHONPATH, which `site` runs at start-up (the tests' pause hooks are such)
+    (extra / "sitecustomize.py").write_text("import os\nos.environ['PROBE_SITE'] = 'ran as ' + __name__\n")
     argv = [script, "3", "x y"] if form == "script" else ["-c", PROBE, "3", "x y"]
     env = child_env(PROBE_VALUE="seen", PYTHONPATH=f"{extra}{os.pathsep}{child_env()['PYTHONPATH']}")
     outputs = {}
@@ -42,8 +44,9 @@ def test_a_run_through_the_server_is_the_fresh_run_with_imports_done(tmp_path, f
         outputs[preloaded] = json.loads(result.stdout)
     fresh, forked = outputs[False], outputs[True]
     assert (fresh["preloaded"], forked["preloaded"]) == (False, True)
-    for key in ("argv", "cwd", "env", "main", "stdin", "path_head"):
+    for key in ("argv", "cwd", "env", "main", "stdin", "path_head", "site"):
         assert forked[key] == fresh[key], key
+    assert forked["site"] == "ran as sitecustomize"
     assert str(extra) in forked["path_head"]
 
 

@@ -151,8 +151,10 @@ WEIGHTS_WRITE = "torch.distributed.checkpoint.filesystem:_write_files_from_queue
 def start_paused(name: str, args: list[str], pause: str, marker: Path, sleep: float) -> subprocess.Popen:
     env = child_env(PYTHONPATH=f"{HOOK}{os.pathsep}{REPO}",
                     CONVERT_TEST_PAUSE=pause, CONVERT_TEST_MARKER=str(marker), CONVERT_TEST_SLEEP=str(sleep))
-    return subprocess.Popen([sys.executable, str(REPO / "tools" / name), *args], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    # Forked from the pre-imported server, its torchrun and ranks too; the hook runs in each of them
+    # (tests/_support/zygote.py runs a sitecustomize.py of the run's PYTHONPATH).
+    return subprocess.Popen(python_command(REPO / "tools" / name, *args, preloaded=True, children=True), env=env,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
 
 def alive(pid: int) -> bool:

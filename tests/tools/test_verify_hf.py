@@ -39,9 +39,17 @@ TOLERANCE = 1e-4
 EPS_HOOK = '''
 import importlib.abc, importlib.util, os, sys
 
+MODULE = "transformers.models.auto.modeling_auto"
+
+def _patch(module):
+    auto = module.AutoModelForCausalLM
+    original = auto.from_pretrained.__func__
+    eps = float(os.environ["VERIFY_HF_TEST_EPS"])
+    auto.from_pretrained = classmethod(lambda cls, *a, **k: original(cls, *a, rms_norm_eps=eps, **k))
+
 class _AfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "transformers.models.auto.modeling_auto":
+        if name != MODULE:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -49,26 +57,26 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             execute(module)
-            auto = module.AutoModelForCausalLM
-            original = auto.from_pretrained.__func__
-            eps = float(os.environ["VERIFY_HF_TEST_EPS"])
-            auto.from_pretrained = classmethod(lambda cls, *a, **k: original(cls, *a, rms_norm_eps=eps, **k))
+            _patch(module)
 
         spec.loader.exec_module = exec_module
         return spec
 
 if os.environ.get("VERIFY_HF_TEST_EPS"):
-    sys.meta_path.insert(0, _AfterImport())
+    if MODULE in sys.modules:  # forked from the tests' pre-imported server, which imported it
+        _patch(sys.modules[MODULE])
+    else:
+        sys.meta_path.insert(0, _AfterImport())
 '''
 
 
 def verify(*args: str, torchrun: int = 0, env: dict[str, str] | None = None,
            pythonpath: str | None = None) -> subprocess.CompletedProcess:
     """`python -m megatron_rl.cli verify-hf ARGS`, or under `torchrun --nproc-per-node=N` when given.
-    A `pythonpath` with a sitecustomize hook: the ranks verify-hf starts are fresh interpreters,
-    which run it (a fork of the pre-imported server has imported transformers already)."""
+    A `pythonpath` with a sitecustomize hook: it runs in every process, the ranks verify-hf starts
+    included (forked from the pre-imported server, which runs it as `site` would)."""
     command = (torchrun_command("megatron_rl.cli", torchrun, "verify-hf", *args, module=True, preloaded=True) if torchrun
-               else cli_command("verify-hf", *args, preloaded=True, children=pythonpath is None))
+               else cli_command("verify-hf", *args, preloaded=True, children=True))
     environment = child_env(PYTHONPATH=pythonpath or str(REPO), **(env or {}))
     for name in ("RANK", "WORLD_SIZE", "MEGATRON_RL_VERBOSE", "MEGATRON_RL_VERIFY_REPORT"):
         if name not in (env or {}):

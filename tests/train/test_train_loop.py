@@ -85,7 +85,7 @@ def test_exact_resume_after_sigterm(tmp_path):
     assert f"stopped by SIGTERM after step {stopped_at}" in output
 
     resumed = run(interrupted)
-    assert f"resumed from" in resumed.stdout
+    assert "resumed from" in resumed.stdout
     after = metrics(interrupted)
     assert sorted(after) == sorted(reference)
     for step in range(stopped_at + 1, 6):

@@ -1,6 +1,7 @@
 """Test hook, active only with CONVERT_TEST_PAUSE set (tests/tools/test_convert.py puts this
 directory on PYTHONPATH): wraps one function so that a conversion can be signalled at a known
-point, in every process that imports it (the torchrun ranks included).
+point, in every process that imports it (the torchrun ranks included), or has it imported already
+(a process forked from the tests' pre-imported server).
 
     CONVERT_TEST_PAUSE=package.module:function   the function to wrap
     CONVERT_TEST_MARKER=FILE                     written (with this pid) when the function is entered
@@ -47,4 +48,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 if os.environ.get("CONVERT_TEST_PAUSE"):
     _module, _function = os.environ["CONVERT_TEST_PAUSE"].split(":")
-    sys.meta_path.insert(0, _AfterImport(_module, _function))
+    if _module in sys.modules:  # a process forked from a parent that imported it (tests/_support/zygote.py)
+        _wrap(sys.modules[_module], _function)
+    else:
+        sys.meta_path.insert(0, _AfterImport(_module, _function))
