@@ -131,19 +131,22 @@ def run_arm(root: Path, arm: str, seed: int, warm: Path, args) -> dict:
                   *arm_overrides(arm, args))
     # the machine's load (1-minute average) around the run: its step times are only as good as that
     load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    latest = resolve_checkpoint(run)
+    base = json.loads((latest / "megatron_rl.json").read_text()).get("base")
     return {"arm": arm, "seed": seed, "wall_s": wall, "loadavg": load, **summarize_run(rows_of(run)),
-            **checkpoint_bytes(resolve_checkpoint(run))}  # the run's latest step
+            **checkpoint_bytes(latest), "base_kind": base and base["kind"]}  # the run's latest step
 
 
 def summarize(runs: list[dict]) -> dict:
     """Per arm the means over seeds; lora / full ratios and whether each goal is met."""
     mean = {arm: {key: statistics.fmean(r[key] for r in runs if r["arm"] == arm)
-                  for key in ("start", "final", "gain", "optimizer_bytes", "checkpoint_bytes")} for arm in ARMS}
+                  for key in ("start", "final", "gain", "optimizer_bytes", "checkpoint_bytes", "tensor_bytes")}
+            for arm in ARMS}
     for arm in ARMS:  # times: the median of the arm's per-run medians (a loaded machine makes outliers)
         for key in TIME_LABELS:
             mean[arm][key] = statistics.median(r[key] for r in runs if r["arm"] == arm)
     ratios = {key: mean["lora"][key] / mean["full"][key] if mean["full"][key] else None
-              for key in ("optimizer_bytes", "checkpoint_bytes", *TIME_LABELS)}
+              for key in ("optimizer_bytes", "checkpoint_bytes", "tensor_bytes", *TIME_LABELS)}
     full_gain = mean["full"]["gain"]
     ratios["gain"] = mean["lora"]["gain"] / full_gain if full_gain > 0 else None
     met = {key: ratios[key] <= goal for key, goal in GOALS.items()}
@@ -171,7 +174,10 @@ def report(runs: list[dict], summary: dict, plan: dict, args, wall: float) -> st
         f"alpha {args.alpha}, every target but the router; optimizer.lr {args.lora_lr}). Held-out accuracy: greedy, "
         "the whole held-out set, at step 0 and after the last step. Bytes: the last checkpoint (written at the "
         "last step), every file; its optimizer state: the `optimizer.` tensors of its torch_dist metadata, global "
-        "shape x element size (stored with torch.save's framing: the JSON's `optimizer_stored_bytes`).",
+        "shape x element size (stored with torch.save's framing: the JSON's `optimizer_stored_bytes`). A LoRA "
+        "checkpoint refers to its frozen base (here the warm start's HF directory, `checkpoint.init_from`) by path "
+        "and checksums instead of holding it (`checkpoint.base_weights: referenced`, the default): "
+        f"{'the base is not counted' if all(r.get('base_kind') for r in runs if r['arm'] == 'lora') else 'NOT all LoRA checkpoints referred to their base'}.",
         "",
         "| seed | arm | held-out after warm start | after RL | gain | median step s | median update s "
         "| optimizer state | checkpoint on disk | load average before, after |",
@@ -190,6 +196,8 @@ def report(runs: list[dict], summary: dict, plan: dict, args, wall: float) -> st
         f"{ratios['optimizer_bytes']:.4f} | <= 0.05: {verdict[met['optimizer_bytes']]} |",
         f"| checkpoint on disk | {_mib(mean['full']['checkpoint_bytes'])} | {_mib(mean['lora']['checkpoint_bytes'])} | "
         f"{ratios['checkpoint_bytes']:.4f} | <= 0.05: {verdict[met['checkpoint_bytes']]} |",
+        f"| checkpoint tensors (torch_dist, every tensor) | {_mib(mean['full']['tensor_bytes'])} | "
+        f"{_mib(mean['lora']['tensor_bytes'])} | {ratios['tensor_bytes']:.4f} |  |",
         *[f"| {label} | {mean['full'][key]:.3f} s | {mean['lora'][key]:.3f} s | "
           + ("n/a" if ratios[key] is None else f"{ratios[key]:.2f}") + " | "
           + (f"<= 1.2: {verdict[met['step_s']]}" if key == "step_s" else "") + " |"

@@ -24,13 +24,14 @@ A checkpoint can be named in any of these forms (`resolve_checkpoint`):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import re
 from pathlib import Path
 from typing import NoReturn
 
+from megatron_rl.checkpoint.base_ref import base_loaded_first
+from megatron_rl.checkpoint.streaming_save import streaming_save_strategy
 from megatron_rl.config import RunConfig
 from megatron_rl.data.tokenizer import write_char_tokenizer
 from megatron_rl.errors import ConfigError
@@ -45,22 +46,24 @@ REDOWNLOAD_OR_CONVERT = "download or convert the model again"  # a damaged Huggi
 
 def save_megatron_checkpoint(module, raw_hf_config: dict, directory: Path, config: RunConfig, *,
                              tokenizer_dir: str | Path | None, source: str, extra: dict | None = None,
-                             values=None, checksums: dict | None = None) -> None:
+                             values=None, checksums: dict | None = None, without_adapters: bool = False) -> None:
     """Collective: the model's weights as torch_dist files in `directory` (empty, e.g. an
     AtomicDirectory's staging), then, on global rank 0, hf_config/ (config.json and the tokenizer
     files found in `tokenizer_dir`) and megatron_rl.json. `extra`: more fields for megatron_rl.json.
     `values`: for a model built on the meta device, what gives each meta tensor its values while
     it is written (bridge/streamed.py: MetaValues); the model itself never holds them.
     `checksums`: receives this rank's .distcp files with their size and CRC-32, taken while
-    writing them (store.write_manifest's `known`: no second read for the manifest)."""
+    writing them (store.write_manifest's `known`: no second read for the manifest).
+    `without_adapters`: LoRA adapters left out (a LoRA run's base: base_ref.py)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
     from megatron_rl.bridge.hf_checkpoint import copy_tokenizer_files
+    from megatron_rl.model.state import is_adapter
 
     directory = Path(directory)
-    dist_checkpointing.save(module.sharded_state_dict(), str(directory),
-                            sharded_strategy=streaming_save_strategy(values, checksums))
+    sharded = {k: v for k, v in module.sharded_state_dict().items() if not (without_adapters and is_adapter(k))}
+    dist_checkpointing.save(sharded, str(directory), sharded_strategy=streaming_save_strategy(values, checksums))
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     (directory / "hf_config").mkdir()
@@ -76,113 +79,6 @@ def save_megatron_checkpoint(module, raw_hf_config: dict, directory: Path, confi
         **(extra or {}),
     }
     (directory / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
-
-
-def streaming_save_strategy(values=None, checksums: dict | None = None):
-    """Megatron-Core's torch_dist save, written by torch.distributed.checkpoint's FileSystemWriter:
-    the same files (.distcp, .metadata), read by the same loader. Megatron-Core's own writer stages
-    every tensor before writing (it serves asynchronous saves), and copies each tensor that is a
-    view of a larger one: the two halves of every gated MLP's fc1 weight, about 60% of a MoE model,
-    were held twice at once. This writer copies such a view only while writing it, one at a time,
-    in this thread (one file per rank; a stop signal unwinds it like any other code).
-
-    `values`: a callable that gives each tensor of a model built on the meta device its real value
-    (called once per tensor, in write order, just before it is written), so such a model is
-    saved holding one tensor at a time. An error it raises that is a ConfigError (a NaN weight in
-    the source) reaches every rank as itself. `checksums`: see save_megatron_checkpoint."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    from megatron.core.dist_checkpointing.strategies.torch import (
-        MCoreSavePlanner,
-        TorchDistSaveShardedStrategy,
-        _replace_state_dict_keys_with_sharded_keys,
-        mcore_to_pyt_state_dict,
-    )
-
-    from megatron_rl.bridge.streamed import failure_to_reraise
-
-    class ValuesOnDemand(MCoreSavePlanner):
-        def resolve_data(self, write_item):
-            data = super().resolve_data(write_item)
-            # Every tensor, not only meta ones: a model built on the meta device still creates
-            # some buffers on the CPU (the routers' expert bias, zeros) that must not be saved as such.
-            return values(data) if values is not None and isinstance(data, torch.Tensor) else data
-
-    class StreamingSave(TorchDistSaveShardedStrategy):
-        def save(self, sharded_state_dict, checkpoint_dir) -> None:
-            # What TorchDistSaveShardedStrategy.async_save does, with torch's synchronous writer.
-            state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
-            try:
-                writer = dcp.FileSystemWriter(checkpoint_dir)
-                if checksums is not None:
-                    writer.fs = _checksumming_file_system(checksums)
-                with _without_record_checksums():
-                    dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=writer,
-                             planner=ValuesOnDemand(dedup_replicated_tensors=not self.keep_only_main_replica,
-                                                    flatten_state_dict=False))
-            except CheckpointException as exc:
-                # torch's writer turns every rank's error into one CheckpointException, a stop signal
-                # (KeyboardInterrupt, tools/ranks.Interrupted) too: that one unwinds as itself, and
-                # so does a ConfigError that `values` raised on any rank.
-                reraise = failure_to_reraise(exc)
-                if reraise is not None:
-                    raise reraise from None
-                raise
-
-    return StreamingSave("torch_dist", 1)
-
-
-def _checksumming_file_system(checksums: dict):
-    """torch's checkpoint file system, whose .distcp streams take their CRC-32 and size as they are
-    written, into `checksums` (file name -> {"bytes", "crc32"}) once each file is closed."""
-    import zlib
-
-    from torch.distributed.checkpoint.filesystem import FileSystem
-
-    class Checksummed:
-        def __init__(self, stream):
-            self._stream, self.crc, self.bytes = stream, 0, 0
-
-        def write(self, data) -> int:
-            written = self._stream.write(data)
-            self.crc = zlib.crc32(data, self.crc)
-            self.bytes += memoryview(data).nbytes
-            return written
-
-        def __getattr__(self, name):  # tell, flush, fileno (for fsync), ...: the file's own
-            return getattr(self._stream, name)
-
-    class ChecksummingFileSystem(FileSystem):
-        @contextlib.contextmanager
-        def create_stream(self, path, mode):
-            with super().create_stream(path, mode) as stream:
-                if mode != "wb" or not str(path).endswith(".distcp"):
-                    yield stream
-                    return
-                checksummed = Checksummed(stream)
-                yield checksummed
-            checksums[Path(path).name] = {"bytes": checksummed.bytes, "crc32": f"{checksummed.crc & 0xFFFFFFFF:08x}"}
-
-    return ChecksummingFileSystem()
-
-
-@contextlib.contextmanager
-def _without_record_checksums():
-    """torch.save (which torch's checkpoint writer calls once per tensor) without its CRC-32 of
-    every zip record: computing it made torch.save write in small pieces, 1.05 GB/s instead of
-    4.3 GB/s on this project's CPU machines (measured on 512 MiB tensors), the slowest part of a
-    conversion. torch.load reads such records the same; the MANIFEST.json that every conversion
-    and training checkpoint carries holds each file's CRC-32. torch's setting is process-wide:
-    restored when the block ends."""
-    import torch
-
-    before = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        yield
-    finally:
-        torch.serialization.set_crc32_options(before)
 
 
 def is_megatron_checkpoint(path: str | Path) -> bool:
@@ -277,14 +173,19 @@ def _is_training_checkpoint(ckpt: Path) -> bool:
 
 def _check_intact_once(ckpt: Path, hint: str = USE_ANOTHER) -> None:
     """check_intact on global rank 0 only (it may read every file), the verdict shared."""
+    on_rank0_shared(check_intact, ckpt, hint)
+
+
+def on_rank0_shared(check, *args) -> None:
+    """`check(*args)` (it raises ConfigError) on global rank 0 only, its verdict raised on every rank."""
     import torch.distributed as dist
 
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return check_intact(ckpt, hint)
+        return check(*args)
     verdict = [None]
     if dist.get_rank() == 0:
         try:
-            check_intact(ckpt, hint)
+            check(*args)
         except ConfigError as exc:
             verdict = [str(exc)]
     dist.broadcast_object_list(verdict, src=0)
@@ -311,23 +212,27 @@ def with_vocab_of(config: RunConfig, ckpt: Path) -> RunConfig:
     return dataclasses.replace(config, model=dataclasses.replace(config.model, padded_vocab_size=rows))
 
 
-def load_initial_weights(policy, source: str | Path) -> None:
+def load_initial_weights(policy, source: str | Path, checked: bool = False) -> None:
     """checkpoint.init_from into a built Policy: a megatron-rl checkpoint in any form
     `resolve_checkpoint` takes (saved at any layout; build the policy from
-    `pin_checkpoint_vocab(config)`) or a Hugging Face model directory. Collective."""
+    `pin_checkpoint_vocab(config)`) or a Hugging Face model directory. Collective. `checked`:
+    its files were compared with their checksums already (base_ref.load_base)."""
     if names_megatron_checkpoint(source):
         ckpt = resolve_checkpoint(source)
-        _check_intact_once(ckpt)
+        if not checked:
+            _check_intact_once(ckpt)
         weights = weights_path(ckpt)
         check_weight_files(weights)
-        try:
-            policy.load_model(str(weights))  # refreshes the optimizer's main weights too
+        over_base = base_loaded_first(policy, ckpt, weights)  # a LoRA checkpoint's base, if it refers to one
+        try:  # refreshes the optimizer's main weights too
+            policy.load_model(str(weights), **({"without_frozen": True} if over_base else {}))
         except BaseException as exc:
             raise_load_failure(weights, exc)
     else:
         from megatron_rl.bridge import load_hf_weights
 
-        _check_intact_once(Path(source), REDOWNLOAD_OR_CONVERT)  # a `convert megatron-to-hf` output has a manifest
+        if not checked:  # a `convert megatron-to-hf` output has a manifest
+            _check_intact_once(Path(source), REDOWNLOAD_OR_CONVERT)
         load_hf_weights(policy.module, policy.arch, source)
         policy.optimizer.reload_model_params()
 

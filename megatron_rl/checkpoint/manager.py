@@ -69,6 +69,7 @@ def check_run_directory(config: RunConfig) -> None:
             raise ConfigError(f"checkpoint.resume: {setting}: {problem}")
         _check_same_run(config, Path(setting))
         check_unpickled_files(Path(setting))
+        check_base_present(Path(setting))
         return
     found = ckpt.candidates(root)
     if not found:
@@ -79,6 +80,7 @@ def check_run_directory(config: RunConfig) -> None:
         raise ConfigError(unusable_message(root, [f"{path}: {problem}" for path, problem in verdicts]))
     _check_same_run(config, usable[0])
     check_unpickled_files(usable[0])  # a file that would run code on resume: refused, not skipped
+    check_base_present(usable[0])
 
 
 def check_unpickled_files(path: Path) -> None:
@@ -103,6 +105,21 @@ def check_unpickled_files(path: Path) -> None:
         problem = next((p for p in problems if p), None)
     if problem:
         raise ConfigError(problem)
+
+
+def check_base_present(path: Path) -> None:
+    """A LoRA checkpoint's base (checkpoint/base_ref.py) is there with the sizes the run read; its
+    checksums are compared when it is loaded."""
+    from megatron_rl.checkpoint.base_ref import base_problem, refers_to_base, refused
+    from megatron_rl.checkpoint.format import METADATA
+
+    try:
+        metadata = json.loads((path / METADATA).read_text())
+    except (OSError, ValueError):
+        return  # not this check's business: loading the checkpoint names what is wrong with it
+    problem = base_problem(metadata["base"], path, checksums=False) if refers_to_base(metadata) else None
+    if problem:
+        raise refused(path, problem)
 
 
 def unusable_message(root: Path, problems: list[str]) -> str:
@@ -201,6 +218,7 @@ class CheckpointManager:
         self.is_driver = runtime.rank == 0
         self.reference = None  # ReferenceWeights, when the recipe has a KL term
         self.pending = None  # a save being written in the background
+        self.base = None  # the frozen base the checkpoints refer to (checkpoint/base_ref.py)
 
     # ---- start-up -------------------------------------------------------------------------------
 
@@ -275,6 +293,8 @@ class CheckpointManager:
         path = chosen
         if path is None:
             self._load_initial_weights()
+            if self._refers_to_base:
+                self.base = self._base_of_initial_weights()
             return None
         prefixes = ("reference",) if self._uses_kl else ()
         check_unpickled_files(path)  # every rank refuses together, before anything is loaded
@@ -283,7 +303,43 @@ class CheckpointManager:
             from megatron_rl.model.reference import ReferenceWeights
 
             self.reference = ReferenceWeights(extra["reference"])
+        if self._refers_to_base:
+            self.base = self._base_of_checkpoint(path)
         return Resumed(path, state["step"], state)
+
+    # ---- a LoRA run's base (checkpoint/base_ref.py) ---------------------------------------------
+
+    @property
+    def _refers_to_base(self) -> bool:
+        return self.config.model.lora is not None and self.config.checkpoint.base_weights == "referenced"
+
+    def _base_of_initial_weights(self):
+        """Collective: checkpoint.init_from described, or the base written into checkpoints/base/
+        (random initialization: nothing else holds it)."""
+        import torch.distributed as dist
+
+        from megatron_rl.checkpoint import base_ref
+
+        source = self.config.checkpoint.init_from
+        if source is None:
+            base = base_ref.write_base(self.policy, self.root, self.config, self.model_dir)
+            return base_ref.describe_written(base, relative_to=self.root / "step_000000")
+        described = [base_ref.describe_source(source) if self.is_driver else None]
+        dist.broadcast_object_list(described, src=0)
+        return described[0]
+
+    def _base_of_checkpoint(self, path: Path):
+        """Collective: the base the resumed checkpoint refers to, named as this run's checkpoints
+        will name it; for a checkpoint that holds its base (written with base_weights=saved) the
+        base as loaded from it, written into checkpoints/base/."""
+        from megatron_rl.checkpoint import base_ref
+        from megatron_rl.checkpoint.format import read_metadata
+
+        metadata = read_metadata(path)
+        if base_ref.refers_to_base(metadata):
+            return base_ref.portable(metadata["base"], path, self.root)
+        base = base_ref.write_base(self.policy, self.root, self.config, self.model_dir)
+        return base_ref.describe_written(base, relative_to=self.root / "step_000000")
 
     def _load_initial_weights(self) -> None:
         source = self.config.checkpoint.init_from
@@ -360,7 +416,8 @@ class CheckpointManager:
         return {"format": FORMAT, "weights_dir": "weights", "padded_vocab_size": self.policy.module.vocab_size,
                 "precision": self.config.model.precision, "source": str(self.out.resolve()),
                 "saved_layout": {"tp": p.tp, "pp": p.pp, "ep": p.ep, "etp": p.expert_tp, "dp": self.runtime.dp_size,
-                                 "distributed_optimizer": p.distributed_optimizer}}
+                                 "distributed_optimizer": p.distributed_optimizer},
+                **({"base": self.base} if self.base is not None else {})}
 
     def _model_files(self) -> dict[str, bytes]:
         if not self.is_driver:

@@ -4,7 +4,9 @@
         step_000020/
             weights/             torch_dist: the model, Adam's moments (and fp32 main weights of a
                                  bf16 model) and the KL reference weights, every per-parameter
-                                 tensor sharded like its weight: loads at any TP/PP/EP/DP layout
+                                 tensor sharded like its weight: loads at any TP/PP/EP/DP layout.
+                                 A LoRA run's leaves its frozen base out and megatron_rl.json
+                                 names it (checkpoint/base_ref.py; checkpoint.base_weights)
             rng/rank_00000.pt    python, numpy, torch CPU/CUDA and Megatron's CUDA RNG tracker, as
                                  tensors and plain values (read with weights_only=True)
             hf_config/           config.json and tokenizer files: the checkpoint describes its model
@@ -165,7 +167,7 @@ def begin_save(root: Path, step: int, policy, trainer_state: dict[str, Any], *, 
         staging.mkdir(parents=True)
     dist.barrier()
     small, request = policy.save_training_state(str(staging / "weights"), keyed_like_weights=keyed_like_weights,
-                                                async_save=True)
+                                                async_save=True, without_frozen="base" in metadata)
     (staging / "rng").mkdir(exist_ok=True)
     torch.save(capture_rng(), staging / "rng" / f"rank_{dist.get_rank():05d}.pt")
     state = dict(trainer_state, step=step, policy=small, world_size=dist.get_world_size(), version=STATE_VERSION,
@@ -386,8 +388,14 @@ def load_checkpoint(path: Path, policy, keyed_like_weights: tuple[str, ...] = ()
               "weights, optimizer state and reference weights are resharded, the per-rank RNG streams are "
               "re-seeded (sampling will not repeat the original run exactly)")
     saved_prefixes = tuple(p for p in keyed_like_weights if p in state.get("keyed_like_weights", []))
+    metadata = json.loads((path / "megatron_rl.json").read_text())
+    if "base" in metadata:  # a LoRA checkpoint without its frozen base (checkpoint/base_ref.py)
+        from megatron_rl.checkpoint.base_ref import load_base
+
+        load_base(policy, metadata["base"], path)
     try:
-        extra = policy.load_training_state(str(path / "weights"), state["policy"], keyed_like_weights=saved_prefixes)
+        extra = policy.load_training_state(str(path / "weights"), state["policy"], keyed_like_weights=saved_prefixes,
+                                           without_frozen="base" in metadata)
     except CheckpointingException as exc:
         raise RuntimeError(f"checkpoint {path} could not be loaded: {exc}") from exc
     rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"

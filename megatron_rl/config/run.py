@@ -52,6 +52,11 @@ class CheckpointConfig:
     async_save: bool = True
     # At the end of the run, export the policy as a Hugging Face model into OUTPUT_DIR/hf_model.
     export_hf: bool = True
+    # Under model.lora: "referenced" checkpoints hold the adapters, their optimizer state and the
+    # run state, and name the frozen base (checkpoint.init_from, or checkpoints/base/ written once
+    # for a run from random initialization) with every file's size and CRC-32: a resume refuses a
+    # base that changed. "saved": every checkpoint holds the base too (self-contained).
+    base_weights: Literal["referenced", "saved"] = "referenced"
     # Resuming a checkpoint written with another config is refused (naming the keys) unless true;
     # the layout, logging and checkpoint keys may always differ. An accepted change takes effect
     # from the resumed step (optimizer settings included); warm_start.* and seed, which a resume

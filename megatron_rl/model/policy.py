@@ -34,7 +34,7 @@ from megatron_rl.model.fp8 import micro_batch_multiple
 from megatron_rl.model.hf_config import ArchitectureSpec
 from megatron_rl.model.logprobs import vocab_parallel_logprobs_entropy
 from megatron_rl.model.packing import PackedBatch, pack
-from megatron_rl.model.state import is_adapter, model_state
+from megatron_rl.model.state import is_adapter, trained_state
 from megatron_rl.runtime.cpu import megatron_patches as cpu_compat
 from megatron_rl.runtime.session import Runtime
 
@@ -224,7 +224,7 @@ class Policy:
         os.makedirs(directory, exist_ok=True)
         dist_checkpointing.save(self.module.sharded_state_dict(), directory)
 
-    def load_model(self, directory: str) -> None:
+    def load_model(self, directory: str, without_frozen: bool = False) -> None:
         """Load weights saved by save_model, at this or any other layout.
 
         The embedding's padded row count must match (it depends on TP unless
@@ -232,24 +232,34 @@ class Policy:
         A checkpoint without LoRA adapters loads into a model with them (model.lora on a base
         trained without: `megatron-rl sft`, a full fine-tuning run): the adapters keep their
         initial values, B = 0, so the model is that checkpoint's exactly.
+        `without_frozen`: `directory` holds everything but the frozen base (a LoRA checkpoint
+        that refers to its base, loaded into this model already); the rest is loaded over it.
         """
         from megatron.core import dist_checkpointing
 
         with torch.no_grad():
             sharded = self.module.sharded_state_dict()
             fresh = set() if _holds_adapters(directory) else {name for name in sharded if is_adapter(name)}
-            state = dist_checkpointing.load({k: v for k, v in sharded.items() if k not in fresh}, directory)
-            missing, unexpected = self.module.load_state_dict(state, strict=not fresh)
-            if fresh and (unexpected or set(missing) - fresh):
-                raise RuntimeError(f"loading {directory}: keys missing {sorted(set(missing) - fresh)[:5]}, "
+            kept = fresh | (self.frozen_names() if without_frozen else set())
+            state = dist_checkpointing.load({k: v for k, v in sharded.items() if k not in kept}, directory)
+            missing, unexpected = self.module.load_state_dict(state, strict=not kept)
+            if kept and (unexpected or set(missing) - kept):
+                raise RuntimeError(f"loading {directory}: keys missing {sorted(set(missing) - kept)[:5]}, "
                                    f"unexpected {sorted(unexpected)[:5]}")
         # The optimizer keeps fp32 main copies (bf16) or shard views; refresh them from the model.
         self.optimizer.reload_model_params()
 
+    def frozen_names(self) -> set[str]:
+        """The parameters that never train (the base model under model.lora): their values are
+        the initial weights' for the whole run."""
+        return {name for name, param in self.module.named_parameters() if not param.requires_grad}
+
     def save_training_state(self, directory: str, keyed_like_weights: dict[str, dict[str, torch.Tensor]] | None = None,
-                            async_save: bool = False):
+                            async_save: bool = False, without_frozen: bool = False):
         """Model and optimizer (Adam's moments, fp32 main weights of a bf16 model) as one
         `torch_dist` checkpoint that reshards across TP, PP, EP and DP (see optimizer_state).
+        `without_frozen`: the frozen parameters are left out (a LoRA checkpoint that refers to
+        its base instead of holding it: checkpoint/base_ref.py).
 
         `keyed_like_weights`: more per-parameter tensors ({prefix: {parameter name: tensor}},
         e.g. the KL reference weights), stored sharded exactly like the weights.
@@ -260,17 +270,19 @@ class Policy:
 
         os.makedirs(directory, exist_ok=True)
         gathered = self._optimizer_view().gather()
-        sharded = self._training_sharded_state_dict(gathered, keyed_like_weights or {})
+        sharded = self._training_sharded_state_dict(gathered, keyed_like_weights or {}, without_frozen)
         small = {"scheduler": self.scheduler.state_dict(), "adam_step": _adam_step(self.optimizer)}
         if async_save:
             return small, dist_checkpointing.save(sharded, directory, async_sharded_save=True)
         dist_checkpointing.save(sharded, directory)
         return small
 
-    def load_training_state(self, directory: str, saved: dict, keyed_like_weights: tuple[str, ...] = ()) -> dict:
+    def load_training_state(self, directory: str, saved: dict, keyed_like_weights: tuple[str, ...] = (),
+                            without_frozen: bool = False) -> dict:
         """`saved`: what save_training_state returned. Loads at this layout whatever layout the
         checkpoint was written at. Returns the `keyed_like_weights` prefixes asked for, as
-        {prefix: {parameter name: tensor (CPU)}}."""
+        {prefix: {parameter name: tensor (CPU)}}. `without_frozen`: the checkpoint was saved so;
+        the frozen parameters keep the values they have (the base, loaded before)."""
         from megatron.core import dist_checkpointing
 
         view = self._optimizer_view()
@@ -280,12 +292,15 @@ class Policy:
         template_values = {key: {name: torch.empty_like(p, dtype=torch.float32, device="cpu")
                                  for name, p in self.module.named_parameters() if p.requires_grad}
                            for key in view.states}
-        extra_values = {prefix: {name: torch.empty_like(t, device="cpu") for name, t in model_state(self.module)}
+        extra_values = {prefix: {name: torch.empty_like(t, device="cpu") for name, t in trained_state(self.module)}
                         for prefix in keyed_like_weights}
-        template = self._training_sharded_state_dict(template_values, extra_values)
+        template = self._training_sharded_state_dict(template_values, extra_values, without_frozen)
         state = dist_checkpointing.load(template, directory)
         with torch.no_grad():  # the optimizer copies into views of parameters that require grad
-            self.module.load_state_dict(state["model"])
+            missing, unexpected = self.module.load_state_dict(state["model"], strict=not without_frozen)
+            if set(missing) - self.frozen_names() or unexpected:
+                raise RuntimeError(f"loading {directory}: keys missing {sorted(set(missing) - self.frozen_names())[:5]}, "
+                                   f"unexpected {sorted(unexpected)[:5]}")
             self.optimizer.reload_model_params()  # main weights from the loaded model weights
             view.scatter(state["optimizer"])  # then the saved moments (and fp32 main weights)
         _set_adam_step(self.optimizer, saved["adam_step"])
@@ -297,13 +312,17 @@ class Policy:
 
         return OptimizerStateView(self.optimizer, self.module, with_main_params=self.config.model.precision != "fp32")
 
-    def _training_sharded_state_dict(self, optimizer_values: dict, keyed_like_weights: dict) -> dict:
+    def _training_sharded_state_dict(self, optimizer_values: dict, keyed_like_weights: dict,
+                                     without_frozen: bool = False) -> dict:
         """{"model": the weights, "optimizer": {state: {name: ...}}, prefix: {name: ...}}: every
-        per-parameter tensor sharded like its weight."""
+        per-parameter tensor sharded like its weight; the frozen ones left out `without_frozen`."""
         from megatron_rl.model.optimizer_state import keyed_like, param_entries
 
         model = self.module.sharded_state_dict()
         entries = param_entries(self.module, model)
+        if without_frozen:
+            frozen = self.frozen_names()
+            model = {key: entry for key, entry in model.items() if key not in frozen}
         sharded = {"model": model,
                    "optimizer": {state: {name: keyed_like(entries[name], tensor, f"optimizer.{state}")
                                          for name, tensor in values.items()}

@@ -9,7 +9,8 @@ Only this rank's shards are copied (host memory: one model shard per rank), so n
 is built and no extra device memory is held between steps. The live weights are parked on the
 host during the swap and copied back bit-exactly. The routers' expert bias is part of the copy
 (model/state.py): aux-loss-free balancing moves it during training, and the reference must route
-as the starting model did. Checkpoints store the tensors sharded like the weights
+as the starting model did. Frozen parameters (the base under model.lora) are the starting
+model's for the whole run, so they are not copied. Checkpoints store the tensors sharded like the weights
 (checkpoint/manager.py), so a run resumed at another layout keeps the same reference.
 """
 
@@ -19,7 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
-from megatron_rl.model.state import model_state
+from megatron_rl.model.state import trained_state
 
 
 class ReferenceWeights:
@@ -28,18 +29,18 @@ class ReferenceWeights:
 
     @classmethod
     def snapshot(cls, module: torch.nn.Module) -> ReferenceWeights:
-        return cls({name: tensor.detach().to("cpu", copy=True) for name, tensor in model_state(module)})
+        return cls({name: tensor.detach().to("cpu", copy=True) for name, tensor in trained_state(module)})
 
     @contextmanager
     def swapped_in(self, module: torch.nn.Module):
         parked = {}
         with torch.no_grad():
-            for name, tensor in model_state(module):
+            for name, tensor in trained_state(module):
                 parked[name] = tensor.detach().to("cpu", copy=True)
                 tensor.copy_(self.tensors[name])
         try:
             yield
         finally:
             with torch.no_grad():
-                for name, tensor in model_state(module):
+                for name, tensor in trained_state(module):
                     tensor.copy_(parked[name])

@@ -28,3 +28,11 @@ def model_state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of every parameter, then every state buffer, in a rank-independent order."""
     buffers = [(name, b) for name, b in module.named_buffers() if b is not None and _STATE_BUFFER.search(name)]
     return list(module.named_parameters()) + buffers
+
+
+def trained_state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """model_state without the frozen parameters (the base under model.lora): the part of the
+    state that can differ from the initial weights. The KL reference and a LoRA checkpoint that
+    refers to its base keep only this."""
+    return [(name, tensor) for name, tensor in model_state(module)
+            if not isinstance(tensor, torch.nn.Parameter) or tensor.requires_grad]

@@ -407,13 +407,14 @@ def megatron_to_hf(argv: list[str], prog: str = "megatron-rl convert megatron-to
     hf_config = str(ckpt / "hf_config")
     template = args.hf_template or hf_config
     check_free_space(output, megatron_to_hf_bytes(ckpt, template))
-    from megatron_rl.tools.convert_lora import one_process_config, read_checkpoint_adapters, recorded_model, \
-        require_lora
+    from megatron_rl.tools.convert_lora import base_weights_for_merge, one_process_config, read_checkpoint_adapters, \
+        recorded_model, require_lora
 
     lora = require_lora(ckpt, recorded_model(ckpt).get("lora"), "merge") if args.merge_lora else None
     _verify_once(ckpt)  # the input's checksums: after the output checks, it reads every file
     config = one_process_config(ckpt, metadata, lora)  # with the run's adapters for --merge-lora
     check_weight_files(weights_path(ckpt))
+    base = base_weights_for_merge(ckpt, metadata)  # a LoRA checkpoint's base: its own weights or the one it names
 
     from megatron_rl.bridge.hf_checkpoint import write_hf_config
     from megatron_rl.checkpoint.unpickling import read_torch_dist_index
@@ -426,13 +427,13 @@ def megatron_to_hf(argv: list[str], prog: str = "megatron-rl convert megatron-to
         adapters = read_checkpoint_adapters(built.module, weights) if lora else None
         with written_atomically(output) as (staging, checksums):
             try:
-                checksums.update(write_hf_from_torch_dist(built.module, built.arch, weights,
-                                                          read_torch_dist_index(weights), staging,
+                checksums.update(write_hf_from_torch_dist(built.module, built.arch, base,
+                                                          read_torch_dist_index(base), staging,
                                                           precision=metadata["precision"],
                                                           bucket_bytes=args.bucket_mb << 20, adapters=adapters))
             except TorchDistUnreadable as exc:
-                raise ConfigError(unloadable(weights, exc.__cause__) if exc.__cause__ is not None
-                                  else f"{weights}: {exc}; {USE_ANOTHER}") from exc
+                raise ConfigError(unloadable(base, exc.__cause__) if exc.__cause__ is not None
+                                  else f"{base}: {exc}; {USE_ANOTHER}") from exc
             write_hf_config(built.raw_hf_config, built.arch, staging, template_dir=template)
         print(f"wrote {args.out} ({built.arch.architecture})")
 

@@ -3,7 +3,8 @@
     megatron-rl convert megatron-to-peft --ckpt RUN/checkpoints/step_000020 --out adapter/
     megatron-rl convert megatron-to-hf --merge-lora --ckpt ... --out merged/
 
-A LoRA run's checkpoint holds the base weights and the adapters beside them; its
+A LoRA run's checkpoint holds the adapters and refers to its base (checkpoint/base_ref.py), or,
+written with checkpoint.base_weights=saved, holds the base beside them; its
 trainer_state.json names the run's model.lora (rank, alpha, targets). The model is built on the
 meta device with those settings at TP1/PP1/EP1, so the adapters name their torch_dist keys
 whatever layout the run saved at, and they are read whole (bridge/streamed.read_adapters).
@@ -67,6 +68,26 @@ def read_checkpoint_adapters(module, weights: Path) -> dict:
     except TorchDistUnreadable as exc:
         raise ConfigError(unloadable(weights, exc.__cause__) if exc.__cause__ is not None
                           else f"{weights}: {exc}; {USE_ANOTHER}") from exc
+
+
+def base_weights_for_merge(ckpt: Path, metadata: dict) -> Path:
+    """The torch_dist weights the merged export streams its base from: the checkpoint's own, or,
+    for a checkpoint that refers to its base (checkpoint/base_ref.py), that base's, once its
+    files are checked against the checksums the run recorded."""
+    from megatron_rl.checkpoint.base_ref import check_base, refers_to_base
+
+    if not refers_to_base(metadata):
+        return weights_path(ckpt)
+    reference = metadata["base"]
+    if reference.get("kind") != "megatron":
+        raise ConfigError(
+            f"{ckpt} refers to its base, the Hugging Face model {reference.get('path')}, and the merged export "
+            "streams the base from a megatron-rl checkpoint: convert the base once (`megatron-rl convert "
+            "hf-to-megatron`) and merge by hand, or use the run's own hf_model/ (merged), or export the "
+            "adapters (`megatron-rl convert megatron-to-peft`) and merge them on the base with peft")
+    base = check_base(reference, ckpt)
+    check_weight_files(weights_path(base))
+    return weights_path(base)
 
 
 def require_lora(ckpt: Path, lora: dict | None, flag: str) -> dict:

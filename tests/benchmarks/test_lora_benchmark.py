@@ -44,7 +44,8 @@ def test_figures_ratios_and_verdicts(tmp_path):
     for seed in (1, 2):
         for arm, (final, times) in {"full": (0.8, [1.0, 1.0, 1.0]), "lora": (0.5, [1.5, 1.5, 1.5])}.items():
             runs.append({"arm": arm, "seed": seed, "loadavg": [1.0, 2.0], **bench.summarize_run(_rows(0.4, final, times)),
-                         "optimizer_bytes": bytes_of[arm][0], "checkpoint_bytes": bytes_of[arm][1]})
+                         "optimizer_bytes": bytes_of[arm][0], "checkpoint_bytes": bytes_of[arm][1],
+                         "tensor_bytes": bytes_of[arm][1] // 2, "base_kind": "hf" if arm == "lora" else None})
     summary = bench.summarize(runs)
     assert abs(summary["ratios"]["gain"] - 0.25) < 1e-9 and summary["ratios"]["optimizer_bytes"] == 0.04
     assert summary["met"] == {"optimizer_bytes": True, "checkpoint_bytes": False, "step_s": False, "gain": False}
@@ -54,6 +55,10 @@ def test_figures_ratios_and_verdicts(tmp_path):
     text = bench.report(runs, summary, {"tiny default, 1 GPU": {"full": 2000, "lora": 80}}, args, wall=60.0)
     assert "| optimizer state | 0.00 MiB | 0.00 MiB | 0.0400 | <= 0.05: met |" in text
     assert "| checkpoint on disk |" in text and "0.9000 | <= 0.05: **not met** |" in text
+    assert "| checkpoint tensors (torch_dist, every tensor) | 0.00 MiB | 0.00 MiB | 0.9000 |  |" in text
+    assert "the base is not counted" in text
+    runs[1]["base_kind"] = None  # a LoRA checkpoint that holds its base: the report says so
+    assert "NOT all LoRA checkpoints referred to their base" in bench.report(runs, summary, {}, args, wall=60.0)
     assert "| held-out gain | +0.400 | +0.100 | 0.25 | >= 0.5: **not met** |" in text
     assert "| tiny default, 1 GPU | 0.00 MiB | 0.00 MiB | 0.0400 |" in text
     assert "| RL step (`time/step_s`) | 1.000 s | 1.500 s | 1.50 | <= 1.2: **not met** |" in text

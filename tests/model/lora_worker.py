@@ -209,6 +209,80 @@ def conversion_inputs(lora, base: dict[str, torch.Tensor], out: Path) -> None:
         write_hf_config(lora.raw_hf_config, lora.arch, out / name, template_dir=None)
 
 
+def referenced_checkpoint_checks(lora, config, out: Path, batches) -> dict:
+    """A training checkpoint of the LoRA policy after its step, written by the trainer's own code
+    (checkpoint/store.py) with its base referenced (checkpoint/base_ref.py, the base written as a
+    run from random initialization writes it): what it holds, that a policy with other weights
+    loaded from it becomes the saved one exactly, and that a changed base file is refused by name."""
+    from megatron_rl.checkpoint import base_ref, store
+    from megatron_rl.checkpoint.format import FORMAT
+    from megatron_rl.config.loader import to_dict
+    from megatron_rl.errors import ConfigError
+    from megatron_rl.model.policy import Policy
+
+    root = out / "referenced" / "checkpoints"
+    if dist.get_rank() == 0:
+        root.mkdir(parents=True)
+    dist.barrier()
+    base = base_ref.write_base(lora, root, config, model_dir=None)
+    metadata = {"format": FORMAT, "weights_dir": "weights", "padded_vocab_size": lora.module.vocab_size,
+                "precision": config.model.precision, "base": base_ref.describe_written(base, root / "step_000001")}
+    hf_files = {"config.json": (base / "hf_config" / "config.json").read_bytes()} if dist.get_rank() == 0 else {}
+    saved = store.begin_save(root, 1, lora, {"config": to_dict(config)}, keep_last=2, keyed_like_weights={},
+                             metadata=metadata, hf_files=hf_files, async_save=False, device=torch.device("cpu")).final
+    # Another policy, every weight moved (its own init would equal the base: same seed), then loaded.
+    other = Policy(config, lora.runtime)
+    with torch.no_grad():
+        for param in other.module.parameters():
+            param.add_(0.5)
+    store.load_checkpoint(saved, other)
+    live, loaded = lora.module.state_dict(), other.module.state_dict()
+    result = {"referenced_ckpt": str(saved),
+              "loaded_equal": all(torch.equal(live[k], loaded[k]) for k in live if not k.endswith("_extra_state")),
+              "loaded_logprob_diff": max(_max(x["logprobs"], y["logprobs"])
+                                         for x, y in zip(lora.logprobs(batches), other.logprobs(batches)))}
+    # The same with checkpoint.init_from's Hugging Face directory as the base (conversion_inputs
+    # wrote it: the base's export): the checkpoint names it, and loads over it.
+    hf_root = out / "referenced_hf" / "checkpoints"
+    if dist.get_rank() == 0:
+        hf_root.mkdir(parents=True)
+    dist.barrier()
+    hf_metadata = dict(metadata, base=base_ref.describe_source(out / "base"))
+    hf_saved = store.begin_save(hf_root, 1, lora, {"config": to_dict(config)}, keep_last=2, keyed_like_weights={},
+                                metadata=hf_metadata, hf_files=hf_files, async_save=False,
+                                device=torch.device("cpu")).final
+    with torch.no_grad():
+        for param in other.module.parameters():
+            param.add_(0.5)
+    store.load_checkpoint(hf_saved, other)
+    result["hf_base"] = {key: hf_metadata["base"][key] for key in ("kind", "path")}
+    result["hf_base_files"] = sorted(hf_metadata["base"]["files"])
+    result["hf_loaded_logprob_diff"] = max(_max(x["logprobs"], y["logprobs"])
+                                           for x, y in zip(lora.logprobs(batches), other.logprobs(batches)))
+    result["referenced_hf_ckpt"] = str(hf_saved)
+    # A changed base: one byte of a weight file flipped (same size: only its CRC-32 tells).
+    dist.barrier()
+    victim = sorted((base).glob("*.distcp"))[0]
+    if dist.get_rank() == 0:
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    dist.barrier()
+    try:
+        store.load_checkpoint(saved, other)
+        result["changed_base_refused"] = None
+    except ConfigError as exc:
+        result["changed_base_refused"] = str(exc)
+    result["changed_file"] = victim.name
+    dist.barrier()
+    if dist.get_rank() == 0:  # put it back for the conversion test
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    dist.barrier()
+    return result
+
+
 BASE = ["device=cpu", "optimizer.lr=0.01", "optimizer.clip_grad=0.0", "parallel.ep=2", "parallel.etp=1"]
 
 
@@ -260,6 +334,7 @@ def policy_checks(config, runtime, out: Path) -> dict:
     result["export_max_error"], result["export_merged_tensors"] = export_check(lora)
     result["expert_max_error"] = expert_check(lora)
     conversion_inputs(lora, base_hf, out)
+    result.update(referenced_checkpoint_checks(lora, lora.config, out, batches))
     return result
 
 

@@ -190,6 +190,53 @@ def test_hf_export_is_the_merged_weight(results):
         assert result["export_max_error"] <= FP32, result["export_max_error"]
 
 
+@multiprocess
+def test_a_checkpoint_refers_to_its_base_and_loads_over_it(results):
+    """checkpoint.base_weights=referenced (the default under model.lora): the training checkpoint
+    holds the adapters, their optimizer moments and the routers' state, no base weight; it names
+    its base with every file's checksum; a policy with every weight moved, loaded from it, is the
+    saved policy bit for bit (so its base came from the base, not from anywhere else); a base file
+    with one byte changed is refused by name before anything is loaded."""
+    from megatron_rl.checkpoint.unpickling import read_torch_dist_index
+
+    ckpt = Path(results[0]["referenced_ckpt"])
+    keys = {index.fqn.split("/")[0] for index in read_torch_dist_index(ckpt / "weights").storage_data}
+    model_keys = {k for k in keys if not k.startswith("optimizer.") and not k.endswith("._extra_state")}
+    assert model_keys and all(k.endswith((".lora_A", ".lora_B", "router.expert_bias")) for k in model_keys), \
+        sorted(k for k in model_keys if not k.endswith((".lora_A", ".lora_B")))[:5]
+    assert {k.split(".", 2)[2] for k in keys if k.startswith("optimizer.")} <= model_keys
+    base = json.loads((ckpt / "megatron_rl.json").read_text())["base"]
+    assert base["path"] == "../base" and base["kind"] == "megatron"
+    base_keys = {index.fqn.split("/")[0] for index in read_torch_dist_index(ckpt.parent / "base").storage_data}
+    assert base_keys and not any(k.endswith((".lora_A", ".lora_B")) for k in base_keys)
+    weights_bytes = sum(f.stat().st_size for f in (ckpt / "weights").glob("*.distcp"))
+    base_bytes = sum(f.stat().st_size for f in (ckpt.parent / "base").glob("*.distcp"))
+    assert weights_bytes < 0.6 * base_bytes, (weights_bytes, base_bytes)  # adapters + 2 moments vs the base
+    out = Path(results[0]["out"])
+    for result in results:
+        assert result["loaded_equal"] and result["loaded_logprob_diff"] == 0.0, result["loaded_logprob_diff"]
+        # checkpoint.init_from a Hugging Face directory: named by its absolute path, read from it
+        assert result["hf_base"] == {"kind": "hf", "path": str((out / "base").resolve())}, result["hf_base"]
+        assert result["hf_base_files"] == ["config.json", "model.safetensors"], result["hf_base_files"]
+        assert result["hf_loaded_logprob_diff"] <= FP32, result["hf_loaded_logprob_diff"]
+        refused = result["changed_base_refused"]
+        assert refused is not None and "has changed" in refused and result["changed_file"] in refused, refused
+        assert "CRC-32" in refused and str(ckpt) in refused
+
+
+@multiprocess
+def test_the_merged_export_of_a_checkpoint_on_a_hf_base_is_refused_by_name(results):
+    """megatron-to-hf --merge-lora streams the base from torch_dist: a checkpoint whose base is a
+    Hugging Face directory is refused, naming it and the three ways to a merged model."""
+    from megatron_rl.checkpoint.format import read_metadata
+    from megatron_rl.tools.convert_lora import base_weights_for_merge
+
+    ckpt = Path(results[0]["referenced_hf_ckpt"])
+    with pytest.raises(ConfigError, match="refers to its base, the Hugging Face model") as refused:
+        base_weights_for_merge(ckpt, read_metadata(ckpt))
+    assert "megatron-to-peft" in str(refused.value) and "hf_model/" in str(refused.value)
+
+
 def hf_logits(directory, tokens, adapter=None):
     import torch
     from transformers import AutoModelForCausalLM
@@ -219,9 +266,12 @@ def test_a_lora_checkpoint_converts_to_peft_and_to_the_merged_model(results, tmp
     pytest.importorskip("peft")
     out = Path(results[0]["out"])
     peft_dir, merged_dir = tmp_path / "peft", tmp_path / "merged"
+    # The same step's training checkpoint that refers to its base (test above): merged from that base.
+    referenced, merged_from_base = results[0]["referenced_ckpt"], tmp_path / "merged_from_base"
     script = ("import sys; from megatron_rl.tools.convert import main; "
               f"sys.exit(main(['megatron-to-peft', '--ckpt', {str(out / 'ckpt')!r}, '--out', {str(peft_dir)!r}]) or "
-              f"main(['megatron-to-hf', '--merge-lora', '--ckpt', {str(out / 'ckpt')!r}, '--out', {str(merged_dir)!r}]))")
+              f"main(['megatron-to-hf', '--merge-lora', '--ckpt', {str(out / 'ckpt')!r}, '--out', {str(merged_dir)!r}])"
+              f" or main(['megatron-to-hf', '--merge-lora', '--ckpt', {referenced!r}, '--out', {str(merged_from_base)!r}]))")
     done = subprocess.run(python_command("-c", script, preloaded=True), capture_output=True, text=True, env=child_env(),
                           timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -229,6 +279,9 @@ def test_a_lora_checkpoint_converts_to_peft_and_to_the_merged_model(results, tmp
     converted = {k: v for f in merged_dir.glob("*.safetensors") for k, v in load_file(str(f)).items()}
     assert converted.keys() == live.keys()
     assert max((converted[k].float() - live[k].float()).abs().max().item() for k in live) <= 1e-6
+    from_base = {k: v for f in merged_from_base.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    assert from_base.keys() == live.keys()
+    assert max((from_base[k].float() - live[k].float()).abs().max().item() for k in live) <= 1e-6
     tokens = [3, 17, 42, 99, 7, 120, 12, 5]
     merged = hf_logits(out / "merged", tokens)
     assert (merged - hf_logits(out / "base", tokens)).abs().max() > 1e-3  # the adapters moved the model

@@ -369,7 +369,10 @@ class _PolicyWhoseLoadFails:
     torch gathers every rank's error into one CheckpointException, a BaseException."""
 
     def __init__(self, error: BaseException):
+        import torch
+
         self.error = error
+        self.module = torch.nn.Module()  # no parameters: no adapters (init_from checks the checkpoint has none)
 
     def load_model(self, directory: str) -> None:
         from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception

@@ -22,6 +22,8 @@ engine serving what the trainer trains.
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import warnings
 from pathlib import Path
 
@@ -29,8 +31,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
 
+from _support.processes import child_env, cli_command  # noqa: E402
 from run_records import comparable, metrics  # noqa: E402
-from test_train_loop import run, stop_with_sigterm  # noqa: E402
+from test_train_loop import SHORT, run, stop_with_sigterm  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
@@ -84,15 +87,26 @@ def assert_engine_matches_trainer(steps: dict[int, dict]) -> None:
     assert moved, {step: steps[step]["train/grad_norm"] for step in range(1, STEPS + 1)}
 
 
-def test_lora_engine_matches_trainer_and_resumes_exactly_after_sigterm(tmp_path):
-    whole = tmp_path / "whole"
-    run(whole, *LORA_RUN)
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory) -> Path:
+    """The uninterrupted LoRA run."""
+    out = tmp_path_factory.mktemp("lora_rl") / "whole"
+    run(out, *LORA_RUN)
+    return out
+
+
+def test_lora_engine_matches_trainer_and_resumes_exactly_after_sigterm(whole, tmp_path):
     reference = metrics(whole)
     assert_engine_matches_trainer(reference)
 
     saved = checkpoint_tensors(whole / "checkpoints" / f"step_{STEPS:06d}")
     adapters = adapter_keys(saved)
     assert len(adapters) == 16  # qkv, proj, experts' fc1 and fc2 (A and B) in each of the 2 layers
+    # The frozen base is not in the checkpoint (checkpoint.base_weights=referenced, the default):
+    # written once at the start into checkpoints/base/, which every checkpoint names.
+    assert {k for k in saved if k.startswith(("decoder.", "embedding.", "output_layer."))} == set(adapters)
+    metadata = json.loads((whole / "checkpoints" / f"step_{STEPS:06d}" / "megatron_rl.json").read_text())
+    assert metadata["base"]["path"] == "../base" and "__0_0.distcp" in metadata["base"]["files"]
     # B moved from 0: the engines served W + s B A, not W (so the check above can fail)
     assert all(saved[k].abs().max() > 1e-3 for k in adapters if k.endswith("lora_B"))
     # the optimizer state is the adapters' and nothing else's (the base is frozen)
@@ -118,3 +132,18 @@ def test_lora_engine_matches_trainer_and_resumes_exactly_after_sigterm(tmp_path)
     ended = checkpoint_tensors(interrupted / "checkpoints" / f"step_{STEPS:06d}")
     for key in adapters + adapter_keys(saved, "optimizer."):
         assert ended[key].equal(saved[key]), key
+
+
+def test_a_resume_whose_base_changed_is_refused_by_name(whole, tmp_path):
+    """The base a LoRA run's checkpoints name is checked before anything starts: one byte more in
+    a base file is refused at the preflight, naming the checkpoint and the file (a change of the
+    same size is refused by its CRC-32 when the base is loaded: tests/model/test_lora.py)."""
+    out = tmp_path / "run"
+    shutil.copytree(whole, out)
+    with open(out / "checkpoints" / "base" / "__0_0.distcp", "ab") as handle:
+        handle.write(b"\0")
+    result = subprocess.run(cli_command("train", "--output-dir", str(out), *SHORT, *LORA_RUN, preloaded=True),
+                            env=child_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "has changed: __0_0.distcp has" in result.stderr and f"step_{STEPS:06d}" in result.stderr, \
+        result.stderr[-3000:]
