@@ -219,6 +219,7 @@ def referenced_checkpoint_checks(lora, config, out: Path, batches) -> dict:
     from megatron_rl.config.loader import to_dict
     from megatron_rl.errors import ConfigError
     from megatron_rl.model.policy import Policy
+    from megatron_rl.model.reference import ReferenceWeights
 
     root = out / "referenced" / "checkpoints"
     if dist.get_rank() == 0:
@@ -228,16 +229,21 @@ def referenced_checkpoint_checks(lora, config, out: Path, batches) -> dict:
     metadata = {"format": FORMAT, "weights_dir": "weights", "padded_vocab_size": lora.module.vocab_size,
                 "precision": config.model.precision, "base": base_ref.describe_written(base, root / "step_000001")}
     hf_files = {"config.json": (base / "hf_config" / "config.json").read_bytes()} if dist.get_rank() == 0 else {}
-    saved = store.begin_save(root, 1, lora, {"config": to_dict(config)}, keep_last=2, keyed_like_weights={},
-                             metadata=metadata, hf_files=hf_files, async_save=False, device=torch.device("cpu")).final
+    # The KL reference as the trainer keeps it: the trained state only (the frozen base is the base).
+    reference = ReferenceWeights.snapshot(lora.module).tensors
+    saved = store.begin_save(root, 1, lora, {"config": to_dict(config)}, keep_last=2,
+                             keyed_like_weights={"reference": reference}, metadata=metadata, hf_files=hf_files,
+                             async_save=False, device=torch.device("cpu")).final
     # Another policy, every weight moved (its own init would equal the base: same seed), then loaded.
     other = Policy(config, lora.runtime)
     with torch.no_grad():
         for param in other.module.parameters():
             param.add_(0.5)
-    store.load_checkpoint(saved, other)
+    _, extra = store.load_checkpoint(saved, other, keyed_like_weights=("reference",))
     live, loaded = lora.module.state_dict(), other.module.state_dict()
-    result = {"referenced_ckpt": str(saved),
+    result = {"referenced_ckpt": str(saved), "reference_names": sorted(extra["reference"]),
+              "reference_equal": extra["reference"].keys() == reference.keys()
+              and all(torch.equal(extra["reference"][k], v) for k, v in reference.items()),
               "loaded_equal": all(torch.equal(live[k], loaded[k]) for k in live if not k.endswith("_extra_state")),
               "loaded_logprob_diff": max(_max(x["logprobs"], y["logprobs"])
                                          for x, y in zip(lora.logprobs(batches), other.logprobs(batches)))}

@@ -193,7 +193,8 @@ def test_hf_export_is_the_merged_weight(results):
 @multiprocess
 def test_a_checkpoint_refers_to_its_base_and_loads_over_it(results):
     """checkpoint.base_weights=referenced (the default under model.lora): the training checkpoint
-    holds the adapters, their optimizer moments and the routers' state, no base weight; it names
+    holds the adapters, their optimizer moments, the routers' state and the KL reference's
+    adapters, no base weight; it names
     its base with every file's checksum; a policy with every weight moved, loaded from it, is the
     saved policy bit for bit (so its base came from the base, not from anywhere else); a base file
     with one byte changed is refused by name before anything is loaded."""
@@ -215,6 +216,9 @@ def test_a_checkpoint_refers_to_its_base_and_loads_over_it(results):
     out = Path(results[0]["out"])
     for result in results:
         assert result["loaded_equal"] and result["loaded_logprob_diff"] == 0.0, result["loaded_logprob_diff"]
+        # the KL reference: the adapters only (the base is frozen, so the base), restored bit for bit
+        assert result["reference_equal"] and result["reference_names"]
+        assert all(name.endswith((".lora_A", ".lora_B")) for name in result["reference_names"])
         # checkpoint.init_from a Hugging Face directory: named by its absolute path, read from it
         assert result["hf_base"] == {"kind": "hf", "path": str((out / "base").resolve())}, result["hf_base"]
         assert result["hf_base_files"] == ["config.json", "model.safetensors"], result["hf_base_files"]
