@@ -28,8 +28,9 @@ from pathlib import Path
 from megatron_rl.errors import ConfigError
 
 BASE_DIR = "base"  # in OUTPUT_DIR/checkpoints/: the base of a run from random initialization
-# Files of a Hugging Face directory that do not describe the model: a download's caches and locks.
-_NOT_THE_MODEL = (".", "__")
+# The files of a Hugging Face directory that make the model: weights, configs, tokenizer (not a
+# README, a licence, a download's caches and locks).
+_MODEL_FILES = (".safetensors", ".json", ".model", ".txt", ".jinja", ".tiktoken")
 
 
 def refers_to_base(metadata) -> bool:
@@ -84,8 +85,8 @@ def describe_source(source: str | Path) -> dict:
     if manifest.is_file():
         files = json.loads(manifest.read_text())["files"]
     elif kind == "hf":
-        files = _inventory([p for p in sorted(ckpt.iterdir()) if p.is_file() and not p.name.startswith(_NOT_THE_MODEL)],
-                           ckpt)
+        files = _inventory([p for p in sorted(ckpt.iterdir()) if p.is_file() and p.name.endswith(_MODEL_FILES)
+                            and not p.name.startswith(".")], ckpt)
     else:
         files = _inventory([p for p in sorted(ckpt.rglob("*")) if p.is_file()], ckpt)
     return {"path": str(ckpt), "kind": kind, "files": files}

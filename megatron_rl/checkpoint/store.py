@@ -388,14 +388,14 @@ def load_checkpoint(path: Path, policy, keyed_like_weights: tuple[str, ...] = ()
               "weights, optimizer state and reference weights are resharded, the per-rank RNG streams are "
               "re-seeded (sampling will not repeat the original run exactly)")
     saved_prefixes = tuple(p for p in keyed_like_weights if p in state.get("keyed_like_weights", []))
-    metadata = json.loads((path / "megatron_rl.json").read_text())
-    if "base" in metadata:  # a LoRA checkpoint without its frozen base (checkpoint/base_ref.py)
-        from megatron_rl.checkpoint.base_ref import load_base
+    from megatron_rl.checkpoint.base_ref import load_base, refers_to_base
 
+    metadata = json.loads((path / "megatron_rl.json").read_text())
+    if refers_to_base(metadata):  # a LoRA checkpoint without its frozen base
         load_base(policy, metadata["base"], path)
     try:
         extra = policy.load_training_state(str(path / "weights"), state["policy"], keyed_like_weights=saved_prefixes,
-                                           without_frozen="base" in metadata)
+                                           without_frozen=refers_to_base(metadata))
     except CheckpointingException as exc:
         raise RuntimeError(f"checkpoint {path} could not be loaded: {exc}") from exc
     rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"

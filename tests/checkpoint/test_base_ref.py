@@ -20,6 +20,7 @@ def hf_base(root: Path) -> Path:
     (base / "config.json").write_text('{"model_type": "qwen3"}')
     (base / "model.safetensors").write_bytes(bytes(range(256)) * 4)
     (base / ".cache" / "download.lock").write_text("a download's lock")
+    (base / "README.md").write_text("a model card, which may be edited")
     return base
 
 
@@ -27,7 +28,7 @@ def test_a_hf_base_is_named_by_path_with_the_files_that_make_the_model(tmp_path)
     base = hf_base(tmp_path)
     reference = base_ref.describe_source(base)
     assert reference["kind"] == "hf" and reference["path"] == str(base.resolve())
-    assert sorted(reference["files"]) == ["config.json", "model.safetensors"]  # not the cache
+    assert sorted(reference["files"]) == ["config.json", "model.safetensors"]  # not the card, not the cache
     data = (base / "model.safetensors").read_bytes()
     assert reference["files"]["model.safetensors"] == {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}
     assert base_ref.base_problem(reference, tmp_path / "anywhere") is None  # absolute: from any checkpoint
