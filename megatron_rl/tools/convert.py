@@ -55,6 +55,7 @@ from megatron_rl.checkpoint.output_guard import refuse_existing, refuse_overlap
 from megatron_rl.config import RunConfig
 from megatron_rl.errors import ConfigError
 from megatron_rl.model.hf_config import load_hf_config
+from megatron_rl.tools.output_sizes import hf_to_megatron_bytes, megatron_to_hf_bytes
 from megatron_rl.tools.ranks import (
     Interrupted,
     hf_model_config,
@@ -69,9 +70,6 @@ from megatron_rl.tools.ranks import (
 
 # Set by the launching process for the ranks it starts: the checkpoint it already verified.
 VERIFIED_ENV = "MEGATRON_RL_CONVERT_VERIFIED"
-# Bytes per parameter of a checkpoint's dtype (config.json) and of a Megatron precision.
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-PRECISION_BYTES = {"fp32": 4, "bf16": 2}
 # What a write that ran out of room raises: the errno, where one survives; else the text that
 # carries it (a writer process's error turned into a message, the Rust safetensors writer), or
 # torch.save's zip writer after a short write ("unexpected pos 704 vs 598"), which keeps no errno
@@ -204,45 +202,6 @@ def _bytes(count: int) -> str:
             break
         size /= 1024
     return f"{count} bytes" if unit == "B" else f"{count} bytes ({size:.1f} {unit})"
-
-
-def hf_to_megatron_bytes(hf_dir: str | Path, raw: dict, precision: str) -> int:
-    """The torch_dist output's size, about: the safetensors files scaled from the checkpoint's
-    dtype to `precision` (a bf16 model converted to fp32 doubles), plus the tokenizer files."""
-    hf_dir = Path(hf_dir)
-    weights = sum(file.stat().st_size for file in hf_dir.glob("*.safetensors"))
-    source = DTYPE_BYTES.get(raw.get("dtype") or raw.get("torch_dtype") or "float32", 2)
-    return weights * PRECISION_BYTES[precision] // source + _tokenizer_bytes(hf_dir)
-
-
-def megatron_to_hf_bytes(ckpt: Path, template_dir: str | Path) -> int:
-    """The safetensors output's size, about: the model's tensors in the torch_dist index (the
-    index is read, not the weights), plus the tokenizer files. A training checkpoint also stores
-    Adam's moments, fp32 main weights and the KL reference, each under the weight's own key with
-    a prefix (optimizer.exp_avg.KEY, reference.KEY: model/optimizer_state.keyed_like); those are
-    not exported, so a key that ends in another key is left out."""
-    from megatron_rl.checkpoint.unpickling import read_torch_dist_index
-
-    try:
-        storage = read_torch_dist_index(weights_path(ckpt)).storage_data
-    except Exception:
-        return 0  # an unreadable or refused index: check_weight_files names it next
-    names = {index.fqn.split("/")[0] for index in storage}
-    weights = {name for name in names if not _keyed_like_another(name, names)}
-    model = sum(item.length for index, item in storage.items() if index.fqn.split("/")[0] in weights)
-    return model + _tokenizer_bytes(template_dir)
-
-
-def _keyed_like_another(name: str, names: set[str]) -> bool:
-    parts = name.split(".")
-    return any(".".join(parts[i:]) in names for i in range(1, len(parts)))
-
-
-def _tokenizer_bytes(directory: str | Path) -> int:
-    from megatron_rl.bridge.hf_checkpoint import TOKENIZER_FILES
-
-    files = [Path(directory) / name for name in (*TOKENIZER_FILES, "config.json")]
-    return sum(file.stat().st_size for file in files if file.is_file())
 
 
 # ---- writing ------------------------------------------------------------------------------------
