@@ -11,6 +11,8 @@ the input: it exists, describes a supported architecture, agrees with its MANIFE
 has one: the input's checksums); the layout fits the model. hf-to-megatron at a layout of more
 than one rank re-launches itself under torchrun (each rank writes its own shards);
 megatron-to-hf always runs in one process, whatever layout the checkpoint was saved at.
+peft-to-megatron is hf-to-megatron with a PEFT LoRA adapter's adapters written beside the base
+weights (tools/convert_lora.PeftInput, bridge/peft_import.py), the adapter checked whole first.
 
 Neither builds the model's weights: the model is built on the meta device and each weight passes
 through while it is written, one tensor (hf-to-megatron) or one bucket of --bucket-mb
@@ -302,13 +304,18 @@ def disk_full_reason(exc: BaseException, space_left: bool = False) -> str | None
 # ---- the two conversions ------------------------------------------------------------------------
 
 
-def hf_to_megatron(argv: list[str], prog: str = "megatron-rl convert hf-to-megatron") -> None:
-    args = hf_to_megatron_parser(prog).parse_args(argv)
-    output = check_output_location(args.out, args.force, "megatron-rl convert hf-to-megatron",
-                                   {"--hf-dir": args.hf_dir})
+def hf_to_megatron(argv: list[str], prog: str = "megatron-rl convert hf-to-megatron", peft: bool = False) -> None:
+    """`peft`: peft-to-megatron, with a PEFT adapter's LoRA adapters (tools/convert_lora.PeftInput)."""
+    from megatron_rl.tools.convert_lora import PeftInput
+
+    command = "peft-to-megatron" if peft else "hf-to-megatron"
+    args = (PeftInput.parser if peft else hf_to_megatron_parser)(prog).parse_args(argv)
+    output = check_output_location(args.out, args.force, f"megatron-rl convert {command}",
+                                   {"--hf-dir": args.hf_dir, **({"--adapter": args.adapter} if peft else {})})
     raw, _ = load_hf_config(args.hf_dir)  # a clear error for a missing or unsupported config
     precision = args.precision or _precision_of(raw)
-    config = hf_model_config(args.hf_dir, args, precision)
+    adapter = PeftInput(args, raw) if peft else None  # the adapter, checked whole before anything heavy
+    config = hf_model_config(args.hf_dir, args, precision, adapter.overrides() if adapter else ())
     check_free_space(output, hf_to_megatron_bytes(args.hf_dir, raw, precision))
     from megatron_rl.bridge.importer import check_files
 
@@ -316,7 +323,7 @@ def hf_to_megatron(argv: list[str], prog: str = "megatron-rl convert hf-to-megat
         _verify_once(Path(args.hf_dir), REDOWNLOAD_OR_CONVERT)  # a `convert megatron-to-hf` output
         check_files(args.hf_dir)
 
-    _preflight(config, args, "hf-to-megatron", argv, check_input=check_input,
+    _preflight(config, args, command, argv, check_input=check_input,
                env={VERIFIED_ENV: str(Path(args.hf_dir).resolve())})
 
     from megatron_rl.bridge.importer import HfWeights
@@ -327,9 +334,11 @@ def hf_to_megatron(argv: list[str], prog: str = "megatron-rl convert hf-to-megat
     with model_on_this_rank(config, meta=True) as (runtime, built):
         with HfWeights(built.module, built.arch, args.hf_dir) as source, \
                 written_atomically(output) as (staging, checksums):
+            values = MetaValues(built.module, source.read)
             save_megatron_checkpoint(built.module, built.raw_hf_config, staging, config, tokenizer_dir=args.hf_dir,
-                                     source=str(Path(args.hf_dir).resolve()),
-                                     values=MetaValues(built.module, source.read), checksums=checksums)
+                                     source=str(Path(args.hf_dir).resolve()), checksums=checksums,
+                                     values=adapter.values(built, values) if adapter else values,
+                                     extra=adapter.record() if adapter else None)
         if runtime.is_driver:
             print(f"wrote {args.out} ({built.arch.architecture}, tp={args.tp} pp={args.pp} ep={args.ep})")
 
@@ -411,7 +420,8 @@ def megatron_to_peft(argv: list[str], prog: str = "megatron-rl convert megatron-
     print(f"wrote {args.out} ({count} adapters as a PEFT directory)")
 
 
-COMMANDS = {"hf-to-megatron": hf_to_megatron, "megatron-to-hf": megatron_to_hf, "megatron-to-peft": megatron_to_peft}
+COMMANDS = {"hf-to-megatron": hf_to_megatron, "megatron-to-hf": megatron_to_hf, "megatron-to-peft": megatron_to_peft,
+            "peft-to-megatron": lambda argv, prog: hf_to_megatron(argv, prog, peft=True)}
 USAGE = f"usage: megatron-rl convert {{{','.join(COMMANDS)}}} ..."
 
 
@@ -419,7 +429,8 @@ def usage_text() -> str:
     """`megatron-rl convert --help`."""
     return (f"{USAGE}\n\nHF safetensors <-> Megatron torch_dist checkpoint conversion.\n\ncommands:\n"
             f"  hf-to-megatron  {HF_TO_MEGATRON}\n  megatron-to-hf  {MEGATRON_TO_HF}\n"
-            "  megatron-to-peft  a LoRA run's adapters as a PEFT directory\n\n"
+            "  megatron-to-peft  a LoRA run's adapters as a PEFT directory\n"
+            "  peft-to-megatron  a PEFT adapter and its HF base as one Megatron checkpoint (base and adapters)\n\n"
             "megatron-rl convert COMMAND --help lists a command's options.\n")
 
 
