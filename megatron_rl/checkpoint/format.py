@@ -317,10 +317,10 @@ def load_initial_weights(policy, source: str | Path) -> None:
     `pin_checkpoint_vocab(config)`) or a Hugging Face model directory. Collective."""
     if names_megatron_checkpoint(source):
         ckpt = resolve_checkpoint(source)
+        _check_intact_once(ckpt)
         from megatron_rl.checkpoint.lora_record import check_run_lora
 
-        check_run_lora(ckpt, read_metadata(ckpt), policy.config.model.lora, policy.arch)
-        _check_intact_once(ckpt)
+        check_run_lora(ckpt, read_metadata(ckpt), policy.config.model.lora, policy.arch)  # before a weight is read
         weights = weights_path(ckpt)
         check_weight_files(weights)
         try:
