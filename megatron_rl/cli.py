@@ -5,7 +5,7 @@
         alone: writes a checkpoint, default OUTPUT_DIR/sft, for `train checkpoint.init_from=DIR warm_start.steps=0`)
     megatron-rl smoke [--config FILE] [--steps N] [--output-dir DIR] [key=value ...]   (metrics: runs/smoke by default)
     megatron-rl inspect-model [--config FILE] [key=value ...]
-    megatron-rl convert {hf-to-megatron,megatron-to-hf,megatron-to-peft} ...   (see tools/convert*.py)
+    megatron-rl convert {hf-to-megatron,megatron-to-hf,megatron-to-peft,peft-to-megatron} ...   (tools/convert*.py)
     megatron-rl verify-hf --hf-dir DIR [--tp N] [--pp N] [--ep N] [--etp N] [--tolerance T] [--tokens N]
         [--seed S]   (Megatron's logits against transformers' for a HF model, at that layout)
     megatron-rl launch slurm --nodes N [--gpus-per-node G] [--partition P] ... [--dry-run] [key=value ...]

@@ -30,6 +30,9 @@ target into the experts' fused parameter, so the dense MLP's adapters would be d
 
 The tensors are whole (one process): the caller reads them from a checkpoint at TP1/EP1
 (tools/convert.py, bridge/streamed.py reads torch_dist at any saved layout).
+
+This module owns the PEFT names: `peft_table` (Megatron weight -> its PEFT modules and layout) is
+what the export writes and what the import (bridge/peft_import.py) inverts.
 """
 
 from __future__ import annotations
@@ -48,18 +51,48 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."  # PeftModel's prefix for the wrapped model's module names
 Adapters = dict[str, tuple[torch.Tensor, torch.Tensor]]  # Megatron weight name -> (A, B), whole
+# model.lora's targets (config/model.py) -> the Megatron weights each adapts (model/lora.py), by name
+# suffix; `experts` adapts the routed experts' linears, `fc1` / `fc2` the dense MLP's and the shared experts'.
+TARGET_WEIGHTS = {
+    "qkv": (".self_attention.linear_qkv.weight",),
+    "proj": (".self_attention.linear_proj.weight",),
+    "fc1": (".mlp.linear_fc1.weight", ".mlp.shared_experts.linear_fc1.weight"),
+    "fc2": (".mlp.linear_fc2.weight", ".mlp.shared_experts.linear_fc2.weight"),
+    "experts": (".linear_fc1.weight", ".linear_fc2.weight"),
+    "router": (".mlp.router.weight",),
+}
+
+
+def lora_target(name: str) -> str | None:
+    """The model.lora target that adapts Megatron weight `name` (None: no target adapts it)."""
+    expert = ".local_experts." in name
+    return next((target for target, suffixes in TARGET_WEIGHTS.items()
+                 if name.endswith(suffixes) and expert == (target == "experts")), None)
+
+
+def peft_module(hf_name: str) -> str:
+    """PEFT's name of the module holding HF weight `hf_name`: model.layers.0.self_attn.q_proj.weight ->
+    base_model.model.model.layers.0.self_attn.q_proj (its tensors: MODULE.lora_A.weight, MODULE.lora_B.weight)."""
+    return PREFIX + hf_name.removesuffix(".weight")
+
+
+def peft_table(arch: ArchitectureSpec) -> dict[str, tuple[tuple[str, ...], str]]:
+    """{Megatron weight name: (its PEFT module names, the layout fusing them)} for every weight a
+    model.lora target adapts in this model."""
+    return {name: (tuple(peft_module(hf) for hf in hf_names), layout)
+            for name, hf_names, layout in expand(arch) if lora_target(name)}
 
 
 def peft_tensors(adapters: Adapters, arch: ArchitectureSpec) -> dict[str, torch.Tensor]:
     """PEFT's lora_A / lora_B tensors (PEFT names) of `adapters` (Megatron's global weight names)."""
     table = {name: (hf, layout) for name, hf, layout in expand(arch)}
+    modules = peft_table(arch)
     out = {}
     for name, (a, b) in sorted(adapters.items()):
         refuse_unrepresentable(name, table)
-        hf_names, layout = table[name]
+        names, layout = modules[name]
         # B's rows are fused like W's; A is shared by every piece.
-        for hf_name, b_piece in zip(hf_names, split(layout, b.detach(), arch)):
-            module = PREFIX + hf_name.removesuffix(".weight")
+        for module, b_piece in zip(names, split(layout, b.detach(), arch)):
             out[f"{module}.lora_A.weight"] = a.detach().clone().contiguous()  # one storage per tensor
             out[f"{module}.lora_B.weight"] = b_piece.clone().contiguous()
     return out
@@ -67,7 +100,7 @@ def peft_tensors(adapters: Adapters, arch: ArchitectureSpec) -> dict[str, torch.
 
 def refuse_unrepresentable(name: str, table: dict) -> None:
     """A Megatron adapter PEFT cannot load on the HF model, refused by name."""
-    if name not in table or not name.endswith(".weight"):
+    if name not in table or lora_target(name) is None:
         raise ConfigError(f"the adapter on {name} has no Hugging Face mapping for this model")
     if ".local_experts." in name:
         return

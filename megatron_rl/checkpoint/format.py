@@ -221,6 +221,9 @@ def load_initial_weights(policy, source: str | Path, checked: bool = False) -> N
         ckpt = resolve_checkpoint(source)
         if not checked:
             _check_intact_once(ckpt)
+        from megatron_rl.checkpoint.lora_record import check_run_lora
+
+        check_run_lora(ckpt, read_metadata(ckpt), policy.config.model.lora, policy.arch)  # before a weight is read
         weights = weights_path(ckpt)
         check_weight_files(weights)
         over_base = base_loaded_first(policy, ckpt, weights)  # a LoRA checkpoint's base, if it refers to one

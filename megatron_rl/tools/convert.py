@@ -11,6 +11,8 @@ the input: it exists, describes a supported architecture, agrees with its MANIFE
 has one: the input's checksums); the layout fits the model. hf-to-megatron at a layout of more
 than one rank re-launches itself under torchrun (each rank writes its own shards);
 megatron-to-hf always runs in one process, whatever layout the checkpoint was saved at.
+peft-to-megatron is hf-to-megatron with a PEFT LoRA adapter's adapters written beside the base
+weights (tools/convert_lora.PeftInput, bridge/peft_import.py), the adapter checked whole first.
 
 Neither builds the model's weights: the model is built on the meta device and each weight passes
 through while it is written, one tensor (hf-to-megatron) or one bucket of --bucket-mb
@@ -55,6 +57,7 @@ from megatron_rl.checkpoint.output_guard import refuse_existing, refuse_overlap
 from megatron_rl.config import RunConfig
 from megatron_rl.errors import ConfigError
 from megatron_rl.model.hf_config import load_hf_config
+from megatron_rl.tools.output_sizes import hf_to_megatron_bytes, megatron_to_hf_bytes
 from megatron_rl.tools.ranks import (
     Interrupted,
     hf_model_config,
@@ -69,9 +72,6 @@ from megatron_rl.tools.ranks import (
 
 # Set by the launching process for the ranks it starts: the checkpoint it already verified.
 VERIFIED_ENV = "MEGATRON_RL_CONVERT_VERIFIED"
-# Bytes per parameter of a checkpoint's dtype (config.json) and of a Megatron precision.
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-PRECISION_BYTES = {"fp32": 4, "bf16": 2}
 # What a write that ran out of room raises: the errno, where one survives; else the text that
 # carries it (a writer process's error turned into a message, the Rust safetensors writer), or
 # torch.save's zip writer after a short write ("unexpected pos 704 vs 598"), which keeps no errno
@@ -206,45 +206,6 @@ def _bytes(count: int) -> str:
     return f"{count} bytes" if unit == "B" else f"{count} bytes ({size:.1f} {unit})"
 
 
-def hf_to_megatron_bytes(hf_dir: str | Path, raw: dict, precision: str) -> int:
-    """The torch_dist output's size, about: the safetensors files scaled from the checkpoint's
-    dtype to `precision` (a bf16 model converted to fp32 doubles), plus the tokenizer files."""
-    hf_dir = Path(hf_dir)
-    weights = sum(file.stat().st_size for file in hf_dir.glob("*.safetensors"))
-    source = DTYPE_BYTES.get(raw.get("dtype") or raw.get("torch_dtype") or "float32", 2)
-    return weights * PRECISION_BYTES[precision] // source + _tokenizer_bytes(hf_dir)
-
-
-def megatron_to_hf_bytes(ckpt: Path, template_dir: str | Path) -> int:
-    """The safetensors output's size, about: the model's tensors in the torch_dist index (the
-    index is read, not the weights), plus the tokenizer files. A training checkpoint also stores
-    Adam's moments, fp32 main weights and the KL reference, each under the weight's own key with
-    a prefix (optimizer.exp_avg.KEY, reference.KEY: model/optimizer_state.keyed_like); those are
-    not exported, so a key that ends in another key is left out."""
-    from megatron_rl.checkpoint.unpickling import read_torch_dist_index
-
-    try:
-        storage = read_torch_dist_index(weights_path(ckpt)).storage_data
-    except Exception:
-        return 0  # an unreadable or refused index: check_weight_files names it next
-    names = {index.fqn.split("/")[0] for index in storage}
-    weights = {name for name in names if not _keyed_like_another(name, names)}
-    model = sum(item.length for index, item in storage.items() if index.fqn.split("/")[0] in weights)
-    return model + _tokenizer_bytes(template_dir)
-
-
-def _keyed_like_another(name: str, names: set[str]) -> bool:
-    parts = name.split(".")
-    return any(".".join(parts[i:]) in names for i in range(1, len(parts)))
-
-
-def _tokenizer_bytes(directory: str | Path) -> int:
-    from megatron_rl.bridge.hf_checkpoint import TOKENIZER_FILES
-
-    files = [Path(directory) / name for name in (*TOKENIZER_FILES, "config.json")]
-    return sum(file.stat().st_size for file in files if file.is_file())
-
-
 # ---- writing ------------------------------------------------------------------------------------
 
 
@@ -343,13 +304,18 @@ def disk_full_reason(exc: BaseException, space_left: bool = False) -> str | None
 # ---- the two conversions ------------------------------------------------------------------------
 
 
-def hf_to_megatron(argv: list[str], prog: str = "megatron-rl convert hf-to-megatron") -> None:
-    args = hf_to_megatron_parser(prog).parse_args(argv)
-    output = check_output_location(args.out, args.force, "megatron-rl convert hf-to-megatron",
-                                   {"--hf-dir": args.hf_dir})
+def hf_to_megatron(argv: list[str], prog: str = "megatron-rl convert hf-to-megatron", peft: bool = False) -> None:
+    """`peft`: peft-to-megatron, with a PEFT adapter's LoRA adapters (tools/convert_lora.PeftInput)."""
+    from megatron_rl.tools.convert_lora import PeftInput
+
+    command = "peft-to-megatron" if peft else "hf-to-megatron"
+    args = (PeftInput.parser if peft else hf_to_megatron_parser)(prog).parse_args(argv)
+    output = check_output_location(args.out, args.force, f"megatron-rl convert {command}",
+                                   {"--hf-dir": args.hf_dir, **({"--adapter": args.adapter} if peft else {})})
     raw, _ = load_hf_config(args.hf_dir)  # a clear error for a missing or unsupported config
     precision = args.precision or _precision_of(raw)
-    config = hf_model_config(args.hf_dir, args, precision)
+    adapter = PeftInput(args, raw) if peft else None  # the adapter, checked whole before anything heavy
+    config = hf_model_config(args.hf_dir, args, precision, adapter.overrides() if adapter else ())
     check_free_space(output, hf_to_megatron_bytes(args.hf_dir, raw, precision))
     from megatron_rl.bridge.importer import check_files
 
@@ -357,7 +323,7 @@ def hf_to_megatron(argv: list[str], prog: str = "megatron-rl convert hf-to-megat
         _verify_once(Path(args.hf_dir), REDOWNLOAD_OR_CONVERT)  # a `convert megatron-to-hf` output
         check_files(args.hf_dir)
 
-    _preflight(config, args, "hf-to-megatron", argv, check_input=check_input,
+    _preflight(config, args, command, argv, check_input=check_input,
                env={VERIFIED_ENV: str(Path(args.hf_dir).resolve())})
 
     from megatron_rl.bridge.importer import HfWeights
@@ -368,9 +334,11 @@ def hf_to_megatron(argv: list[str], prog: str = "megatron-rl convert hf-to-megat
     with model_on_this_rank(config, meta=True) as (runtime, built):
         with HfWeights(built.module, built.arch, args.hf_dir) as source, \
                 written_atomically(output) as (staging, checksums):
+            values = MetaValues(built.module, source.read)
             save_megatron_checkpoint(built.module, built.raw_hf_config, staging, config, tokenizer_dir=args.hf_dir,
-                                     source=str(Path(args.hf_dir).resolve()),
-                                     values=MetaValues(built.module, source.read), checksums=checksums)
+                                     source=str(Path(args.hf_dir).resolve()), checksums=checksums,
+                                     values=adapter.values(built, values) if adapter else values,
+                                     extra=adapter.record() if adapter else None)
         if runtime.is_driver:
             print(f"wrote {args.out} ({built.arch.architecture}, tp={args.tp} pp={args.pp} ep={args.ep})")
 
@@ -453,7 +421,8 @@ def megatron_to_peft(argv: list[str], prog: str = "megatron-rl convert megatron-
     print(f"wrote {args.out} ({count} adapters as a PEFT directory)")
 
 
-COMMANDS = {"hf-to-megatron": hf_to_megatron, "megatron-to-hf": megatron_to_hf, "megatron-to-peft": megatron_to_peft}
+COMMANDS = {"hf-to-megatron": hf_to_megatron, "megatron-to-hf": megatron_to_hf, "megatron-to-peft": megatron_to_peft,
+            "peft-to-megatron": lambda argv, prog: hf_to_megatron(argv, prog, peft=True)}
 USAGE = f"usage: megatron-rl convert {{{','.join(COMMANDS)}}} ..."
 
 
@@ -461,7 +430,8 @@ def usage_text() -> str:
     """`megatron-rl convert --help`."""
     return (f"{USAGE}\n\nHF safetensors <-> Megatron torch_dist checkpoint conversion.\n\ncommands:\n"
             f"  hf-to-megatron  {HF_TO_MEGATRON}\n  megatron-to-hf  {MEGATRON_TO_HF}\n"
-            "  megatron-to-peft  a LoRA run's adapters as a PEFT directory\n\n"
+            "  megatron-to-peft  a LoRA run's adapters as a PEFT directory\n"
+            "  peft-to-megatron  a PEFT adapter and its HF base as one Megatron checkpoint (base and adapters)\n\n"
             "megatron-rl convert COMMAND --help lists a command's options.\n")
 
 

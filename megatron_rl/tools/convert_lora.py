@@ -2,6 +2,7 @@
 
     megatron-rl convert megatron-to-peft --ckpt RUN/checkpoints/step_000020 --out adapter/
     megatron-rl convert megatron-to-hf --merge-lora --ckpt ... --out merged/
+    megatron-rl convert peft-to-megatron --hf BASE --adapter adapter/ --out ckpt/ [--tp/--pp/--ep ...]
 
 A LoRA run's checkpoint holds the adapters and refers to its base (checkpoint/base_ref.py), or,
 written with checkpoint.base_weights=saved, holds the base beside them; its
@@ -9,8 +10,14 @@ trainer_state.json names the run's model.lora (rank, alpha, targets). The model 
 meta device with those settings at TP1/PP1/EP1, so the adapters name their torch_dist keys
 whatever layout the run saved at, and they are read whole (bridge/streamed.read_adapters).
 megatron-to-peft writes them as a PEFT directory (bridge/peft_export.py); megatron-to-hf
---merge-lora merges each into its weight while streaming the HF export. The commands themselves,
-with their output and input checks, are in tools/convert.py; this module does not import it.
+--merge-lora merges each into its weight while streaming the HF export.
+
+peft-to-megatron is hf-to-megatron with a PEFT adapter (`PeftInput`): the adapter is read and
+checked whole (bridge/peft_import.py) before anything is built, the model is built with the
+model.lora it implies, and the checkpoint holds the base weights and the adapters, with that
+model.lora recorded in megatron_rl.json (`lora`), which `checkpoint.init_from` checks the run's
+against (checkpoint/lora_record.check_run_lora). The commands themselves, with their output and input
+checks, are in tools/convert.py; this module does not import it.
 """
 
 from __future__ import annotations
@@ -20,23 +27,28 @@ import json
 from pathlib import Path
 
 from megatron_rl.checkpoint.format import (
-    USE_ANOTHER, check_weight_files, unloadable, weights_path,
+    USE_ANOTHER, check_weight_files, read_metadata, unloadable, weights_path,
 )
 from megatron_rl.checkpoint.store import STATE
 from megatron_rl.errors import ConfigError
-from megatron_rl.tools.ranks import hf_model_config, model_on_this_rank, validate_layout
+from megatron_rl.model.hf_config import parse_hf_config
+from megatron_rl.tools.ranks import hf_model_config, layout_args, model_on_this_rank, validate_layout
 
 MEGATRON_TO_PEFT = "a LoRA run's Megatron checkpoint -> its adapters as a PEFT directory (adapter_config.json + " \
                    "adapter_model.safetensors, for peft.PeftModel.from_pretrained on the HF base)"
+PEFT_TO_MEGATRON = "a PEFT LoRA adapter and its HF base -> one Megatron torch_dist checkpoint holding both, for " \
+                   "checkpoint.init_from of a run with the model.lora it implies"
 LORA_KEYS = ("rank", "alpha", "dropout", "targets", "init")
 
 
 def recorded_model(ckpt: Path) -> dict:
-    """The run's `model` config as its trainer_state.json records it ({} for a checkpoint written
-    by `convert hf-to-megatron`, which has no trainer state). Its `lora` is None without LoRA."""
+    """The run's `model` config as its trainer_state.json records it; for a checkpoint written by
+    `convert peft-to-megatron` (no trainer state) the model.lora it recorded, and {} for one
+    written by `convert hf-to-megatron`. Its `lora` is None without LoRA."""
     path = ckpt / STATE
     if not path.is_file():
-        return {}
+        lora = read_metadata(ckpt).get("lora")
+        return {"lora": lora} if lora else {}
     try:
         return json.loads(path.read_text()).get("config", {}).get("model") or {}
     except (ValueError, AttributeError) as exc:
@@ -120,3 +132,39 @@ def write_peft_export(ckpt: Path, metadata: dict, model: dict, written) -> int:
             write_peft_directory({name: (a, b) for name, (a, b, _) in adapters.items()}, built.arch, lora.rank,
                                  lora.alpha, lora.dropout, staging, base_model=model.get("hf_config"))
     return len(adapters)
+
+
+class PeftInput:
+    """peft-to-megatron's adapter (tools/convert.py: hf_to_megatron with peft=True): `--adapter`
+    read and checked against the base `--hf` (bridge/peft_import.py) when built, before anything
+    heavy; then the config overrides of the model.lora it implies, the checkpoint writer's values
+    with the adapters in them, and what megatron_rl.json records."""
+
+    def __init__(self, args, raw: dict):
+        from megatron_rl.bridge.peft_import import base_shapes, read_peft_adapter
+
+        self.path = Path(args.adapter)
+        self.adapter = read_peft_adapter(self.path, parse_hf_config(raw), base_shapes(args.hf_dir))
+
+    @staticmethod
+    def parser(prog: str) -> argparse.ArgumentParser:
+        parser = argparse.ArgumentParser(prog=prog, description=PEFT_TO_MEGATRON)
+        parser.add_argument("--hf", "--hf-dir", dest="hf_dir", required=True, help="the adapter's base model (HF)")
+        parser.add_argument("--adapter", required=True, help="the PEFT adapter directory (adapter_config.json, "
+                                                             "adapter_model.safetensors)")
+        parser.add_argument("--out", required=True)
+        parser.add_argument("--precision", choices=["fp32", "bf16"], default=None,
+                            help="parameter dtype (default: the base's dtype when it is fp32 or bf16)")
+        layout_args(parser)
+        return parser
+
+    def overrides(self) -> list[str]:
+        return lora_overrides(self.adapter.lora)
+
+    def values(self, built, weights):
+        from megatron_rl.bridge.peft_import import AdapterValues
+
+        return AdapterValues(built.module, self.adapter.adapters, built.arch, weights)
+
+    def record(self) -> dict:
+        return {"lora": self.adapter.lora, "peft_adapter": str(self.path.resolve())}

@@ -57,10 +57,11 @@ def test_plan_refuses_a_config_json_value_of_the_wrong_kind_by_name(tmp_path, ca
 def test_convert_help_exits_0_and_each_command_names_its_program(capsys):
     assert cli.main(["convert", "--help"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage: megatron-rl convert {hf-to-megatron,megatron-to-hf,megatron-to-peft} ...")
+    assert out.startswith("usage: megatron-rl convert {hf-to-megatron,megatron-to-hf,megatron-to-peft,peft-to-megatron} ...")
     assert "hf-to-megatron  HF safetensors directory -> Megatron torch_dist checkpoint" in out
     assert "megatron-to-peft  a LoRA run's adapters as a PEFT directory" in out
-    for command in ("hf-to-megatron", "megatron-to-hf", "megatron-to-peft"):
+    assert "peft-to-megatron  a PEFT adapter and its HF base as one Megatron checkpoint" in out
+    for command in ("hf-to-megatron", "megatron-to-hf", "megatron-to-peft", "peft-to-megatron"):
         with pytest.raises(SystemExit) as exit_:
             convert.main([command, "--help"])
         assert exit_.value.code == 0

@@ -371,8 +371,12 @@ class _PolicyWhoseLoadFails:
     def __init__(self, error: BaseException):
         import torch
 
+        from megatron_rl.config import load_config
+
         self.error = error
-        self.module = torch.nn.Module()  # no parameters: no adapters (init_from checks the checkpoint has none)
+        # init_from checks the model's adapters against the checkpoint's first: none on either side
+        self.module, self.arch = torch.nn.Module(), None
+        self.config = load_config(None, [])
 
     def load_model(self, directory: str) -> None:
         from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
