@@ -14,6 +14,7 @@ communication, so weight sync knows which rank sends what.
 A weight carrying a LoRA adapter (model/lora.py) is exported merged, W + (alpha / rank) B A, each
 rank merging its own shard before the gathers (bridge/lora_merge.py): every consumer (the HF
 export, every weight transport, the FP8 rollout stream) gets the merged model unchanged.
+`merge_adapters=False` exports the base weights W alone (the adapter-only push sends them once).
 
 Memory bound (extra, per rank): the full tensor being assembled (TP shards gathered, and for
 expert weights one copy per EP rank) plus, on a leader, the pending bucket (<= bucket_bytes,
@@ -45,10 +46,10 @@ def is_stage_leader() -> bool:
 
 def export_hf_weights(
     module, arch: ArchitectureSpec, *, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None,
-    every_rank: bool = False,
+    every_rank: bool = False, merge_adapters: bool = True,
 ) -> Iterator[Bucket]:
     receives = every_rank or is_stage_leader()
-    yield from buckets(_export_tensors(module, arch, dtype, receives), bucket_bytes)
+    yield from buckets(_export_tensors(module, arch, dtype, receives, merge_adapters), bucket_bytes)
 
 
 def buckets(weights: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
@@ -66,7 +67,8 @@ def buckets(weights: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> I
         yield bucket
 
 
-def _export_tensors(module, arch: ArchitectureSpec, dtype, receives: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _export_tensors(module, arch: ArchitectureSpec, dtype, receives: bool,
+                    merge_adapters: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Every HF tensor of this rank's stage; all ranks run the gathers, only receivers get tensors."""
     table = {name: (hf, layout) for name, hf, layout in expand(arch)}
     for placement in placements(module):
@@ -74,7 +76,7 @@ def _export_tensors(module, arch: ArchitectureSpec, dtype, receives: bool) -> It
             if arch.tie_word_embeddings and placement.global_name == "output_layer.weight":
                 continue  # the tied copy on the last stage; the embedding is exported instead
             raise KeyError(f"Megatron parameter {placement.global_name} has no HF mapping for {arch.architecture}")
-        for hf_name, tensor in _assemble(placement, table, arch):
+        for hf_name, tensor in _assemble(placement, table, arch, merge_adapters):
             if receives:
                 yield hf_name, tensor if dtype is None else tensor.to(dtype)
 
@@ -103,9 +105,10 @@ def owned_hf_names(module, arch: ArchitectureSpec, fp8: bool = False) -> list[st
     return names
 
 
-def _assemble(placement: Placement, table, arch: ArchitectureSpec) -> Iterator[tuple[str, torch.Tensor]]:
+def _assemble(placement: Placement, table, arch: ArchitectureSpec,
+              merge_adapters: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     hf_names, layout = table[placement.global_name]
-    tensor = merged_weight(_high_precision(placement.param.detach()), placement.adapter)
+    tensor = merged_weight(_high_precision(placement.param.detach()), placement.adapter if merge_adapters else None)
     shards = _all_gather(tensor, placement.tp_group) if placement.tp_dim is not None else [tensor]
     dim = placement.tp_dim or 0
     per_shard = [split(layout, shard, arch) for shard in shards]

@@ -28,8 +28,9 @@ dense layer's MLP or on the shared experts (targets `fc1`, `fc2`). PEFT turns ev
 target into the experts' fused parameter, so the dense MLP's adapters would be dropped on load
 (tried: the PEFT model is then the base model exactly). Mixtral has no dense MLP.
 
-The tensors are whole (one process): the caller reads them from a checkpoint at TP1/EP1
-(tools/convert.py, bridge/streamed.py reads torch_dist at any saved layout).
+The tensors are whole: the caller reads them from a checkpoint at TP1/EP1 (tools/convert.py,
+bridge/streamed.py reads torch_dist at any saved layout), or gathers them from the live sharded
+model (`gathered_adapters`, the adapter-only weight push: attention and dense MLP adapters).
 
 This module owns the PEFT names: `peft_table` (Megatron weight -> its PEFT modules and layout) is
 what the export writes and what the import (bridge/peft_import.py) inverts.
@@ -42,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl.bridge.layouts import split
+from megatron_rl.bridge.layouts import merge, split
 from megatron_rl.bridge.mappings import expand
 from megatron_rl.errors import ConfigError
 from megatron_rl.model.hf_config import ArchitectureSpec
@@ -95,6 +96,33 @@ def peft_tensors(adapters: Adapters, arch: ArchitectureSpec) -> dict[str, torch.
         for module, b_piece in zip(names, split(layout, b.detach(), arch)):
             out[f"{module}.lora_A.weight"] = a.detach().clone().contiguous()  # one storage per tensor
             out[f"{module}.lora_B.weight"] = b_piece.clone().contiguous()
+    return out
+
+
+def gathered_adapters(module, arch: ArchitectureSpec) -> Adapters:
+    """Every adapter of the live model, whole on every rank of its stage: the TP shards gathered
+    (every rank of the TP group takes part) and put back in the fused layout a one-process model
+    has. Column-parallel B is split on W's rows (each rank's shard fused on its own, as W's is),
+    row-parallel A on W's columns. Experts' adapters (split over EP) are not gathered here."""
+    from megatron_rl.bridge.export import _all_gather
+    from megatron_rl.bridge.placement import placements
+
+    table = {name: layout for name, _, layout in expand(arch)}
+    out = {}
+    for placement in placements(module):
+        if placement.adapter is None:
+            continue
+        if placement.is_expert:
+            raise ConfigError(f"the adapter on {placement.global_name} (an expert's) is not gathered for an "
+                              "adapter-only push; train without the experts target")
+        a, b, _ = (t.detach() if isinstance(t, torch.Tensor) else t for t in placement.adapter)
+        if placement.tp_dim == 0:  # column-parallel: B's rows split like W's, each shard fused on its own
+            layout = table[placement.global_name]
+            shards = [split(layout, shard, arch) for shard in _all_gather(b, placement.tp_group)]
+            b = merge(layout, [torch.cat(pieces, dim=0) for pieces in zip(*shards)], arch)
+        elif placement.tp_dim == 1:  # row-parallel: A's columns split like W's
+            a = torch.cat(_all_gather(a, placement.tp_group), dim=1)
+        out[placement.global_name] = (a, b)
     return out
 
 

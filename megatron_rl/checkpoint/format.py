@@ -30,7 +30,7 @@ import re
 from pathlib import Path
 from typing import NoReturn
 
-from megatron_rl.checkpoint.base_ref import base_loaded_first
+from megatron_rl.checkpoint.base_check import check_base, locate, refers_to_base
 from megatron_rl.checkpoint.streaming_save import streaming_save_strategy
 from megatron_rl.config import RunConfig
 from megatron_rl.data.tokenizer import write_char_tokenizer
@@ -216,7 +216,7 @@ def load_initial_weights(policy, source: str | Path, checked: bool = False) -> N
     """checkpoint.init_from into a built Policy: a megatron-rl checkpoint in any form
     `resolve_checkpoint` takes (saved at any layout; build the policy from
     `pin_checkpoint_vocab(config)`) or a Hugging Face model directory. Collective. `checked`:
-    its files were compared with their checksums already (base_ref.load_base)."""
+    its files were compared with their checksums already (load_referenced_base)."""
     if names_megatron_checkpoint(source):
         ckpt = resolve_checkpoint(source)
         if not checked:
@@ -226,7 +226,7 @@ def load_initial_weights(policy, source: str | Path, checked: bool = False) -> N
         check_run_lora(ckpt, read_metadata(ckpt), policy.config.model.lora, policy.arch)  # before a weight is read
         weights = weights_path(ckpt)
         check_weight_files(weights)
-        over_base = base_loaded_first(policy, ckpt, weights)  # a LoRA checkpoint's base, if it refers to one
+        over_base = _base_loaded_first(policy, ckpt, weights)  # a LoRA checkpoint's base, if it refers to one
         try:  # refreshes the optimizer's main weights too
             policy.load_model(str(weights), **({"without_frozen": True} if over_base else {}))
         except BaseException as exc:
@@ -238,6 +238,39 @@ def load_initial_weights(policy, source: str | Path, checked: bool = False) -> N
             _check_intact_once(Path(source), REDOWNLOAD_OR_CONVERT)
         load_hf_weights(policy.module, policy.arch, source)
         policy.optimizer.reload_model_params()
+
+
+def load_referenced_base(policy, reference: dict, checkpoint: Path) -> None:
+    """Collective: the base `checkpoint` refers to, checked (global rank 0 reads it, every rank
+    gets the verdict), into `policy`. The checkpoint's own tensors go over it afterwards."""
+    on_rank0_shared(check_base, reference, checkpoint)
+    # The check above compared every file's CRC-32 with the one recorded when the run first read
+    # (and verified) the base: the same files, so its manifest is not read a second time.
+    load_initial_weights(policy, locate(reference, checkpoint), checked=True)
+
+
+def _base_loaded_first(policy, ckpt: Path, weights: Path) -> bool:
+    """Collective, for a megatron-rl checkpoint about to be loaded into `policy`: a LoRA run's
+    checkpoint is refused by a model without adapters (it would load the base alone); one that
+    refers to its base has the base loaded now (True: load the checkpoint's tensors over it)."""
+    _refuse_dropped_adapters(policy, ckpt, weights)
+    metadata = read_metadata(ckpt)
+    if refers_to_base(metadata):
+        load_referenced_base(policy, metadata["base"], ckpt)
+    return refers_to_base(metadata)
+
+
+def _refuse_dropped_adapters(policy, ckpt: Path, weights: Path) -> None:
+    from megatron_rl.checkpoint.unpickling import read_torch_dist_index
+    from megatron_rl.model.state import is_adapter
+
+    if any(is_adapter(name) for name, _ in policy.module.named_parameters()):
+        return
+    if any(is_adapter(index.fqn.split("/")[0]) for index in read_torch_dist_index(weights).storage_data):
+        raise ConfigError(f"{ckpt} holds LoRA adapters, and the model built to load it has none (no model.lora): "
+                          "it would be the base model without them. Export the merged model "
+                          "(`megatron-rl convert megatron-to-hf --merge-lora`) and load that, or build the model "
+                          "with the model.lora of the run that wrote the checkpoint")
 
 
 def read_metadata(ckpt: str | Path) -> dict:

@@ -107,10 +107,23 @@ def check_unpickled_files(path: Path) -> None:
         raise ConfigError(problem)
 
 
+def load_training_checkpoint(path: Path, policy, keyed_like_weights: tuple[str, ...] = ()):
+    """Collective: store.load_checkpoint, the base loaded first for a LoRA checkpoint that refers
+    to its base (checkpoint/base_check.py). Returns what store.load_checkpoint returns."""
+    from megatron_rl.checkpoint import store
+    from megatron_rl.checkpoint.base_check import refers_to_base
+    from megatron_rl.checkpoint.format import load_referenced_base, read_metadata
+
+    metadata = read_metadata(path)
+    if refers_to_base(metadata):
+        load_referenced_base(policy, metadata["base"], path)
+    return store.load_checkpoint(path, policy, keyed_like_weights, without_frozen=refers_to_base(metadata))
+
+
 def check_base_present(path: Path) -> None:
-    """A LoRA checkpoint's base (checkpoint/base_ref.py) is there with the sizes the run read; its
-    checksums are compared when it is loaded."""
-    from megatron_rl.checkpoint.base_ref import base_problem, refers_to_base, refused
+    """A LoRA checkpoint's base (checkpoint/base_check.py) is there with the sizes the run read;
+    its checksums are compared when it is loaded."""
+    from megatron_rl.checkpoint.base_check import base_problem, refers_to_base, refused
     from megatron_rl.checkpoint.format import METADATA
 
     try:
@@ -218,7 +231,7 @@ class CheckpointManager:
         self.is_driver = runtime.rank == 0
         self.reference = None  # ReferenceWeights, when the recipe has a KL term
         self.pending = None  # a save being written in the background
-        self.base = None  # the frozen base the checkpoints refer to (checkpoint/base_ref.py)
+        self.base = None  # the frozen base the checkpoints refer to (checkpoint/base_check.py)
 
     # ---- start-up -------------------------------------------------------------------------------
 
@@ -287,8 +300,6 @@ class CheckpointManager:
     def load(self, policy, chosen: Path | None) -> Resumed | None:
         """Collective: the chosen checkpoint into `policy` (model, optimizer, schedule, RNG, KL
         reference), or, with none chosen, the initial weights."""
-        from megatron_rl.checkpoint import store as ckpt
-
         self.policy = policy
         path = chosen
         if path is None:
@@ -298,7 +309,7 @@ class CheckpointManager:
             return None
         prefixes = ("reference",) if self._uses_kl else ()
         check_unpickled_files(path)  # every rank refuses together, before anything is loaded
-        state, extra = ckpt.load_checkpoint(path, self.policy, keyed_like_weights=prefixes)
+        state, extra = load_training_checkpoint(path, self.policy, keyed_like_weights=prefixes)
         if "reference" in extra:
             from megatron_rl.model.reference import ReferenceWeights
 
@@ -307,7 +318,7 @@ class CheckpointManager:
             self.base = self._base_of_checkpoint(path)
         return Resumed(path, state["step"], state)
 
-    # ---- a LoRA run's base (checkpoint/base_ref.py) ---------------------------------------------
+    # ---- a LoRA run's base (checkpoint/base_ref.py, base_check.py) --------------------------------
 
     @property
     def _refers_to_base(self) -> bool:
@@ -333,11 +344,12 @@ class CheckpointManager:
         will name it; for a checkpoint that holds its base (written with base_weights=saved) the
         base as loaded from it, written into checkpoints/base/."""
         from megatron_rl.checkpoint import base_ref
+        from megatron_rl.checkpoint.base_check import portable, refers_to_base
         from megatron_rl.checkpoint.format import read_metadata
 
         metadata = read_metadata(path)
-        if base_ref.refers_to_base(metadata):
-            return base_ref.portable(metadata["base"], path, self.root)
+        if refers_to_base(metadata):
+            return portable(metadata["base"], path, self.root)
         base = base_ref.write_base(self.policy, self.root, self.config, self.model_dir)
         return base_ref.describe_written(base, relative_to=self.root / "step_000000")
 

@@ -6,7 +6,7 @@
                                  bf16 model) and the KL reference weights, every per-parameter
                                  tensor sharded like its weight: loads at any TP/PP/EP/DP layout.
                                  A LoRA run's leaves its frozen base out and megatron_rl.json
-                                 names it (checkpoint/base_ref.py; checkpoint.base_weights)
+                                 names it (checkpoint/base_check.py; checkpoint.base_weights)
             rng/rank_00000.pt    python, numpy, torch CPU/CUDA and Megatron's CUDA RNG tracker, as
                                  tensors and plain values (read with weights_only=True)
             hf_config/           config.json and tokenizer files: the checkpoint describes its model
@@ -376,10 +376,13 @@ def verify_shared(path: Path, checksums: bool = True) -> str | None:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_checkpoint(path: Path, policy, keyed_like_weights: tuple[str, ...] = ()) -> tuple[dict[str, Any], dict]:
+def load_checkpoint(path: Path, policy, keyed_like_weights: tuple[str, ...] = (),
+                    without_frozen: bool = False) -> tuple[dict[str, Any], dict]:
     """Collective: restores model, optimizer, LR schedule and (same world size) this rank's RNG,
     at this layout whatever layout wrote it. Returns the trainer state and the per-parameter
-    tensors asked for ({prefix: {name: tensor}}; a prefix the checkpoint lacks is left out)."""
+    tensors asked for ({prefix: {name: tensor}}; a prefix the checkpoint lacks is left out).
+    `without_frozen`: a LoRA checkpoint that refers to its base, loaded into `policy` before
+    (checkpoint/manager.py load_training_checkpoint)."""
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
     state = json.loads((path / STATE).read_text())
@@ -388,14 +391,9 @@ def load_checkpoint(path: Path, policy, keyed_like_weights: tuple[str, ...] = ()
               "weights, optimizer state and reference weights are resharded, the per-rank RNG streams are "
               "re-seeded (sampling will not repeat the original run exactly)")
     saved_prefixes = tuple(p for p in keyed_like_weights if p in state.get("keyed_like_weights", []))
-    from megatron_rl.checkpoint.base_ref import load_base, refers_to_base
-
-    metadata = json.loads((path / "megatron_rl.json").read_text())
-    if refers_to_base(metadata):  # a LoRA checkpoint without its frozen base
-        load_base(policy, metadata["base"], path)
     try:
         extra = policy.load_training_state(str(path / "weights"), state["policy"], keyed_like_weights=saved_prefixes,
-                                           without_frozen=refers_to_base(metadata))
+                                           without_frozen=without_frozen)
     except CheckpointingException as exc:
         raise RuntimeError(f"checkpoint {path} could not be loaded: {exc}") from exc
     rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"

@@ -34,6 +34,10 @@ class RolloutConfig:
     # to vLLM servers, files to SGLang servers.
     weight_transport: Literal["auto", "stream", "files", "collective", "nccl"] = "auto"
     weight_bucket_mb: int = 512
+    # A LoRA run's push (model.lora; docs/lora.md). merged: every push carries the whole model
+    # W + (alpha / rank) B A. adapters: the base weights once, then only the adapters, served by
+    # vLLM's own LoRA (rollout/engines/vllm_lora.py says what it takes and refuses).
+    lora_push: Literal["merged", "adapters"] = "merged"
     # Where the files transport stages buckets; must be visible to the servers. None = OUTPUT_DIR/.weights
     staging_dir: str | None = None
     startup_timeout_s: float = 600.0

@@ -119,6 +119,7 @@ class RunConfig:
                 raise ConfigError(f"{where}: rl.routing_replay=rollout maps the engine's routes onto whole packed "
                                   f"sequences and does not support context parallelism (parallel.cp={self.parallel.cp})")
         self._validate_async(where)
+        self._validate_lora_push(where)
         self.warm_start.validate(f"{where}: warm_start")
         self._validate_weight_decay(where)
         self.data.validate(f"{where}: data")
@@ -172,6 +173,25 @@ class RunConfig:
         if self.rollout.partial and self.rl.routing_replay == "rollout":
             raise ConfigError(f"{where}: rollout.partial=true with rl.routing_replay=rollout: a continued sequence's "
                               f"routes would come from two weight versions; use one or the other")
+
+    def _validate_lora_push(self, where: str) -> None:
+        """rollout.lora_push=adapters (vLLM's own LoRA); what needs the model's architecture (the
+        targets, the family) is checked by preflight (rollout/engines/vllm_lora.py)."""
+        if self.rollout.lora_push != "adapters":
+            return
+        key = f"{where}: rollout.lora_push=adapters"
+        if self.model.lora is None:
+            raise ConfigError(f"{key} pushes LoRA adapters, but model.lora is not set (a full fine-tuning run has "
+                              "none); leave rollout.lora_push at merged")
+        if self.rollout.engine != "vllm":
+            raise ConfigError(f"{key} needs vLLM's native LoRA (enable_lora); rollout.engine={self.rollout.engine} "
+                              "gets the merged weights (rollout.lora_push=merged)")
+        if self.rollout.mode != "colocated":
+            raise ConfigError(f"{key} is built for the colocated vLLM engine only; a vLLM server (rollout.mode="
+                              f"{self.rollout.mode}) gets the merged weights (rollout.lora_push=merged)")
+        if self.model.export_fp8:
+            raise ConfigError(f"{key} with model.export_fp8=true: LoRA over FP8 base weights in vLLM is not "
+                              "verified here; use rollout.lora_push=merged")
 
     def _validate_fp8_rollout(self, where: str) -> None:
         """model.export_fp8 on any machine (the engine's device is checked by preflight)."""

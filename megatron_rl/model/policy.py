@@ -259,7 +259,7 @@ class Policy:
         """Model and optimizer (Adam's moments, fp32 main weights of a bf16 model) as one
         `torch_dist` checkpoint that reshards across TP, PP, EP and DP (see optimizer_state).
         `without_frozen`: the frozen parameters are left out (a LoRA checkpoint that refers to
-        its base instead of holding it: checkpoint/base_ref.py).
+        its base instead of holding it: checkpoint/base_check.py).
 
         `keyed_like_weights`: more per-parameter tensors ({prefix: {parameter name: tensor}},
         e.g. the KL reference weights), stored sharded exactly like the weights.

@@ -9,7 +9,9 @@ It hides where the engines run. Colocated: every rank drives its share of one en
 generates the same samples. Servers: global rank 0 (the driver) sends the requests, split over
 the servers, and broadcasts the samples. A weight sync is the same sequence for both: the bridge's
 HF-named stream (on the ranks the transport needs it; blockwise FP8 when model.export_fp8),
-engines paused, the transport's push, prefix caches dropped, engines resumed.
+engines paused, the transport's push, prefix caches dropped, engines resumed. A LoRA run with
+rollout.lora_push=adapters pushes the base weights that way once, then only the adapters
+(rollout/weights/adapters.py). `last_push_bytes` is the bytes the last push carried, on the driver.
 
 The engines start with the first sync, after the supervised warm start, which never generates:
 the warm start's weights are pushed once, and on GPU a colocated engine does not hold its memory
@@ -27,7 +29,8 @@ from megatron_rl.config import RunConfig
 from megatron_rl.rollout.factory import build_engines, build_transport, torch_dtype
 from megatron_rl.rollout.pool import EnginePool
 from megatron_rl.rollout.protocol import RolloutEngine, Sample, SamplingParams
-from megatron_rl.rollout.weights.stream import hf_weight_stream
+from megatron_rl.rollout.weights.adapters import AdapterPush
+from megatron_rl.rollout.weights.stream import ByteCount, hf_weight_stream, pushed_bytes
 
 
 class RolloutClient:
@@ -38,6 +41,8 @@ class RolloutClient:
         self.engines: list[RolloutEngine] | None = None  # this rank's engines (None: not the driver)
         self._requests = None  # the engine, or a pool splitting requests over several
         self.transport = None
+        self.adapters: AdapterPush | None = None  # rollout.lora_push=adapters
+        self.last_push_bytes = 0
 
     @property
     def started(self) -> bool:
@@ -48,8 +53,11 @@ class RolloutClient:
         """Whether this rank talks to engines (every rank colocated, rank 0 with servers)."""
         return self.engines is not None
 
-    def start(self) -> None:
-        self.engines = build_engines(self.config, self.model_dir, local_rank=self.local_rank, seed=self.seed)
+    def start(self, arch) -> None:
+        if self.config.rollout.lora_push == "adapters":
+            self.adapters = AdapterPush(self.config, arch)
+        self.engines = build_engines(self.config, self.model_dir, local_rank=self.local_rank, seed=self.seed,
+                                     lora=self.adapters.engine_args if self.adapters else None)
         if self.engines is not None:
             # Servers always sit behind a pool: it routes requests to the least busy one (the
             # asynchronous producer sends one request per group) and survives a server's death.
@@ -83,14 +91,11 @@ class RolloutClient:
         engines' in-flight requests end at once and return what they have, to be continued on
         the new weights; "wait": they finish first."""
         if not self.started:
-            self.start()
-        stream = hf_weight_stream(module, arch, destination=self.transport.destination,
-                                  bucket_bytes=self.config.rollout.weight_bucket_mb << 20,
-                                  dtype=torch_dtype(self.config))
-        if self.config.model.export_fp8:
-            # Engines serving FP8 get blockwise e4m3 weights with their scales (the HF FP8
-            # format), quantized exactly as the FP8 checkpoint export does.
-            stream = fp8_rollout_stream(stream, arch)
+            self.start(arch)
+        adapters = self.adapters
+        # The whole model (merged), or with adapters pushed apart the base W, once.
+        stream = None if adapters is not None and adapters.base_pushed else ByteCount(
+            self._model_stream(module, arch, merge_adapters=adapters is None))
         if self.drives and pause_mode == "wait":
             self._requests.pause()
         elif self.drives:
@@ -101,11 +106,30 @@ class RolloutClient:
             dead = [self._requests.dead if self.drives else None]
             dist.broadcast_object_list(dead, src=0)
             self.transport.drop(dead[0])
-        count = self.transport.push(stream)
+        count, sent = 0, 0
+        if stream is not None:
+            count = self.transport.push(stream)
+            sent = pushed_bytes(stream.bytes, self.transport.destination)
+        if adapters is not None:  # colocated (config/run.py): every rank loads its share
+            adapters.base_pushed = True
+            tensors = adapters.tensors(module, arch, torch_dtype(self.config))
+            count += self.engines[0].update_adapters(tensors, adapters.adapter_config(tensors))
+            sent += sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+        self.last_push_bytes = sent
         if self.drives:
             self._requests.reset_prefix_cache()
             self._requests.resume()
         return count
+
+    def _model_stream(self, module, arch, *, merge_adapters: bool):
+        stream = hf_weight_stream(module, arch, destination=self.transport.destination,
+                                  bucket_bytes=self.config.rollout.weight_bucket_mb << 20,
+                                  dtype=torch_dtype(self.config), merge_adapters=merge_adapters)
+        if self.config.model.export_fp8:
+            # Engines serving FP8 get blockwise e4m3 weights with their scales (the HF FP8
+            # format), quantized exactly as the FP8 checkpoint export does.
+            stream = fp8_rollout_stream(stream, arch)
+        return stream
 
     def shutdown(self) -> None:
         if self.transport is not None:

@@ -98,7 +98,9 @@ def check_sampling_logprobs(config: RunConfig, engines: list) -> None:
             engine.check_sampling_logprobs(config.rl.temperature)
 
 
-def build_engines(config: RunConfig, model_dir: Path, *, local_rank: int, seed: int) -> list[RolloutEngine] | None:
+def build_engines(config: RunConfig, model_dir: Path, *, local_rank: int, seed: int,
+                  lora: dict | None = None) -> list[RolloutEngine] | None:
+    """`lora`: vLLM's LoRA arguments for the colocated engine (rollout.lora_push=adapters)."""
     rollout = config.rollout
     output_dir = Path(config.output_dir)
     dtype = engine_dtype(config)
@@ -109,7 +111,7 @@ def build_engines(config: RunConfig, model_dir: Path, *, local_rank: int, seed: 
             model_dir, dtype=dtype, max_model_len=rollout.max_model_len, seed=seed,
             cpu_kv_cache_gib=rollout.cpu_kv_cache_gib, gpu_memory_utilization=rollout.gpu_memory_utilization,
             load_format="dummy", local_rank=local_rank,
-            engine_args={"enable_return_routed_experts": True} if native_routes(config) else None,
+            engine_args={"enable_return_routed_experts": True} if native_routes(config) else None, lora=lora,
         )]
     if dist.get_rank() != 0:
         return None

@@ -4,7 +4,7 @@
     megatron-rl convert megatron-to-hf --merge-lora --ckpt ... --out merged/
     megatron-rl convert peft-to-megatron --hf BASE --adapter adapter/ --out ckpt/ [--tp/--pp/--ep ...]
 
-A LoRA run's checkpoint holds the adapters and refers to its base (checkpoint/base_ref.py), or,
+A LoRA run's checkpoint holds the adapters and refers to its base (checkpoint/base_check.py), or,
 written with checkpoint.base_weights=saved, holds the base beside them; its
 trainer_state.json names the run's model.lora (rank, alpha, targets). The model is built on the
 meta device with those settings at TP1/PP1/EP1, so the adapters name their torch_dist keys
@@ -84,9 +84,9 @@ def read_checkpoint_adapters(module, weights: Path) -> dict:
 
 def base_weights_for_merge(ckpt: Path, metadata: dict) -> Path:
     """The torch_dist weights the merged export streams its base from: the checkpoint's own, or,
-    for a checkpoint that refers to its base (checkpoint/base_ref.py), that base's, once its
+    for a checkpoint that refers to its base (checkpoint/base_check.py), that base's, once its
     files are checked against the checksums the run recorded."""
-    from megatron_rl.checkpoint.base_ref import check_base, refers_to_base
+    from megatron_rl.checkpoint.base_check import check_base, refers_to_base
 
     if not refers_to_base(metadata):
         return weights_path(ckpt)

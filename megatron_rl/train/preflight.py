@@ -42,6 +42,10 @@ def check_layout_and_paths(config, *, rl: bool = True) -> None:
         if not torch.cuda.is_available():
             raise ConfigError("rollout.weight_transport=nccl needs CUDA GPUs on the trainer and the servers; "
                               "on CPU use collective (the same transport over gloo) or files")
+    if rl and config.rollout.lora_push == "adapters":
+        from megatron_rl.rollout.engines.vllm_lora import check_adapter_push
+
+        check_adapter_push(config, arch)  # the targets and family vLLM's own LoRA serves here
     if rl:
         check_fp8_rollout(config)
         if engines_on_cpu(config):

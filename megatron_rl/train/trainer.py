@@ -151,7 +151,8 @@ class Trainer:
                 if config.warm_start.steps:
                     warm_start(self.policy, self.tokenizer, self.train_set, config, self.runtime, self.log)
                 self.sync_weights()
-                self.log.step(0, {**self.evaluate(), **self._teacher_heldout()})
+                self.log.step(0, {**self.evaluate(), **self._teacher_heldout(),
+                                  "rollout/weights_bytes": self.rollout.last_push_bytes})
                 start = 1
             else:
                 self.sync_weights()
@@ -235,6 +236,7 @@ class Trainer:
 
         tick = time.perf_counter()
         metrics["rollout/weights_loaded"] = self.sync_weights(version=step, timings=timings)  # tensors each engine loaded
+        metrics["rollout/weights_bytes"] = self.rollout.last_push_bytes  # what that push carried (docs/lora.md)
         timings["time/sync_s"] = time.perf_counter() - tick - timings.get("time/wait_push_s", 0.0)
         metrics.update(timings)
         metrics["time/step_s"] = sum(timings.values())

@@ -1,4 +1,4 @@
-"""checkpoint/base_ref.py on files, in process: how a LoRA checkpoint names its base, and every
+"""checkpoint/base_ref.py and base_check.py on files, in process: how a LoRA checkpoint names its base, and every
 way the base can differ from what the run read (tests/model/test_lora.py and
 tests/train/test_lora_rl.py load real checkpoints over real bases)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.checkpoint import base_ref
+from megatron_rl.checkpoint import base_check, base_ref
 from megatron_rl.errors import ConfigError
 
 
@@ -31,7 +31,7 @@ def test_a_hf_base_is_named_by_path_with_the_files_that_make_the_model(tmp_path)
     assert sorted(reference["files"]) == ["config.json", "model.safetensors"]  # not the card, not the cache
     data = (base / "model.safetensors").read_bytes()
     assert reference["files"]["model.safetensors"] == {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}
-    assert base_ref.base_problem(reference, tmp_path / "anywhere") is None  # absolute: from any checkpoint
+    assert base_check.base_problem(reference, tmp_path / "anywhere") is None  # absolute: from any checkpoint
 
 
 def test_a_checkpoint_that_refers_to_a_base_passes_that_base_on(tmp_path):
@@ -43,12 +43,12 @@ def test_a_checkpoint_that_refers_to_a_base_passes_that_base_on(tmp_path):
     relative = dict(base_ref.describe_source(base), path="../../../hf")
     (ckpt / "megatron_rl.json").write_text(json.dumps({"format": "megatron_rl.torch_dist.v1", "weights_dir": "weights",
                                                       "padded_vocab_size": 128, "base": relative}))
-    assert base_ref.locate(relative, ckpt) == tmp_path / "hf"  # no "step_000004/../" left in names
+    assert base_check.locate(relative, ckpt) == tmp_path / "hf"  # no "step_000004/../" left in names
     passed_on = base_ref.describe_source(ckpt)
     assert passed_on == dict(relative, path=str(base.resolve()))
     # a checkpoint inside the run's checkpoints keeps the relative name, one elsewhere gets the absolute
-    assert base_ref.portable(relative, ckpt, ckpt.parent) == relative
-    assert base_ref.portable(relative, ckpt, tmp_path / "other" / "checkpoints")["path"] == str(base.resolve())
+    assert base_check.portable(relative, ckpt, ckpt.parent) == relative
+    assert base_check.portable(relative, ckpt, tmp_path / "other" / "checkpoints")["path"] == str(base.resolve())
 
 
 @pytest.mark.parametrize("change, named", [
@@ -72,11 +72,11 @@ def test_every_change_of_the_base_is_refused_naming_the_file(tmp_path, change, n
     else:
         base.rename(tmp_path / "elsewhere")
     with pytest.raises(ConfigError) as refused:
-        base_ref.check_base(reference, tmp_path / "run" / "checkpoints" / "step_000002")
+        base_check.check_base(reference, tmp_path / "run" / "checkpoints" / "step_000002")
     message = str(refused.value)
     assert named in message and str(base) in message and "step_000002" in message, message
     if change == "flipped":  # same size: the preflight's size check passes, the CRC-32 does not
-        assert base_ref.base_problem(reference, tmp_path, checksums=False) is None
+        assert base_check.base_problem(reference, tmp_path, checksums=False) is None
 
 
 @pytest.mark.parametrize("entry, named", [
@@ -88,5 +88,5 @@ def test_every_change_of_the_base_is_refused_naming_the_file(tmp_path, change, n
 def test_a_malformed_base_entry_is_refused_not_followed(tmp_path, entry, named):
     """megatron_rl.json is untrusted input: an entry of the wrong shape, or one naming files
     outside the base, is refused before any file is read."""
-    problem = base_ref.base_problem(entry, tmp_path)
+    problem = base_check.base_problem(entry, tmp_path)
     assert problem is not None and named in problem and "edited or damaged" in problem, problem

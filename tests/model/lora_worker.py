@@ -215,6 +215,7 @@ def referenced_checkpoint_checks(lora, config, out: Path, batches) -> dict:
     run from random initialization writes it): what it holds, that a policy with other weights
     loaded from it becomes the saved one exactly, and that a changed base file is refused by name."""
     from megatron_rl.checkpoint import base_ref, store
+    from megatron_rl.checkpoint.manager import load_training_checkpoint
     from megatron_rl.checkpoint.format import FORMAT
     from megatron_rl.config.loader import to_dict
     from megatron_rl.errors import ConfigError
@@ -239,7 +240,7 @@ def referenced_checkpoint_checks(lora, config, out: Path, batches) -> dict:
     with torch.no_grad():
         for param in other.module.parameters():
             param.add_(0.5)
-    _, extra = store.load_checkpoint(saved, other, keyed_like_weights=("reference",))
+    _, extra = load_training_checkpoint(saved, other, keyed_like_weights=("reference",))
     live, loaded = lora.module.state_dict(), other.module.state_dict()
     result = {"referenced_ckpt": str(saved), "reference_names": sorted(extra["reference"]),
               "reference_equal": extra["reference"].keys() == reference.keys()
@@ -260,7 +261,7 @@ def referenced_checkpoint_checks(lora, config, out: Path, batches) -> dict:
     with torch.no_grad():
         for param in other.module.parameters():
             param.add_(0.5)
-    store.load_checkpoint(hf_saved, other)
+    load_training_checkpoint(hf_saved, other)
     result["hf_base"] = {key: hf_metadata["base"][key] for key in ("kind", "path")}
     result["hf_base_files"] = sorted(hf_metadata["base"]["files"])
     result["hf_loaded_logprob_diff"] = max(_max(x["logprobs"], y["logprobs"])
@@ -275,7 +276,7 @@ def referenced_checkpoint_checks(lora, config, out: Path, batches) -> dict:
         victim.write_bytes(bytes(data))
     dist.barrier()
     try:
-        store.load_checkpoint(saved, other)
+        load_training_checkpoint(saved, other)
         result["changed_base_refused"] = None
     except ConfigError as exc:
         result["changed_base_refused"] = str(exc)

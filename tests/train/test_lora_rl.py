@@ -10,7 +10,10 @@ trains its adapters, the real vLLM CPU engine generates from the merged weights 
   bit for the steps after its checkpoint, and ends with the same adapters and optimizer state: the
   resumed run continued from the saved adapters, not from new ones;
 - server mode (tests/train/test_lora_server.py): the same parity on the shared vLLM server, with
-  the merged weights pushed as files.
+  the merged weights pushed as files;
+- the adapter-only push (rollout.lora_push=adapters, attention targets: vLLM's native LoRA): the
+  same parity after every push, the base pushed once and then the adapters alone, and the bytes
+  per push against the merged run's, both exactly what the tensors' sizes say.
 
 A random base model with frozen embeddings learns the synthetic task slowly through rank-8
 adapters, so its groups would mostly score 0 and train on nothing; the format reward below
@@ -52,13 +55,14 @@ LORA_RUN = ["model.lora.rank=8", "model.lora.alpha=16", "optimizer.lr=2e-3", f"r
             "rewards.terms=[{name: format, params: {pattern: '.*[0-9].*'}}]"]
 
 
-def checkpoint_tensors(checkpoint: Path) -> dict:
-    """Every tensor of a checkpoint's torch_dist weights (model and optimizer), read in this process."""
+def checkpoint_tensors(checkpoint: Path, weights: str = "weights") -> dict:
+    """Every tensor of a checkpoint's torch_dist weights (model and optimizer), read in this process
+    (`weights`: their folder in the checkpoint; "." for a converted one, e.g. a LoRA run's base)."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(str(checkpoint / "weights"))
+    reader = dcp.FileSystemReader(str(checkpoint / weights))
     tensors = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
                for key, meta in reader.read_metadata().state_dict_metadata.items()
                if isinstance(meta, TensorStorageMetadata)}
@@ -73,29 +77,30 @@ def adapter_keys(tensors: dict, prefix: str = "decoder.") -> list[str]:
     return sorted(k for k in tensors if k.startswith(prefix) and k.endswith((".lora_A", ".lora_B")))
 
 
-def assert_engine_matches_trainer(steps: dict[int, dict]) -> None:
+def assert_engine_matches_trainer(steps: dict[int, dict], last: int = STEPS) -> None:
     """Every RL step scored tokens, and the engine's logprob of each is the trainer's within 1e-4."""
-    assert sorted(step for step in steps if step >= 1) == list(range(1, STEPS + 1))
-    for step in range(1, STEPS + 1):
+    assert sorted(step for step in steps if step >= 1) == list(range(1, last + 1))
+    for step in range(1, last + 1):
         record = steps[step]
         assert record["count/tokens"] > 0, (step, record)
         assert record["mismatch/logp_abs_diff_max"] <= 1e-4, (step, record["mismatch/logp_abs_diff_max"])
     # The adapters moved before a push the check above covers (B = 0 at the first push): the
     # engine was served W + s B A with B != 0, not W. Steps without a mixed-reward group move
     # nothing; at least one before the last must have moved them.
-    moved = [step for step in range(1, STEPS) if steps[step]["train/grad_norm"] > 0]
-    assert moved, {step: steps[step]["train/grad_norm"] for step in range(1, STEPS + 1)}
+    moved = [step for step in range(1, last) if steps[step]["train/grad_norm"] > 0]
+    assert moved, {step: steps[step]["train/grad_norm"] for step in range(1, last + 1)}
 
 
 @pytest.fixture(scope="module")
-def whole(tmp_path_factory) -> Path:
-    """The uninterrupted LoRA run."""
-    out = tmp_path_factory.mktemp("lora_rl") / "whole"
-    run(out, *LORA_RUN)
-    return out
+def merged_run(tmp_path_factory) -> Path:
+    """The LoRA run with the default merged push (every default target), shared by the tests below."""
+    whole = tmp_path_factory.mktemp("lora") / "whole"
+    run(whole, *LORA_RUN)
+    return whole
 
 
-def test_lora_engine_matches_trainer_and_resumes_exactly_after_sigterm(whole, tmp_path):
+def test_lora_engine_matches_trainer_and_resumes_exactly_after_sigterm(merged_run, tmp_path):
+    whole = merged_run
     reference = metrics(whole)
     assert_engine_matches_trainer(reference)
 
@@ -134,12 +139,12 @@ def test_lora_engine_matches_trainer_and_resumes_exactly_after_sigterm(whole, tm
         assert ended[key].equal(saved[key]), key
 
 
-def test_a_resume_whose_base_changed_is_refused_by_name(whole, tmp_path):
+def test_a_resume_whose_base_changed_is_refused_by_name(merged_run, tmp_path):
     """The base a LoRA run's checkpoints name is checked before anything starts: one byte more in
     a base file is refused at the preflight, naming the checkpoint and the file (a change of the
     same size is refused by its CRC-32 when the base is loaded: tests/model/test_lora.py)."""
     out = tmp_path / "run"
-    shutil.copytree(whole, out)
+    shutil.copytree(merged_run, out)
     with open(out / "checkpoints" / "base" / "__0_0.distcp", "ab") as handle:
         handle.write(b"\0")
     result = subprocess.run(cli_command("train", "--output-dir", str(out), *SHORT, *LORA_RUN, preloaded=True),
@@ -147,3 +152,40 @@ def test_a_resume_whose_base_changed_is_refused_by_name(whole, tmp_path):
     assert result.returncode != 0
     assert "has changed: __0_0.distcp has" in result.stderr and f"step_{STEPS:06d}" in result.stderr, \
         result.stderr[-3000:]
+
+
+ADAPTER_STEPS = 4
+ADAPTER_RUN = [*LORA_RUN, f"rl.steps={ADAPTER_STEPS}", "checkpoint.every_steps=0", "model.lora.targets=[qkv,proj]",
+               "rollout.lora_push=adapters"]
+
+
+def pushed_bytes(base: dict, tensors: dict) -> tuple[int, int]:
+    """(merged push, adapter push) in bytes (fp32 engine), from the run's base (the checkpoints
+    refer to it) and a checkpoint's tensors: the merged push is every base weight; the adapter push
+    is PEFT's tensors, A once per HF projection (q, k and v each get linear_qkv's A and their rows
+    of B) and B whole."""
+    assert base and not adapter_keys(base)
+    base = sum(t.numel() for t in base.values())
+    adapters = 0
+    for key in adapter_keys(tensors):
+        pieces = 3 if ".linear_qkv." in key and key.endswith(".lora_A") else 1
+        adapters += pieces * tensors[key].numel()
+    return 4 * base, 4 * adapters
+
+
+def test_adapter_push_engine_matches_trainer_and_sends_only_the_adapters(merged_run, tmp_path):
+    out = tmp_path / "adapters"
+    run(out, *ADAPTER_RUN)
+    steps = metrics(out)
+    assert_engine_matches_trainer(steps, last=ADAPTER_STEPS)  # vLLM's LoRA serves W + s B A
+    saved = checkpoint_tensors(out / "checkpoints" / f"step_{ADAPTER_STEPS:06d}")
+    assert all(saved[k].abs().max() > 1e-3 for k in adapter_keys(saved) if k.endswith("lora_B"))
+
+    merged_bytes, adapter_bytes = pushed_bytes(checkpoint_tensors(out / "checkpoints" / "base", "."), saved)
+    # the first push: the base once (adapters left out) and the adapters; every later one: the adapters
+    assert steps[0]["rollout/weights_bytes"] == merged_bytes + adapter_bytes
+    assert [steps[s]["rollout/weights_bytes"] for s in range(1, ADAPTER_STEPS + 1)] == [adapter_bytes] * ADAPTER_STEPS
+    # the merged run sends the whole model every time (its base is the same model's)
+    merged = metrics(merged_run)
+    assert {merged[s]["rollout/weights_bytes"] for s in range(0, STEPS + 1)} == {merged_bytes}
+    assert merged[1]["rollout/weights_bytes"] / steps[1]["rollout/weights_bytes"] == merged_bytes / adapter_bytes

@@ -9,7 +9,9 @@ over the whole existing world), and vLLM data parallelism with MoE is not implem
 the shared-world TP engine is the one colocated layout that works everywhere.
 
 Weights travel by reference: every rank passes the full HF-named stream (see
-`megatron_rl.rollout.weights.stream`) to its own worker, which keeps its TP slice.
+`megatron_rl.rollout.weights.stream`) to its own worker, which keeps its TP slice. With `lora`
+(rollout.lora_push=adapters, rollout/engines/vllm_lora.py) the engine runs vLLM's own LoRA: after
+the base weights, `update_adapters` loads each push's adapters and every request carries them.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ from megatron_rl.rollout.engines.vllm_common import (
     vllm_environment,
 )
 from megatron_rl.rollout.worker.extension import WORKER_EXTENSION
-from megatron_rl.runtime.cpu.vllm_repairs import fix_cpu_rotary_embedding, fix_cpu_seeded_chunked_prefill
+from megatron_rl.rollout.engines.vllm_lora import ADAPTER_NAME, check_engine_targets
+from megatron_rl.runtime.cpu.vllm_repairs import (fix_cpu_moe_kernel_with_lora, fix_cpu_rotary_embedding,
+                                                  fix_cpu_seeded_chunked_prefill)
 
 
 class VllmColocatedEngine:
@@ -59,10 +63,12 @@ class VllmColocatedEngine:
         local_rank: int = 0,
         name: str = "vllm-colocated",
         engine_args: dict | None = None,
+        lora: dict | None = None,
     ):
         """`load_format="dummy"` starts from random weights (no checkpoint on disk needed); the
         caller must then push weights before generating, as the trainer does at start-up.
-        `engine_args`: further `vllm.LLM` arguments (e.g. enable_return_routed_experts on GPU)."""
+        `engine_args`: further `vllm.LLM` arguments (e.g. enable_return_routed_experts on GPU).
+        `lora`: vLLM's LoRA arguments (vllm_lora.engine_lora_args) for adapter pushes."""
         self.name = name
         on_cpu = not torch.cuda.is_available()
         os.environ.update(vllm_environment(cache_dir, on_cpu=on_cpu, kv_cache_gib=cpu_kv_cache_gib))
@@ -85,6 +91,12 @@ class VllmColocatedEngine:
             fix_cpu_rotary_embedding()
             fix_cpu_seeded_chunked_prefill()
             engine_args.update(cpu_kernel_args(model_dir, dtype))
+            if lora:
+                fix_cpu_moe_kernel_with_lora()
+        engine_args.update(lora or {})
+        self.lora_targets: list[str] = list((lora or {}).get("lora_target_modules", ()))
+        self._lora_request = None  # the adapter every request carries (the last one pushed)
+        self._lora_ids = 0
 
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         world = torch.distributed.get_world_size() if distributed else 1
@@ -147,6 +159,7 @@ class VllmColocatedEngine:
                 [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts],
                 sampling,
                 use_tqdm=False,
+                lora_request=self._lora_request,
             )
             captured = self._llm.collective_rpc("route_capture_take", args=(json.dumps(tags),))[0] if tags else None
         groups = [samples_from_request_output(self.name, index, prompt, output)
@@ -184,6 +197,29 @@ class VllmColocatedEngine:
             raise EngineError(f"{self.name}: weight update received no tensors")
         self.weights_loaded = True
         return count
+
+    def update_adapters(self, tensors: dict[str, torch.Tensor], adapter_config: dict) -> int:
+        """Load LoRA adapters (PEFT names, whole) under a fresh id and serve every later request
+        with them; the base weights stay. Returns the number of tensors loaded."""
+        if self._closed:
+            raise EngineUnavailable(f"{self.name}: engine was shut down")
+        if not self.lora_targets:
+            raise EngineError(f"{self.name}: started without LoRA (rollout.lora_push=merged); it takes merged weights")
+        if not tensors:
+            raise EngineError(f"{self.name}: adapter push received no tensors")
+        check_engine_targets(tensors, self.lora_targets)  # vLLM would drop the others silently
+        from vllm.lora.request import LoRARequest
+
+        self._lora_ids += 1
+        lora_id, name = self._lora_ids, f"{ADAPTER_NAME}-{self._lora_ids}"
+        with suspended():
+            self._llm.collective_rpc("load_lora_adapter", args=(lora_id, tensors, adapter_config))
+            # A fresh name is a fresh prefix-cache key already; no KV of an older adapter stays either.
+            self._llm.reset_prefix_cache()
+        # Loaded in memory: vLLM never reads the path unless it evicted the adapter (it cannot, with
+        # room for two), and then fails loudly on this one, which does not exist.
+        self._lora_request = LoRARequest(name, lora_id, f"/in-memory/{name}")
+        return len(tensors)
 
     def reset_prefix_cache(self) -> None:
         with suspended():

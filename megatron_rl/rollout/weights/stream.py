@@ -17,6 +17,7 @@ dropped as soon as its tensors were handed on.
 
 from __future__ import annotations
 
+import functools
 from typing import Iterator, Literal
 
 import torch
@@ -31,24 +32,28 @@ Destination = Literal["all", "main", "leaders"]
 
 def hf_weight_stream(
     module, arch: ArchitectureSpec, *, destination: Destination = "all", bucket_bytes: int = 512 << 20,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | None = None, merge_adapters: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """`merge_adapters=False`: a LoRA model's base weights W without its adapters (bridge/export.py)."""
     from megatron.core import parallel_state as ps
+
+    export = functools.partial(export_hf_weights, merge_adapters=merge_adapters)
 
     pp = ps.get_pipeline_model_parallel_world_size()
     if destination == "leaders":
-        for bucket in export_hf_weights(module, arch, bucket_bytes=bucket_bytes, dtype=dtype, every_rank=False):
+        for bucket in export(module, arch, bucket_bytes=bucket_bytes, dtype=dtype, every_rank=False):
             yield from bucket
             del bucket  # not held while the next bucket is assembled (one bucket at a time)
         return
     if pp == 1:
         # Stage 0's leader is global rank 0, and every rank holds the whole model's layers.
         every_rank = destination == "all"
-        for bucket in export_hf_weights(module, arch, bucket_bytes=bucket_bytes, dtype=dtype, every_rank=every_rank):
+        for bucket in export(module, arch, bucket_bytes=bucket_bytes, dtype=dtype, every_rank=every_rank):
             yield from bucket
             del bucket
         return
-    yield from _across_stages(module, arch, destination, bucket_bytes, dtype, ps.get_pipeline_model_parallel_rank(), pp)
+    yield from _across_stages(export, module, arch, destination, bucket_bytes, dtype,
+                              ps.get_pipeline_model_parallel_rank(), pp)
 
 
 def drain(stream: Iterator) -> None:
@@ -57,7 +62,7 @@ def drain(stream: Iterator) -> None:
         pass
 
 
-def _across_stages(module, arch, destination, bucket_bytes, dtype, my_stage: int, pp: int):
+def _across_stages(export, module, arch, destination, bucket_bytes, dtype, my_stage: int, pp: int):
     """Stage by stage, each bucket is broadcast over the world from its stage's leader.
 
     All ranks of the producing stage run the export with `every_rank=True`, so they reach each
@@ -67,7 +72,7 @@ def _across_stages(module, arch, destination, bucket_bytes, dtype, my_stage: int
     for stage in range(pp):
         source = leaders[stage]
         if stage == my_stage:
-            for bucket in export_hf_weights(module, arch, bucket_bytes=bucket_bytes, dtype=dtype, every_rank=True):
+            for bucket in export(module, arch, bucket_bytes=bucket_bytes, dtype=dtype, every_rank=True):
                 meta = [(name, tensor.shape, tensor.dtype) for name, tensor in bucket]
                 _broadcast_object(meta, source)
                 for name, tensor in bucket:
@@ -104,3 +109,26 @@ def _broadcast_object(value, source: int):
 
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class ByteCount:
+    """A weight stream passed through unchanged, counting the bytes of its tensors (`bytes`)."""
+
+    def __init__(self, stream: Iterator[tuple[str, torch.Tensor]]):
+        self.stream, self.bytes = stream, 0
+
+    def __iter__(self):
+        for name, tensor in self.stream:
+            self.bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+
+def pushed_bytes(counted: int, destination: Destination) -> int:
+    """The bytes of one push of the model, on the driver, from every rank's count of its own stream:
+    with destination "all" or "main" the driver's stream holds the whole model; with "leaders"
+    each stage's leader holds its stage (summed over the world, one scalar)."""
+    if destination != "leaders" or not dist.is_initialized():
+        return counted
+    total = torch.tensor([counted], dtype=torch.int64, device=_device())
+    dist.all_reduce(total)
+    return int(total.item())

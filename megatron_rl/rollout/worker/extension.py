@@ -51,6 +51,7 @@ import torch
 
 from megatron_rl.rollout.weights.digest import WeightDigest, digesting, served_sum
 from megatron_rl.rollout.worker.inplace_copy import InPlacePlan, in_place_supported
+from megatron_rl.rollout.worker.lora_adapters import LoraAdapterWorker
 from megatron_rl.rollout.worker.route_capture import RouteCaptureWorker
 from megatron_rl.runtime.cpu.vllm_repairs import (cpu_moe_kernels, fix_cpu_rotary_embedding,
                                                   fix_cpu_seeded_chunked_prefill, repack_cpu_moe)
@@ -61,7 +62,7 @@ WORKER_EXTENSION = "megatron_rl.rollout.worker.extension.WeightSyncWorker"
 logger = logging.getLogger(__name__)
 
 
-class WeightSyncWorker(CollectiveReceiverWorker, RouteCaptureWorker):
+class WeightSyncWorker(CollectiveReceiverWorker, RouteCaptureWorker, LoraAdapterWorker):
     model_runner = None  # provided by the vLLM worker this class is mixed into
 
     # ---- CPU / same-process transports -------------------------------------------------------

@@ -1,7 +1,7 @@
 """Repairs of vLLM's CPU build (0.32) that our engines need, each measured and explained where it
 is defined: the CPU MoE kernel's weight packing redone after a reload, the CPU rotary kernel
-made correct for the 3-D query/key of multi-latent attention, and seeded sampling kept working
-when a prompt's prefill is split over steps. Applied only where vLLM's CPU classes exist;
+made correct for the 3-D query/key of multi-latent attention, seeded sampling kept working
+when a prompt's prefill is split over steps, and the CPU MoE kernel kept when LoRA is on. Applied only where vLLM's CPU classes exist;
 elsewhere each is a no-op.
 """
 
@@ -100,6 +100,37 @@ def fix_cpu_rotary_embedding() -> bool:
     forward_cpu._flattens_3d_inputs = True
     forward_cpu.__doc__ = original.__doc__
     RotaryEmbedding.forward_cpu = forward_cpu
+    return True
+
+
+def fix_cpu_moe_kernel_with_lora() -> bool:
+    """Keep the CPU MoE kernel in an engine started with LoRA (enable_lora) whose experts are no
+    LoRA target.
+
+    Measured on vLLM's CPU build (0.32): with any LoRA config, `select_unquantized_moe_backend`
+    (fused_moe/oracle/unquantized.py) picks the Triton kernel for every MoE layer, whether or not
+    the experts are adapted (fused_moe/layer.py passes is_lora_enabled = "a LoRA config exists"),
+    and a Qwen3-MoE engine dies on its first forward ("triton.language has no attribute
+    float32"). The fix makes that one choice as if LoRA were off, so the CPU kernel runs the
+    experts; attention adapters are unaffected (engine logprobs within 1.4e-6 of the merged
+    model's in fp32). Expert adapters stay impossible on CPU (CPUUnquantizedExperts does not
+    support LoRA), so the adapter push refuses the experts target (rollout/engines/vllm_lora.py).
+    Must run before the model is built. Idempotent; False where there is nothing to fix."""
+    try:
+        import dataclasses
+
+        from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as method
+    except ImportError:
+        return False
+    original = method.select_unquantized_moe_backend
+    if getattr(original, "_ignores_lora", False):
+        return True
+
+    def select_unquantized_moe_backend(moe_config):
+        return original(dataclasses.replace(moe_config, is_lora_enabled=False))
+
+    select_unquantized_moe_backend._ignores_lora = True
+    method.select_unquantized_moe_backend = select_unquantized_moe_backend
     return True
 
 

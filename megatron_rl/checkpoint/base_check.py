@@ -1,0 +1,97 @@
+"""How a LoRA run's checkpoint names the frozen base it does not hold, and the comparison of that
+base with what the run read (checkpoint/base_ref.py describes and writes bases).
+
+With checkpoint.base_weights=referenced (the default under model.lora) a checkpoint holds the
+adapters, their optimizer state, the state buffers (the routers' expert bias), the KL reference's
+adapters and the run state; its megatron_rl.json names the base:
+
+    "base": {"path": "../base" or an absolute path, "kind": "megatron" | "hf",
+             "files": {relative path: {"bytes": N, "crc32": "..."}}}
+
+A relative path is the checkpoint's (the run's own base, OUTPUT_DIR/checkpoints/base/). Before a
+checkpoint's base is loaded (resume, init_from, conversion) every recorded file is compared with
+it, sizes first, then CRC-32; a difference is refused naming the file: the adapters were trained
+on that base and mean something else on another. megatron_rl.json is untrusted input: an entry
+of the wrong shape is refused before any file is read.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from megatron_rl.errors import ConfigError
+
+
+def refers_to_base(metadata) -> bool:
+    """Whether a checkpoint (its megatron_rl.json) holds everything but a base it refers to."""
+    return isinstance(metadata, dict) and "base" in metadata
+
+
+def locate(reference: dict, checkpoint: Path) -> Path:
+    """The base directory a checkpoint's reference names (a relative path is the checkpoint's)."""
+    path = Path(reference["path"])
+    return path if path.is_absolute() else Path(os.path.normpath(Path(checkpoint) / path))
+
+
+def portable(reference: dict, checkpoint: Path, root: Path) -> dict:
+    """`reference`, read from `checkpoint`, as the checkpoints written under `root` must name it:
+    unchanged when `checkpoint` lies in `root` (the run's own base), else absolute."""
+    if Path(checkpoint).resolve().parent == Path(root).resolve() or Path(reference["path"]).is_absolute():
+        return reference
+    return dict(reference, path=str(locate(reference, checkpoint).resolve()))
+
+
+def base_problem(reference: dict, checkpoint: Path, checksums: bool = True) -> str | None:
+    """None if the base `checkpoint` refers to is there as the run read it, else what differs
+    (naming the file). `checksums=False`: sizes only (fast: a preflight)."""
+    from megatron_rl.checkpoint.store import file_crc32
+
+    malformed = _malformed(reference)
+    if malformed:
+        return f"its megatron_rl.json names the base wrongly ({malformed}); the file was edited or damaged"
+    base = locate(reference, checkpoint)
+    if not base.is_dir():
+        return f"the base model {base} it refers to does not exist (moved or deleted?)"
+    for relative, entry in sorted(reference["files"].items()):
+        file = base / relative
+        if not file.is_file():
+            return f"the base model {base} it refers to has changed: {relative} is missing"
+        if file.stat().st_size != entry["bytes"]:
+            return (f"the base model {base} it refers to has changed: {relative} has {file.stat().st_size} bytes, "
+                    f"{entry['bytes']} when the run read it")
+        if checksums and file_crc32(file) != entry["crc32"]:
+            return (f"the base model {base} it refers to has changed: {relative} has CRC-32 {file_crc32(file)}, "
+                    f"{entry['crc32']} when the run read it")
+    return None
+
+
+def _malformed(reference) -> str | None:
+    """What is wrong with the shape of a "base" entry (a checkpoint is untrusted input), or None."""
+    if not isinstance(reference, dict) or not isinstance(reference.get("path"), str) or not reference["path"]:
+        return '"base" must be an object with a "path"'
+    files = reference.get("files")
+    if not isinstance(files, dict) or not files:
+        return '"base" must list its "files"'
+    for relative, entry in files.items():
+        if Path(relative).is_absolute() or ".." in Path(relative).parts:
+            return f"file {relative!r} lies outside the base"
+        if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("crc32"), str)):
+            return f'file {relative!r} needs "bytes" and "crc32"'
+    return None
+
+
+def refused(checkpoint: Path, problem: str) -> ConfigError:
+    return ConfigError(
+        f"checkpoint {checkpoint} holds LoRA adapters and refers to its base model instead of holding it "
+        f"(checkpoint.base_weights=referenced); {problem}. The adapters were trained on that base and do not "
+        "apply to another: put the base back as it was, or start a new run from another base "
+        "(checkpoint.resume=none, or another output_dir)")
+
+
+def check_base(reference: dict, checkpoint: Path, checksums: bool = True) -> Path:
+    """The base directory, or ConfigError naming what changed."""
+    problem = base_problem(reference, checkpoint, checksums)
+    if problem:
+        raise refused(checkpoint, problem)
+    return locate(reference, checkpoint)
