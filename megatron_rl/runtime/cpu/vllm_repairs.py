@@ -1,8 +1,8 @@
 """Repairs of vLLM's CPU build (0.32) that our engines need, each measured and explained where it
 is defined: the CPU MoE kernel's weight packing redone after a reload, the CPU rotary kernel
 made correct for the 3-D query/key of multi-latent attention, seeded sampling kept working
-when a prompt's prefill is split over steps, and the CPU MoE kernel kept when LoRA is on. Applied only where vLLM's CPU classes exist;
-elsewhere each is a no-op.
+when a prompt's prefill is split over steps, and the CPU MoE kernel kept when LoRA is on.
+Applied only where vLLM's CPU classes exist; elsewhere each is a no-op.
 """
 
 from __future__ import annotations
