@@ -192,6 +192,10 @@ class RunConfig:
         if self.model.export_fp8:
             raise ConfigError(f"{key} with model.export_fp8=true: LoRA over FP8 base weights in vLLM is not "
                               "verified here; use rollout.lora_push=merged")
+        if self.rl.routing_replay == "rollout":
+            raise ConfigError(f"{key} with rl.routing_replay=rollout: the routes recorded by an engine that "
+                              "serves its adapters through vLLM's LoRA layers are not verified here; use "
+                              "rollout.lora_push=merged")
 
     def _validate_fp8_rollout(self, where: str) -> None:
         """model.export_fp8 on any machine (the engine's device is checked by preflight)."""

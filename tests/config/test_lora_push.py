@@ -32,6 +32,7 @@ def test_merged_is_the_default_and_adapters_load_for_attention_targets():
      "needs vLLM's native LoRA"),
     ([*ADAPTERS, "rollout.mode=server"], "colocated vLLM engine only"),
     ([*ADAPTERS, "model.export_fp8=true", "rollout.dtype=bfloat16"], "FP8 base weights"),
+    ([*ADAPTERS, "rl.routing_replay=rollout"], "rl.routing_replay=rollout: the routes recorded"),
 ])
 def test_refused_at_config_load(overrides, match):
     with pytest.raises(ConfigError, match=match):
