@@ -60,8 +60,9 @@ def base_problem(reference: dict, checkpoint: Path, checksums: bool = True) -> s
         if file.stat().st_size != entry["bytes"]:
             return (f"the base model {base} it refers to has changed: {relative} has {file.stat().st_size} bytes, "
                     f"{entry['bytes']} when the run read it")
-        if checksums and file_crc32(file) != entry["crc32"]:
-            return (f"the base model {base} it refers to has changed: {relative} has CRC-32 {file_crc32(file)}, "
+        found = file_crc32(file) if checksums else entry["crc32"]
+        if found != entry["crc32"]:
+            return (f"the base model {base} it refers to has changed: {relative} has CRC-32 {found}, "
                     f"{entry['crc32']} when the run read it")
     return None
 

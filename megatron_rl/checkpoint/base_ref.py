@@ -59,11 +59,11 @@ def describe_written(base: Path, relative_to: Path) -> dict:
     return {"path": os.path.relpath(base, relative_to), "kind": "megatron", "files": files}
 
 
-def write_base(policy, root: Path, config, model_dir: Path) -> Path:
+def write_base(policy, root: Path, config, model_dir: Path | None) -> Path:
     """Collective: the frozen base of a run from random initialization as a megatron-rl checkpoint
-    ROOT/base (weights without adapters, hf_config/, megatron_rl.json, MANIFEST.json). A base
-    already there is never replaced (checkpoints may refer to it): this one is then written
-    beside it as ROOT/base-<id>."""
+    ROOT/base (weights without adapters, hf_config/ with `model_dir`'s tokenizer files,
+    megatron_rl.json, MANIFEST.json). A base already there is never replaced (checkpoints may
+    refer to it): this one is then written beside it as ROOT/base-<id>."""
     import uuid
 
     import torch.distributed as dist
