@@ -333,8 +333,7 @@ class CheckpointManager:
 
         source = self.config.checkpoint.init_from
         if source is None:
-            base = base_ref.write_base(self.policy, self.root, self.config, self.model_dir)
-            return base_ref.describe_written(base, relative_to=self.root / "step_000000")
+            return self._write_own_base()
         described = [base_ref.describe_source(source) if self.is_driver else None]
         dist.broadcast_object_list(described, src=0)
         return described[0]
@@ -343,13 +342,19 @@ class CheckpointManager:
         """Collective: the base the resumed checkpoint refers to, named as this run's checkpoints
         will name it; for a checkpoint that holds its base (written with base_weights=saved) the
         base as loaded from it, written into checkpoints/base/."""
-        from megatron_rl.checkpoint import base_ref
         from megatron_rl.checkpoint.base_check import portable, refers_to_base
         from megatron_rl.checkpoint.format import read_metadata
 
         metadata = read_metadata(path)
         if refers_to_base(metadata):
             return portable(metadata["base"], path, self.root)
+        return self._write_own_base()
+
+    def _write_own_base(self) -> dict:
+        """Collective: the policy's frozen base written into checkpoints/base/, named as the step
+        directories beside it name it (../base)."""
+        from megatron_rl.checkpoint import base_ref
+
         base = base_ref.write_base(self.policy, self.root, self.config, self.model_dir)
         return base_ref.describe_written(base, relative_to=self.root / "step_000000")
 

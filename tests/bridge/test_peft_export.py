@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from megatron_rl.bridge.layouts import merge, split
 from megatron_rl.bridge.lora_merge import merged_weight
 from megatron_rl.bridge.mappings import expand
-from megatron_rl.bridge.peft_export import ADAPTER_CONFIG, write_peft_directory
+from megatron_rl.bridge.peft_export import ADAPTER_CONFIG, lora_target, write_peft_directory
 from megatron_rl.errors import ConfigError
 from megatron_rl.model.hf_config import parse_hf_config
 from megatron_rl.model.layout_checks import family_lora_targets
@@ -36,15 +36,6 @@ peft = pytest.importorskip("peft")
 
 RANK, ALPHA = 4, 8.0
 TOL = 1e-4
-# LoRA target (config/model.py) -> the Megatron weights it adapts
-TARGET_WEIGHTS = {
-    "qkv": (".self_attention.linear_qkv.weight",),
-    "proj": (".self_attention.linear_proj.weight",),
-    "fc1": (".mlp.linear_fc1.weight", ".mlp.shared_experts.linear_fc1.weight"),
-    "fc2": (".mlp.linear_fc2.weight", ".mlp.shared_experts.linear_fc2.weight"),
-    "experts": (".linear_fc1.weight", ".linear_fc2.weight"),
-    "router": (".mlp.router.weight",),
-}
 TOKENS = [[3, 17, 42, 99, 7, 250, 12, 5, 64, 31]]
 
 
@@ -56,8 +47,8 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def adapted(name: str, targets: list[str]) -> bool:
-    expert = ".local_experts." in name
-    return any(name.endswith(TARGET_WEIGHTS[t]) and (expert == (t == "experts")) for t in targets)
+    """Whether one of `targets` adapts Megatron weight `name` (peft_export's table of them)."""
+    return lora_target(name) in targets
 
 
 def random_adapters(arch, hf: dict[str, torch.Tensor], targets: list[str]):

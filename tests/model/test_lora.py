@@ -241,6 +241,27 @@ def test_the_merged_export_of_a_checkpoint_on_a_hf_base_is_refused_by_name(resul
     assert "megatron-to-peft" in str(refused.value) and "hf_model/" in str(refused.value)
 
 
+@multiprocess
+def test_a_checkpoint_with_adapters_is_refused_by_a_model_without_them(results):
+    """checkpoint.init_from (or a teacher) of a checkpoint holding LoRA adapters into a model built
+    without model.lora would load the base alone: refused by name, from the adapters in the
+    checkpoint's torch_dist index, whether or not the checkpoint records the run's model.lora.
+    (Stand-in models: only their parameter names are read.)"""
+    import torch
+
+    from megatron_rl.checkpoint.format import _refuse_dropped_adapters, weights_path
+
+    ckpt = Path(results[0]["out"]) / "ckpt"  # the EP2 LoRA policy after its step
+    plain, adapted = torch.nn.Module(), torch.nn.Module()
+    plain.weight = torch.nn.Parameter(torch.zeros(1))
+    adapted.lora_A = torch.nn.Parameter(torch.zeros(1))
+    with pytest.raises(ConfigError, match="holds LoRA adapters, and the model built to load it has none"):
+        _refuse_dropped_adapters(type("Plain", (), {"module": plain})(), ckpt, weights_path(ckpt))
+    _refuse_dropped_adapters(type("Adapted", (), {"module": adapted})(), ckpt, weights_path(ckpt))
+    base = Path(results[0]["referenced_ckpt"]).parent / "base"  # written without adapters
+    _refuse_dropped_adapters(type("Plain", (), {"module": plain})(), base, weights_path(base))
+
+
 def hf_logits(directory, tokens, adapter=None):
     import torch
     from transformers import AutoModelForCausalLM

@@ -141,12 +141,20 @@ def test_lora_engine_matches_trainer_and_resumes_exactly_after_sigterm(merged_ru
 
 def test_a_resume_whose_base_changed_is_refused_by_name(merged_run, tmp_path):
     """The base a LoRA run's checkpoints name is checked before anything starts: one byte more in
-    a base file is refused at the preflight, naming the checkpoint and the file (a change of the
-    same size is refused by its CRC-32 when the base is loaded: tests/model/test_lora.py)."""
+    a base file is refused by the preflight (checked here in process: the load would refuse it
+    too, with the same message, after the ranks have started), and the command exits naming the
+    checkpoint and the file (a change of the same size is refused by its CRC-32 when the base is
+    loaded: tests/model/test_lora.py)."""
+    from megatron_rl.checkpoint.manager import check_run_directory
+    from megatron_rl.config import load_config
+    from megatron_rl.errors import ConfigError
+
     out = tmp_path / "run"
     shutil.copytree(merged_run, out)
     with open(out / "checkpoints" / "base" / "__0_0.distcp", "ab") as handle:
         handle.write(b"\0")
+    with pytest.raises(ConfigError, match="has changed: __0_0.distcp has"):
+        check_run_directory(load_config(None, [*SHORT, *LORA_RUN, f"output_dir={out}"]))
     result = subprocess.run(cli_command("train", "--output-dir", str(out), *SHORT, *LORA_RUN, preloaded=True),
                             env=child_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
