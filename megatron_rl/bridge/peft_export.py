@@ -20,7 +20,8 @@ for Mixtral) and the router's is `mlp.gate` (`block_sparse_moe.gate`), the modul
 < 5 had in memory; PEFT (0.21) converts them on load to transformers 5's fused expert tensors and
 router parameter (target `gate_proj` or `w1` -> the experts' `gate_up_proj`, with the gate and up
 adapters stacked to rank 2r, and `gate` -> `gate.weight`, the sigmoid routers' too). Multi-latent
-attention (DeepSeek-V3) is adapted on `o_proj` only (`qkv` is no target of it), a plain mapping.
+attention (DeepSeek-V3): `qkv` is its q_a_proj / q_b_proj (or q_proj), kv_a_proj_with_mqa and
+kv_b_proj, each a plain mapping like o_proj.
 
 What PEFT cannot represent, refused by name: in a MoE family whose experts and dense MLPs share
 leaf names (Qwen3-MoE, DeepSeek-V3, GLM-4.5: `gate_proj`, `up_proj`, `down_proj`), adapters on a
@@ -55,7 +56,11 @@ Adapters = dict[str, tuple[torch.Tensor, torch.Tensor]]  # Megatron weight name 
 # model.lora's targets (config/model.py) -> the Megatron weights each adapts (model/lora.py), by name
 # suffix; `experts` adapts the routed experts' linears, `fc1` / `fc2` the dense MLP's and the shared experts'.
 TARGET_WEIGHTS = {
-    "qkv": (".self_attention.linear_qkv.weight",),
+    # Multi-latent attention's query and key/value projections: q_proj or q_a_proj / q_b_proj,
+    # kv_a_proj_with_mqa, kv_b_proj in HF (and PEFT) names.
+    "qkv": (".self_attention.linear_qkv.weight", ".self_attention.linear_q_proj.weight",
+            ".self_attention.linear_q_down_proj.weight", ".self_attention.linear_q_up_proj.weight",
+            ".self_attention.linear_kv_down_proj.weight", ".self_attention.linear_kv_up_proj.weight"),
     "proj": (".self_attention.linear_proj.weight",),
     "fc1": (".mlp.linear_fc1.weight", ".mlp.shared_experts.linear_fc1.weight"),
     "fc2": (".mlp.linear_fc2.weight", ".mlp.shared_experts.linear_fc2.weight"),

@@ -265,10 +265,11 @@ def _repair_local_kv_down_projection(attention_class) -> None:
         group = projection.tp_group if hasattr(projection, "tp_group") else None
         if group is None or group.size() == 1:
             return
-        local_forward = projection.forward
 
         def forward(hidden_states, *f_args, **f_kwargs):
-            output, bias = local_forward(hidden_states, *f_args, **f_kwargs)  # [s, b, n / tp]
+            # Through the class at call time: LoRA gives the built projection its adapter
+            # (model/lora.py adapt_mla_down_projections changes its class).
+            output, bias = type(projection).forward(projection, hidden_states, *f_args, **f_kwargs)  # [s, b, n / tp]
             output = gather_from_tensor_model_parallel_region(output, group=group)  # [s, b, n]
             return scatter_to_sequence_parallel_region(output, group=group), bias  # [s / tp, b, n]
 
@@ -330,8 +331,7 @@ def build_gpt_model(arch: ArchitectureSpec, tconfig, model: ModelConfig, use_te:
     from megatron.core.models.gpt import GPTModel
 
     block = layer_spec(tconfig, use_te)
-    if model.lora is not None:
-        _add_lora(block, arch, model, tconfig, use_te)
+    lora_settings = _add_lora(block, arch, model, tconfig, use_te) if model.lora is not None else None
     gpt = GPTModel(
         config=tconfig,
         transformer_layer_spec=block,
@@ -345,15 +345,19 @@ def build_gpt_model(arch: ArchitectureSpec, tconfig, model: ModelConfig, use_te:
         rotary_base=arch.rope_theta,
         rotary_percent=arch.rotary_percent,
     )
-    if model.lora is not None:
-        from megatron_rl.model.lora import freeze_base
+    if lora_settings is not None:
+        from megatron_rl.model.lora import adapt_mla_down_projections, freeze_base
 
+        settings, targets = lora_settings
+        if arch.mla is not None and "qkv" in targets:
+            adapt_mla_down_projections(gpt, settings)
         freeze_base(gpt)  # here, so the planner's model on the meta device is frozen as training's is
     return gpt
 
 
-def _add_lora(block, arch: ArchitectureSpec, model: ModelConfig, tconfig, use_te: bool) -> None:
-    """Adapters into the layer spec (model/lora.py), on the targets the model has."""
+def _add_lora(block, arch: ArchitectureSpec, model: ModelConfig, tconfig, use_te: bool):
+    """Adapters into the layer spec (model/lora.py), on the targets the model has.
+    Returns (the adapters' settings, the targets)."""
     from megatron_rl.model import lora
     from megatron_rl.model.layout_checks import lora_targets
 
@@ -362,7 +366,9 @@ def _add_lora(block, arch: ArchitectureSpec, model: ModelConfig, tconfig, use_te
                           "(Transformer Engine's fused and grouped linears take no adapters yet)")
     settings = lora.LoraSettings(rank=model.lora.rank, alpha=model.lora.alpha, dropout=model.lora.dropout,
                                  init=model.lora.init)
-    lora.apply_to_layer_spec(block, settings, lora_targets(model.lora, arch), gated=tconfig.gated_linear_unit)
+    targets = lora_targets(model.lora, arch)
+    lora.apply_to_layer_spec(block, settings, targets, gated=tconfig.gated_linear_unit)
+    return settings, targets
 
 
 @dataclasses.dataclass

@@ -81,9 +81,8 @@ def family_lora_targets(arch: ArchitectureSpec) -> list[str]:
     """The LoRA targets (config/model.py: LoraConfig.targets) this model has."""
     has_dense_mlp = not arch.is_moe or not all(arch.moe_layer_pattern) or bool(arch.moe_shared_ffn_hidden_size)
     present = {
-        # Multi-latent attention has no fused QKV projection (its q/kv down and up projections
-        # would each need their own target); not built.
-        "qkv": arch.mla is None,
+        # Multi-latent attention: its query and key/value projections (down and up, or q_proj).
+        "qkv": True,
         "proj": True,
         "fc1": has_dense_mlp,
         "fc2": has_dense_mlp,
@@ -101,8 +100,7 @@ def lora_targets(lora, arch: ArchitectureSpec) -> list[str]:
         return [t for t in present if t != "router"]
     for target in lora.targets:
         if target not in present:
-            why = {"qkv": "its attention is multi-latent (no fused QKV projection; LoRA on it is not built)",
-                   "experts": "it is a dense model (no experts)", "router": "it is a dense model (no router)",
+            why = {"experts": "it is a dense model (no experts)", "router": "it is a dense model (no router)",
                    }.get(target, "every MLP layer is MoE without shared experts (no dense fc1/fc2)")
             raise ConfigError(f"model.lora.targets: {arch.architecture} has no {target!r} ({why}); "
                               f"its targets are {', '.join(present)}")

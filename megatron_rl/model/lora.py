@@ -231,6 +231,14 @@ def _adapt_mlp(submodules, lora: LoraSettings, gated: bool, fc1: bool = True, fc
         submodules.linear_fc2 = _lora_linear(submodules.linear_fc2, lora)
 
 
+# The `qkv` target: the fused Q/K/V projection, or multi-latent attention's query and key/value
+# projections (the spec fields that exist in the attention's submodules; MLA builds linear_q_proj
+# or the q down/up pair, as q_lora_rank says). MLA's down projections are adapted after the build
+# (adapt_mla_down_projections).
+QKV_PROJECTIONS = ("linear_qkv", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")
+MLA_DOWN_PROJECTIONS = ("linear_q_down_proj", "linear_kv_down_proj")
+
+
 def apply_to_layer_spec(block, lora: LoraSettings, targets: list[str], gated: bool) -> None:
     """Put adapters on `targets` in every layer spec of `block` (in place)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -238,7 +246,9 @@ def apply_to_layer_spec(block, lora: LoraSettings, targets: list[str], gated: bo
     for spec in block.layer_specs:
         attention = spec.submodules.self_attention.submodules
         if "qkv" in targets:
-            attention.linear_qkv = _lora_linear(attention.linear_qkv, lora)
+            for field in QKV_PROJECTIONS:
+                if hasattr(attention, field):
+                    setattr(attention, field, _lora_linear(getattr(attention, field), lora))
         if "proj" in targets:
             attention.linear_proj = _lora_linear(attention.linear_proj, lora)
         mlp = spec.submodules.mlp
@@ -254,6 +264,28 @@ def apply_to_layer_spec(block, lora: LoraSettings, targets: list[str], gated: bo
             _adapt_mlp(shared.submodules, lora, gated, **dense)
         if "router" in targets and not isinstance(mlp.submodules.router, ModuleSpec):
             mlp.submodules.router = ModuleSpec(module=lora_router(mlp.submodules.router), params=dict(lora=lora))
+
+
+def adapt_mla_down_projections(module: torch.nn.Module, lora: LoraSettings) -> None:
+    """Adapters on multi-latent attention's q and kv down projections, in the built model.
+
+    Megatron-Core's MLASelfAttention picks their parallel mode by the spec's class, compared by
+    identity with its own linear classes (any other spec is refused), so they cannot be given a
+    LoRA spec. The built ColumnParallelLinear becomes a LoraColumnParallelLinear in place: the
+    subclass adds parameters and overrides forward and sharded_state_dict, nothing in __init__
+    that the base class's construction lacks. Column-parallel like the spec-built ones (B split on
+    the latent outputs, which MLA gathers over TP itself)."""
+    for layer in module.modules():
+        for field in MLA_DOWN_PROJECTIONS:
+            linear = getattr(layer, field, None)
+            if linear is None or isinstance(linear, LoraColumnParallelLinear):
+                continue
+            if type(linear) is not ColumnParallelLinear or linear.gather_output:
+                raise ValueError(f"LoRA on {field} is built on the local spec's ColumnParallelLinear "
+                                 f"without gather_output, not on {type(linear).__name__}")
+            linear.__class__ = LoraColumnParallelLinear
+            linear.gated = False
+            _add_adapters(linear, lora, linear.input_size, linear.output_size_per_partition, split="B")
 
 
 def freeze_base(module: torch.nn.Module) -> None:

@@ -85,12 +85,14 @@ def logits(model) -> torch.Tensor:
 
 
 # What a run on each family can adapt (model/layout_checks.py) and PEFT can load: a MoE family's
-# dense MLP and shared experts (fc1, fc2) are refused below; multi-latent attention (DeepSeek-V3)
-# has no qkv target, so its attention is adapted on o_proj only.
+# dense MLP and shared experts (fc1, fc2) are refused below. Multi-latent attention's qkv is its
+# q_a_proj, q_b_proj, kv_a_proj_with_mqa and kv_b_proj, or (q_lora_rank null, as DeepSeek-V2-Lite
+# has) q_proj instead of the q pair.
 PEFT_TARGETS = {
     "qwen3_moe": ["qkv", "proj", "experts", "router"],
     "mixtral": ["qkv", "proj", "experts", "router"],
-    "deepseek_v3": ["proj", "experts", "router"],
+    "deepseek_v3": ["qkv", "proj", "experts", "router"],
+    "deepseek_v3_q_proj": ["qkv", "proj", "experts", "router"],
     "glm4_moe": ["qkv", "proj", "experts", "router"],
     "llama": ["qkv", "proj", "fc1", "fc2"],
     "qwen3": ["qkv", "proj", "fc1", "fc2"],  # tied embeddings, qk-norm
@@ -98,11 +100,19 @@ PEFT_TARGETS = {
 }
 
 
+def peft_family_config(name: str) -> dict:
+    """The tiny HF config of PEFT_TARGETS' `name` (the bridge tests' families, and DeepSeek-V3
+    without q_lora_rank)."""
+    if name == "deepseek_v3_q_proj":
+        return dict(family_configs()["deepseek_v3"], q_lora_rank=None)
+    return family_configs()[name]
+
+
 @pytest.mark.parametrize("name", list(PEFT_TARGETS))
 def test_peft_export_loads_as_the_merged_model(tmp_path, name):
     from transformers import AutoModelForCausalLM
 
-    raw = family_configs()[name]
+    raw = peft_family_config(name)
     arch = parse_hf_config(raw)
     targets = PEFT_TARGETS[name]
     assert set(targets) == set(family_lora_targets(arch)) - ({"fc1", "fc2"} if arch.is_moe else set())
@@ -118,6 +128,11 @@ def test_peft_export_loads_as_the_merged_model(tmp_path, name):
 
     config = json.loads((exported / ADAPTER_CONFIG).read_text())
     assert (config["r"], config["lora_alpha"]) == (RANK, ALPHA)
+    if arch.mla is not None:  # every projection of multi-latent attention has its adapter
+        modules = {key.split(".self_attn.")[1].split(".")[0]
+                   for key in load_file(exported / "adapter_model.safetensors") if ".self_attn." in key}
+        queries = {"q_proj"} if raw["q_lora_rank"] is None else {"q_a_proj", "q_b_proj"}
+        assert modules == queries | {"kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}, modules
     merged = logits(AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32))
     hf_base = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     plain = logits(hf_base)

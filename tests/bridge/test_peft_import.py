@@ -35,7 +35,7 @@ from megatron_rl.model.hf_config import parse_hf_config
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_bridge import family_configs, hf_logits, make_hf_model  # noqa: E402
-from test_peft_export import ALPHA, PEFT_TARGETS, RANK, random_adapters, read_weights  # noqa: E402
+from test_peft_export import ALPHA, PEFT_TARGETS, RANK, peft_family_config, random_adapters, read_weights  # noqa: E402
 
 peft = pytest.importorskip("peft")
 
@@ -51,7 +51,7 @@ def hf_base(tmp_path_factory):
 
     def base(name: str):
         if name not in made:
-            raw = family_configs()[name]
+            raw = peft_family_config(name)
             directory = tmp_path_factory.mktemp(name) / "base"
             make_hf_model(raw, directory)
             made[name] = parse_hf_config(raw), directory

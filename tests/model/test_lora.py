@@ -64,14 +64,13 @@ def test_targets_follow_the_family():
     assert lora_targets(lora, arch_of("tiny-qwen3-moe")) == ["qkv", "proj", "experts"]
     assert lora_targets(lora, arch_of("tiny-llama")) == ["qkv", "proj", "fc1", "fc2"]
     assert lora_targets(lora, arch_of("tiny-glm4-moe")) == ["qkv", "proj", "fc1", "fc2", "experts"]  # shared experts
-    assert lora_targets(lora, arch_of("tiny-deepseek-v3")) == ["proj", "fc1", "fc2", "experts"]
+    assert lora_targets(lora, arch_of("tiny-deepseek-v3")) == ["qkv", "proj", "fc1", "fc2", "experts"]
 
 
 @pytest.mark.parametrize("preset, target, why", [
     ("tiny-llama", "experts", "it is a dense model (no experts)"),
     ("tiny-llama", "router", "it is a dense model (no router)"),
     ("tiny-qwen3-moe", "fc1", "no dense fc1/fc2"),
-    ("tiny-deepseek-v3", "qkv", "multi-latent"),
 ])
 def test_targets_the_model_lacks_are_refused_before_building(preset, target, why):
     config = load_config(None, [f"model.hf_config={preset}", f"model.lora.targets=[proj,{target}]"])

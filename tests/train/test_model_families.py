@@ -7,6 +7,12 @@ The router's expert bias moves every step (model.moe_router_bias_update_rate), s
 serves the trainer's logprobs only if the push carries the bias as well as the parameters. The
 DeepSeek-V3 preset, like a config transformers writes, lacks `topk_method` / `scoring_func`,
 which vLLM needs to route with the bias: the trainer's engine directory must add them.
+
+The run trains LoRA adapters (model.lora, every default target): on multi-latent attention's
+four projections, the dense layer's MLP, the shared expert and every routed expert, trained by
+the warm start too, so every push carries W + (alpha / rank) B A. The full model's push on this
+family, bias included, is tests/rollout/test_vllm_families.py (one process) and
+tests/rollout/test_vllm_sync.py (TP2).
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ pytestmark = pytest.mark.engine
 
 RUN = ["rl.steps=3", "rl.prompts_per_step=8", "rl.group_size=4", "rl.max_response_tokens=6",
        "warm_start.steps=80", "data.synthetic.max_operand=3", "data.num_heldout=2", "rl.eval_every=0", "checkpoint.every_steps=0",
-       "logging.wandb_mode=disabled", "model.moe_router_bias_update_rate=0.05", "optimizer.lr=3e-3"]
+       "logging.wandb_mode=disabled", "model.moe_router_bias_update_rate=0.05", "optimizer.lr=3e-3",
+       "model.lora.rank=8", "model.lora.alpha=16"]
 
 
 # GLM-4.5 runs the same push code; its engine parity after pushes of new weights (the correction
