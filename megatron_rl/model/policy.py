@@ -184,6 +184,11 @@ class Policy:
         return StepResult(loss=loss, grad_norm=float(grad_norm or 0.0), updated=True,
                           weights_finite=math.isfinite(norm), weight_norm=norm, lr=used_lr)
 
+    def advance_schedule(self, updates: int) -> None:
+        """The learning-rate schedule moved on by `updates` updates not taken (a step's
+        mini-batches with no data: train/update.py), so it stays on the run's timeline."""
+        self.scheduler.step(updates)
+
     def weight_norm(self) -> float:
         """Collective: the L2 norm of the weights, the same number on every rank (every rank's
         parameters, so a weight replicated over ranks counts once per copy: a measure to compare

@@ -222,6 +222,8 @@ class PackedStep:
 
     minibatches: list[list[Trajectory]]
     packed: list[list[PackedBatch]]  # per update, its micro-batches
+    # The step's updates left out because they would have no data on any DP rank (pack_step).
+    empty_updates: int = 0
 
     def updates(self) -> Iterator[tuple[int, list[PackedBatch], list[Trajectory]]]:
         """Per update: the index of its first micro-batch in the step (a forward over the whole
@@ -239,9 +241,17 @@ class PackedStep:
 def pack_step(groups: list[list[Trajectory]], *, dp_rank: int, dp_size: int, updates: int, token_budget: int,
               pad_to_multiple: int) -> PackedStep:
     """This rank's groups (my_groups) in `updates` mini-batches (minibatches), each packed into
-    token-budget micro-batches (pack_minibatch)."""
-    per_update = minibatches(my_groups(groups, dp_rank, dp_size), updates)
-    return PackedStep(per_update, [pack_minibatch(t, token_budget, pad_to_multiple) for t in per_update])
+    token-budget micro-batches (pack_minibatch), less the mini-batches that would be empty on
+    every DP rank: with fewer groups than updates (a step whose filters kept few groups, or none)
+    those updates have no data anywhere, and an optimizer step on no gradient is no no-op (Adam's
+    momentum and weight decay still move every weight). Every rank computes the same count."""
+    most = max(len(part) for part in balanced_partition([group_tokens(group) for group in groups], dp_size))
+    with_data = min(updates, most)
+    # Mini-batch u of a rank holding n groups has data iff u < n (minibatches' round-robin
+    # sizes), so dropping the last updates - with_data leaves every other one as it was.
+    per_update = minibatches(my_groups(groups, dp_rank, dp_size), with_data) if with_data else []
+    return PackedStep(per_update, [pack_minibatch(t, token_budget, pad_to_multiple) for t in per_update],
+                      empty_updates=updates - with_data)
 
 
 def response_masks(batches: list[PackedBatch], trajectories: list[Trajectory], recipe: Recipe) -> list[torch.Tensor]:

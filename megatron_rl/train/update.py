@@ -85,6 +85,8 @@ def store_step_logprobs(policy: Policy, experience: PackedStep, attribute: str, 
     itself). `temperature`: the sampling temperature (LossSettings.temperature), the same the
     updates train at. The logprobs exist on the last pipeline stage only, which is where the
     loss that reads them runs."""
+    if not experience.packed:  # no update has data (pack_step)
+        return
     outputs = policy.logprobs(experience.micro_batches(), with_entropy=False, routing=routing, temperature=temperature)
     if not policy.is_last_stage:
         return
@@ -136,7 +138,12 @@ def run_updates(policy: Policy, runtime: Runtime, experience: PackedStep, loss: 
     drift (collective under R3). `policy_version`: the version the updates start from (the
     staleness of an asynchronous sample's tokens is measured against it). `check(update,
     result)` sees each update's result before the next runs (the trainer's UpdateGuard, which
-    raises to stop the run before a bad update reaches a checkpoint or an engine)."""
+    raises to stop the run before a bad update reaches a checkpoint or an engine).
+
+    The updates pack_step left out (no data on any rank) take no optimizer step, but count on
+    the learning-rate schedule: the rate at step k is the schedule's, whatever earlier steps kept.
+    `train/updates` counts the updates taken; with none, `train/grad_norm` is 0 and the loss's
+    terms are absent (count/sequences and count/tokens 0)."""
     results, micro_metrics = [], []
     for update, (offset, batches, trajectories) in enumerate(experience.updates()):
         result = run_update(policy, runtime, batches, trajectories, loss, routing, offset=offset,
@@ -144,9 +151,14 @@ def run_updates(policy: Policy, runtime: Runtime, experience: PackedStep, loss: 
         check(update, result)
         results.append(result)
         micro_metrics.extend(result.metrics)
+    if experience.empty_updates:
+        policy.advance_schedule(experience.empty_updates)
     metrics = reduce_metrics(micro_metrics, group=policy.dp_group) if runtime.is_last_stage else {}
     metrics = runtime.from_last_stage(metrics)
-    metrics.update({"train/loss": sum(r.loss for r in results), "train/grad_norm": results[-1].grad_norm,
+    metrics.setdefault("count/sequences", 0.0)
+    metrics.setdefault("count/tokens", 0.0)
+    metrics.update({"train/loss": sum(r.loss for r in results),
+                    "train/grad_norm": results[-1].grad_norm if results else 0.0,
                     "train/lr": policy.learning_rate, "train/updates": len(results),
                     "train/skipped_updates": sum(not r.updated for r in results)})
     metrics.update(routing.drift_metrics())

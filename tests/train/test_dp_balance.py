@@ -10,7 +10,8 @@ import statistics
 
 import pytest
 
-from megatron_rl.train.experience import Trajectory, balanced_partition, group_tokens, minibatches, my_groups, pack_minibatch
+from megatron_rl.train.experience import (Trajectory, balanced_partition, group_tokens, minibatches, my_groups, pack_minibatch,
+                                          pack_step)
 
 MAX_RESPONSE = 8192
 
@@ -74,3 +75,20 @@ def test_partition_ties_and_capacities():
     assert balanced_partition([], 3) == [[], [], []]
     with pytest.raises(ValueError, match="cannot hold"):
         balanced_partition([1, 2, 3], 2, [1, 1])
+
+
+@pytest.mark.parametrize("groups, dp, updates, with_data", [(3, 8, 2, 1), (3, 1, 4, 3), (9, 4, 2, 2), (0, 2, 2, 0)])
+def test_a_step_leaves_out_the_updates_no_rank_has_data_for(groups, dp, updates, with_data):
+    """Every rank packs the same number of updates: those with data on some rank (an optimizer
+    step on none would still move the weights; tests/train/test_empty_updates.py), and each kept
+    mini-batch holds what it held with every update packed."""
+    drawn = [[Trajectory(group=t.group, prompt_ids=list(t.prompt_ids), response_ids=list(t.response_ids),
+                         rollout_logprobs=[], truncated=t.truncated, reward=0.0) for t in group]
+             for group in draw_groups(groups, seed=groups)]
+    steps = [pack_step(drawn, dp_rank=rank, dp_size=dp, updates=updates, token_budget=10**6, pad_to_multiple=8)
+             for rank in range(dp)]
+    assert {len(step.packed) for step in steps} == {with_data}
+    assert {step.empty_updates for step in steps} == {updates - with_data}
+    for rank, step in enumerate(steps):
+        assert step.minibatches == minibatches(my_groups(drawn, rank, dp), updates)[:with_data]
+    assert sum(len(batch) for step in steps for batch in step.minibatches) == sum(map(len, drawn))
