@@ -193,16 +193,28 @@ def test_every_checkpoint_corrupt_refuses_then_resume_none_moves_the_run_aside(t
     assert sorted(metrics(copy)) == [0, 1]
 
 
-def test_tp2_ep2_checkpoint_resumes_on_one_process_and_converts(tmp_path):
+# LoRA (model.lora): the checkpoint holds the adapters (B split over TP, the experts' over EP)
+# and refers to the base the run wrote at its start; the resume loads the base, then the adapters
+# at the new layout; the conversion merges them (--merge-lora).
+RESUMED_LORA = ["model.lora.rank=4", "model.lora.alpha=8", "optimizer.lr=2e-3"]
+# Step 3 resumed on 1 process against the same step of the 2-process run: other reduction orders
+# in fp32 (measured 5e-7 relative on loss, grad norm and KL).
+RESUME_REL_TOL = 1e-5
+
+
+@pytest.mark.parametrize("variant", ["full", "lora"])
+def test_tp2_ep2_checkpoint_resumes_on_one_process_and_converts(tmp_path, variant):
     """Written by 2 processes at TP2 x EP2 with a 300-token vocabulary (Megatron pads it to 512
-    rows at TP2, to 384 at TP1): resumed on 1 process, KL reference included, then converted."""
+    rows at TP2, to 384 at TP1): resumed on 1 process, KL reference included, its next step the
+    2-process run's; then converted. The whole model, or LoRA adapters over a referenced base."""
     from megatron_rl.model.hf_config import load_hf_config
 
     raw, _ = load_hf_config("tiny-qwen3-moe")
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(dict(raw, vocab_size=300)))
     out = tmp_path / "run"
-    common = ["rl.steps=3", "warm_start.steps=4", "rl.recipe=grpo", f"model.hf_config={tmp_path / 'model'}"]
+    common = ["rl.steps=3", "warm_start.steps=4", "rl.recipe=grpo", f"model.hf_config={tmp_path / 'model'}",
+              *(RESUMED_LORA if variant == "lora" else [])]
     command = torchrun_command("megatron_rl.cli", 2, "train", "--output-dir", str(out), *SHORT, *common,
                                "parallel.tp=2", "parallel.ep=2", "parallel.etp=1", module=True, preloaded=True)
     result = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=900)
@@ -210,7 +222,10 @@ def test_tp2_ep2_checkpoint_resumes_on_one_process_and_converts(tmp_path):
     step2 = out / "checkpoints" / "step_000002"
     state = json.loads((step2 / "trainer_state.json").read_text())
     assert state["world_size"] == 2 and "reference" in state["keyed_like_weights"]
-    assert json.loads((step2 / "megatron_rl.json").read_text())["padded_vocab_size"] == 512
+    recorded = json.loads((step2 / "megatron_rl.json").read_text())
+    assert recorded["padded_vocab_size"] == 512
+    assert ("base" in recorded) == (variant == "lora")
+    uninterrupted = metrics(out)[3]
     shutil.rmtree(out / "checkpoints" / "step_000003")  # resume from step 2
 
     one = train(out, *common)
@@ -219,10 +234,14 @@ def test_tp2_ep2_checkpoint_resumes_on_one_process_and_converts(tmp_path):
     after = metrics(out)
     assert sorted(after) == [0, 1, 2, 3] and after[3]["train/grad_norm"] > 0
     assert any(key.startswith("actor/kl") for key in after[3]), after[3]
+    for key in ("train/loss", "train/grad_norm", "actor/kl"):
+        assert abs(after[3][key] - uninterrupted[key]) <= RESUME_REL_TOL * abs(uninterrupted[key]), \
+            (key, after[3][key], uninterrupted[key])
 
     # The 1-process checkpoint keeps the 512 rows; conversion reuses them and drops the padding.
     assert json.loads((out / "checkpoints" / "step_000003" / "megatron_rl.json").read_text())["padded_vocab_size"] == 512
-    run(str(REPO / "tools" / "convert_megatron_to_hf.py"), "--ckpt", str(out), "--out", str(tmp_path / "hf"))
+    run(str(REPO / "tools" / "convert_megatron_to_hf.py"), "--ckpt", str(out), "--out", str(tmp_path / "hf"),
+        *(["--merge-lora"] if variant == "lora" else []))
     converted, exported = safetensors_of(tmp_path / "hf"), safetensors_of(out / "hf_model")
     assert converted["model.embed_tokens.weight"].shape[0] == 300
     assert sorted(converted) == sorted(exported)
