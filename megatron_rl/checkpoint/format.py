@@ -76,6 +76,9 @@ def save_megatron_checkpoint(module, raw_hf_config: dict, directory: Path, confi
         "precision": config.model.precision,
         "saved_layout": {"tp": p.tp, "pp": p.pp, "ep": p.ep, "etp": p.expert_tp},
         "source": source,
+        # The adapters' settings, which conversions and checkpoint.init_from read (checkpoint/
+        # lora_record.py); a training checkpoint records them in its trainer state instead.
+        **({"lora": dataclasses.asdict(config.model.lora)} if config.model.lora and not without_adapters else {}),
         **(extra or {}),
     }
     (directory / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")

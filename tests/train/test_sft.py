@@ -75,11 +75,15 @@ from megatron_rl.model.packing import pack
 from megatron_rl.model.policy import Policy
 from megatron_rl.runtime import start_runtime
 
-checkpoint, tokens, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-config = pin_checkpoint_vocab(load_config(None, ["device=cpu", f"checkpoint.init_from={checkpoint}"]))
+checkpoint, tokens, out, overrides, zero_b = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]), sys.argv[5] == "1"
+config = pin_checkpoint_vocab(load_config(None, ["device=cpu", f"checkpoint.init_from={checkpoint}", *overrides]))
 runtime = start_runtime(config)
 policy = Policy(config, runtime)
 load_initial_weights(policy, checkpoint)
+if zero_b:  # the adapters' contribution taken out: the base model's logits
+    for name, param in policy.module.named_parameters():
+        if name.endswith(".lora_B"):
+            param.data.zero_()
 batch = pack([tokens], [1], pad_to_multiple=policy.pad_to_multiple)
 policy.module.eval()
 with torch.no_grad():
@@ -90,16 +94,20 @@ runtime.shutdown()
 """
 
 
-def megatron_logits(checkpoint: Path, tokens: list[int], out: Path) -> torch.Tensor:
-    result = subprocess.run(python_command("-c", MEGATRON_LOGITS, checkpoint, json.dumps(tokens), out, preloaded=True),
+def megatron_logits(checkpoint: Path, tokens: list[int], out: Path, overrides: tuple[str, ...] = (),
+                    zero_b: bool = False) -> torch.Tensor:
+    """The logits of the policy loaded from `checkpoint` (with `overrides`, e.g. its model.lora;
+    `zero_b`: every adapter's B zeroed after the load)."""
+    result = subprocess.run(python_command("-c", MEGATRON_LOGITS, checkpoint, json.dumps(tokens), out,
+                                           json.dumps(list(overrides)), "1" if zero_b else "0", preloaded=True),
                             env=child_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-5000:]
     return torch.load(out)
 
 
-def convert_to_hf(checkpoint: Path, out: Path) -> None:
+def convert_to_hf(checkpoint: Path, out: Path, *flags: str) -> None:
     result = subprocess.run(python_command(REPO / "tools" / "convert_megatron_to_hf.py", "--ckpt", checkpoint,
-                                           "--out", out, preloaded=True),
+                                           "--out", out, *flags, preloaded=True),
                             env=child_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-5000:]
 
@@ -141,21 +149,33 @@ def test_train_starts_from_the_sft_weights(sft_dir, tmp_path):
     assert {k: v for k, v in got[1].items() if k in rollout} == rollout
 
 
-def test_two_ranks_expert_parallel_checkpoint_loads_at_one(tmp_path):
+LORA = ["model.lora.rank=4", "model.lora.alpha=8"]
+
+
+def test_two_ranks_expert_parallel_lora_checkpoint_loads_at_one(tmp_path):
+    """sft with LoRA adapters (every default target: attention and every expert, split over EP2):
+    the checkpoint records its model.lora, so the conversion merges the adapters (it used to
+    refuse both ways: "pass --merge-lora", then "not a checkpoint of a LoRA run") and
+    checkpoint.init_from loads them into a run with the same adapters."""
     out = tmp_path / "ep2"
     cli("sft", "--output-dir", str(out), "warm_start.steps=3", "warm_start.batch_size=8", "parallel.ep=2",
-        "parallel.etp=1", torchrun=2)
+        "parallel.etp=1", *LORA, torchrun=2)
     metadata = json.loads((out / "megatron_rl.json").read_text())
     assert metadata["saved_layout"]["ep"] == 2
+    assert (metadata["lora"]["rank"], metadata["lora"]["alpha"]) == (4, 8.0)
     hf_dir = tmp_path / "hf"
-    convert_to_hf(out, hf_dir)  # read back at one rank
+    convert_to_hf(out, hf_dir, "--merge-lora")  # read back at one rank, W + (alpha / rank) B A
     from transformers import AutoModelForCausalLM
 
     tokens = [1, 6, 7, 20, 8, 22]
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         hf = model(torch.tensor([tokens])).logits[0]
-    assert (hf - megatron_logits(out, tokens, tmp_path / "logits.pt")).abs().max().item() <= 1e-4
+    with_adapters = megatron_logits(out, tokens, tmp_path / "logits.pt", LORA)
+    assert (hf - with_adapters).abs().max().item() <= 1e-4
+    # Not vacuous: the 3 steps moved B, so the adapters change the logits (B = 0: the base's).
+    base = megatron_logits(out, tokens, tmp_path / "base.pt", LORA, zero_b=True)
+    assert (hf - base).abs().max().item() > 1e-3, (hf - base).abs().max().item()
 
 
 @pytest.mark.parametrize("override,expected", [
