@@ -177,8 +177,10 @@ LORA = ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[qkv,proj
 # Multi-latent attention (DeepSeek-V3): qkv is its q down / up and kv down / up projections; the
 # down projections get their adapters after the build (model/lora.py), and at TP2 the kv down
 # projection's output goes through builder.py's k_pos_emb repair. Every default target: the dense
-# first layer's MLP and the shared expert too.
-MLA_LORA = ["model.hf_config=tiny-deepseek-v3", "model.lora.rank=4", "model.lora.alpha=8"]
+# first layer's MLP and the shared expert too. The tiny DeepSeek-V3 with narrower latents (its
+# kv_lora_rank 512 and 64 rotary dims are most of its compute; the code paths are the same).
+MLA_LORA = ["model.lora.rank=4", "model.lora.alpha=8"]
+NARROW_MLA = dict(kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +200,12 @@ def test_lora_layout_matches_single_process(lora_reference, rank_pools, name):
 
 
 def test_lora_on_multi_latent_attention_at_tp2_matches_single_process(tmp_path, rank_pools):
-    settings = ["model.precision=fp32", *MLA_LORA]
+    from megatron_rl.model.hf_config import load_hf_config
+
+    raw, _ = load_hf_config("tiny-deepseek-v3")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(dict(raw, **NARROW_MLA)))
+    settings = ["model.precision=fp32", f"model.hf_config={tmp_path / 'model'}", *MLA_LORA]
     run_worker(rank_pools, tmp_path / "ref", tmp_path / "weights", 1, settings, reference=True, nonzero_adapters=True)
     nproc, overrides, layout = LORA_LAYOUTS["tp2"]
     run_worker(rank_pools, tmp_path / "tp2", tmp_path / "weights", nproc, overrides + settings)

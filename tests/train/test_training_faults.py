@@ -56,8 +56,10 @@ def logged_steps(out: Path) -> dict[int, dict]:
 def test_injected_nan_gradients_are_skipped_then_stop_and_exploding_weights_are_never_saved(tmp_path):
     out = tmp_path / "run"
     # NaN gradients from step 2 on, two updates per step: step 2's two updates are skipped (the
-    # run goes on), step 3's first makes three in a row.
-    first = train_with(out, "nan_from=2", overrides=["rl.max_bad_steps=3", "rl.updates_per_rollout=2"])
+    # run goes on), step 3's first makes three in a row. GRPO keeps every group (no dynamic
+    # sampling), so both updates of every step have data and run (an update without any is not
+    # taken: tests/train/test_empty_updates.py).
+    first = train_with(out, "nan_from=2", overrides=["rl.max_bad_steps=3", "rl.updates_per_rollout=2", "rl.recipe=grpo"])
     assert first.returncode == 1, first.stderr[-4000:]
     assert "3 updates in a row were skipped for a non-finite gradient (rl.max_bad_steps=3)" in first.stderr, \
         first.stderr[-3000:]
@@ -72,7 +74,7 @@ def test_injected_nan_gradients_are_skipped_then_stop_and_exploding_weights_are_
     # The re-run resumes from step 2; its step 3 makes the weights explode, finite (learning rate
     # 1): stopped at once, unsaved. (Non-finite weights stop it the same way: update_guard.py,
     # tests/train/test_update_guard.py.) It used to save them as `latest`, and every resume died.
-    second = train_with(out, "explode_at=3")
+    second = train_with(out, "explode_at=3", overrides=["rl.recipe=grpo"])
     assert second.returncode == 1, second.stderr[-4000:]
     assert "resumed from" in second.stdout + second.stderr and "step_000002" in second.stdout + second.stderr
     assert "step 3, update 1: the weights are exploding: this update multiplied the policy's weight norm by" \
