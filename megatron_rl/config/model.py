@@ -25,7 +25,8 @@ class LoraConfig:
     alpha: float = 16.0
     # Dropout on the adapters' input while training (0: none; the logprob passes never drop).
     dropout: float = 0.0
-    # Where: qkv (attention input projection), proj (attention output), fc1 / fc2 (dense MLP and
+    # Where: qkv (attention's input projections: the fused QKV, or multi-latent attention's q and kv
+    # down and up projections), proj (attention output), fc1 / fc2 (dense MLP and
     # shared experts), experts (every routed expert's fc1 and fc2, per expert), router (the MoE
     # gate). None: every one of them the model has, except router. One the model lacks is refused.
     targets: list[LoraTarget] | None = None
