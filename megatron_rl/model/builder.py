@@ -346,12 +346,14 @@ def build_gpt_model(arch: ArchitectureSpec, tconfig, model: ModelConfig, use_te:
         rotary_percent=arch.rotary_percent,
     )
     if lora_settings is not None:
-        from megatron_rl.model.lora import adapt_mla_down_projections, freeze_base
+        from megatron_rl.model.lora import adapt_mla_down_projections, freeze_base, keep_layer_inputs_differentiable
 
         settings, targets = lora_settings
         if arch.mla is not None and "qkv" in targets:
             adapt_mla_down_projections(gpt, settings)
         freeze_base(gpt)  # here, so the planner's model on the meta device is frozen as training's is
+        if model.recompute != "none":
+            keep_layer_inputs_differentiable(gpt)
     return gpt
 
 

@@ -288,6 +288,27 @@ def adapt_mla_down_projections(module: torch.nn.Module, lora: LoraSettings) -> N
             _add_adapters(linear, lora, linear.input_size, linear.output_size_per_partition, split="B")
 
 
+def keep_layer_inputs_differentiable(module: torch.nn.Module) -> None:
+    """With activation recomputation (model.recompute=full) Megatron wraps each layer in its
+    CheckpointFunction, an autograd Function whose output requires grad only if one of its inputs
+    does, and whose backward is what recomputes the layer and reaches its parameters. With the
+    base frozen the embedding's output requires no grad, so on the first pipeline stage no layer
+    ran its backward and the adapters got no gradient: grad norm 0 at every step, nothing trained.
+    The embedding's output is made to require grad (what PEFT's enable_input_require_grads does
+    for Hugging Face models); a later stage's input arrives from the previous stage requiring grad
+    already. Only while grad is enabled: the logprob passes are left as they are."""
+    embedding = getattr(module, "embedding", None)
+    if embedding is None:  # not the first pipeline stage
+        return
+
+    def output_requires_grad(_module, _inputs, output):
+        if torch.is_grad_enabled() and not output.requires_grad:
+            output.requires_grad_(True)
+        return output
+
+    embedding.register_forward_hook(output_requires_grad)
+
+
 def freeze_base(module: torch.nn.Module) -> None:
     """Only the adapters train: no gradient buffer, no optimizer state for anything else."""
     for name, param in module.named_parameters():

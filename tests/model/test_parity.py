@@ -171,8 +171,14 @@ def test_recipe_loss_matches_single_process(reference, rank_pools, recipe, name)
 # equals the reference's.
 # TP2 x EP2 at ETP1 is run for LoRA only: the question there is the expert adapters' share of the
 # gradient norm (Megatron tags its own expert weights, so the full model's share is its own).
+# PP2 with full activation recomputation: each layer runs its backward only if its input requires
+# grad, which a frozen embedding's output did not (model/lora.py keep_layer_inputs_differentiable):
+# without it the adapters got no gradient at all (grad norm 0 here); the second stage's input
+# comes from the first.
 LORA_LAYOUTS = dict(LAYOUTS, tp2_ep2=(4, ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1"],
-                                      dict(tp=2, pp=1, ep=2, etp=1, dp=2, distributed_optimizer=True)))
+                                      dict(tp=2, pp=1, ep=2, etp=1, dp=2, distributed_optimizer=True)),
+                    pp2_recompute=(2, ["parallel.pp=2", "model.recompute=full"],
+                                   dict(tp=1, pp=2, ep=1, etp=1, dp=1, distributed_optimizer=True)))
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[qkv,proj,experts,router]"]
 # Multi-latent attention (DeepSeek-V3): qkv is its q down / up and kv down / up projections; the
 # down projections get their adapters after the build (model/lora.py), and at TP2 the kv down
@@ -190,7 +196,7 @@ def lora_reference(reference, rank_pools) -> Path:
     return reference
 
 
-@pytest.mark.parametrize("name", ["tp2", "ep2", "pp2", "tp2_ep2", "tp2_ep2_etp2"])
+@pytest.mark.parametrize("name", ["tp2", "ep2", "pp2", "tp2_ep2", "tp2_ep2_etp2", "pp2_recompute"])
 def test_lora_layout_matches_single_process(lora_reference, rank_pools, name):
     nproc, overrides, layout = LORA_LAYOUTS[name]
     out = lora_reference / f"{name}_lora"
