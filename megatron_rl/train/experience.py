@@ -189,8 +189,12 @@ def my_groups(groups: list[list[Trajectory]], dp_rank: int, dp_size: int) -> lis
     the same StepRollout. With fewer groups than ranks some ranks get none (pack_minibatch gives
     them a zero-loss filler, so the collectives still line up). Which rank trains on which group
     does not change the update: the loss normalizer counts the whole step (step_normalizer)."""
-    parts = balanced_partition([group_tokens(group) for group in groups], dp_size)
-    return [groups[index] for index in parts[dp_rank]]
+    return [groups[index] for index in dp_parts(groups, dp_size)[dp_rank]]
+
+
+def dp_parts(groups: list[list[Trajectory]], dp_size: int) -> list[list[int]]:
+    """Every data-parallel rank's group indices (my_groups)."""
+    return balanced_partition([group_tokens(group) for group in groups], dp_size)
 
 
 def minibatches(groups: list[list[Trajectory]], count: int) -> list[list[Trajectory]]:
@@ -245,11 +249,12 @@ def pack_step(groups: list[list[Trajectory]], *, dp_rank: int, dp_size: int, upd
     every DP rank: with fewer groups than updates (a step whose filters kept few groups, or none)
     those updates have no data anywhere, and an optimizer step on no gradient is no no-op (Adam's
     momentum and weight decay still move every weight). Every rank computes the same count."""
-    most = max(len(part) for part in balanced_partition([group_tokens(group) for group in groups], dp_size))
-    with_data = min(updates, most)
+    parts = dp_parts(groups, dp_size)
     # Mini-batch u of a rank holding n groups has data iff u < n (minibatches' round-robin
     # sizes), so dropping the last updates - with_data leaves every other one as it was.
-    per_update = minibatches(my_groups(groups, dp_rank, dp_size), with_data) if with_data else []
+    with_data = min(updates, max(len(part) for part in parts))
+    mine = [groups[index] for index in parts[dp_rank]]  # my_groups, from the partition computed once
+    per_update = minibatches(mine, with_data) if with_data else []
     return PackedStep(per_update, [pack_minibatch(t, token_budget, pad_to_multiple) for t in per_update],
                       empty_updates=updates - with_data)
 
