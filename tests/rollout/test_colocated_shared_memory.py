@@ -1,5 +1,5 @@
 """Colocated vLLM CPU engines' shared memory (runtime/cpu/vllm_shm.py): a crashed run no longer
-blocks the next one, and two runs share a host.
+blocks the next one, two runs share a host, and a finished run leaves none of its segments.
 
 vLLM's CPU build named the segments after the init method (`env://`), the same for every run: a
 rank killed with SIGKILL left them in /dev/shm and every re-run failed at engine start with
@@ -9,23 +9,38 @@ occur; the test plants a dead run's segments under both namings (the old shared 
 ours whose run is gone), which on an AVX-512 machine reproduces the failure, and on every machine
 checks that the re-run removes them and says so. That vLLM takes each run's own name is checked
 in test_vllm_sync.py (the colocated TP2 / EP2 cases) on any CPU.
+
+A run that ended normally left its own segments on an Intel Xeon (2 x 4 MiB per TP2 engine):
+vLLM unlinks them only in a C++ destructor at the process's C exit, which a rank forked from the
+tests' pre-imported server (it ends with os._exit) never reaches. The engine now removes its
+run's segments at shutdown, and at the process's exit otherwise. The runs here carry
+shm_hook/sitecustomize.py: where vLLM's kernels have no shared-memory ops (AVX2) it gives vLLM's
+own communicator stand-in ops that make the segments as vLLM's C++ does, and on every CPU it
+records the segments each run made, so the finished runs' check is made on both CPU families, and
+on the segments those runs made (not on other tests' runs). The removal itself is checked
+without any of this by the unit tests below.
 """
 
 from __future__ import annotations
 
+import json
+import mmap
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
 
-from _support.processes import child_env, cli_command
-from megatron_rl.runtime.cpu.vllm_shm import stale_segments
+from _support.processes import REPO, child_env, cli_command
+from megatron_rl.runtime.cpu.vllm_shm import RunSegments, remove_run_segments, run_identifier, stale_segments
 
 SHM = Path("/dev/shm")
+HOOK = Path(__file__).parent / "shm_hook"  # sitecustomize.py: vLLM's CPU shared-memory communicator on every CPU
 SHORT = ["parallel.ep=2", "parallel.etp=1", "rl.prompts_per_step=4", "rl.group_size=2", "rl.updates_per_rollout=1",
          "rl.max_response_tokens=4", "warm_start.steps=0", "data.num_heldout=4", "rl.eval_every=0",
          "logging.wandb_mode=disabled"]
@@ -48,14 +63,139 @@ def test_stale_segments_are_the_unmapped_old_ones(tmp_path):
     assert found == sorted(names[:2]), found  # not the mapped one, the young one, nor other files
 
 
-def launch(out: Path, preloaded: bool = False) -> subprocess.Popen:
+def vllm_segments(identifier: str, ranks: int = 2) -> list[str]:
+    """The names vLLM's CPU build gives an engine's TP group: `_CPUSHMDistributed.make_group_name`
+    (VLLM_DIST_IDENT, which the CPU worker takes from the init-method file name the project hands
+    it, then the group and its ranks) and the C++ SHMManager's `_{rank}` (csrc/cpu/shm.cpp)."""
+    group = "[" + "-".join(str(rank) for rank in range(ranks)) + "]"
+    return [f"{identifier}-tp:0-{group}-cpushm_{rank}" for rank in range(ranks)]
+
+
+def make_segment(path: Path) -> mmap.mmap:
+    """A segment as vLLM's SHMManager makes it (created exclusively, truncated, mapped shared)."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, mmap.PAGESIZE)
+        return mmap.mmap(fd, mmap.PAGESIZE, mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+
+
+def test_a_run_removes_its_own_segments_and_no_one_elses(tmp_path):
+    """Unit: at shutdown a run unlinks its segments (one still mapped by a rank, which keeps using
+    it), and leaves a live run's, a dead run's (the next start's stale removal is theirs) and
+    files that are not vLLM's."""
+    mine, live, dead = run_identifier(), run_identifier(), run_identifier()
+    assert len({mine, live, dead}) == 3 and mine.startswith("megatron-rl-")
+    maps = {}
+    for name in vllm_segments(mine) + vllm_segments(live) + vllm_segments(dead):
+        maps[name] = make_segment(tmp_path / name)
+    for name in vllm_segments(dead):
+        maps.pop(name).close()
+    others = [f"{mine}x-tp:0-[0-1]-cpushm_0", mine, "psm_1234"]  # a longer identifier; not segments
+    for name in others:
+        (tmp_path / name).write_bytes(b"x")
+    mapped = maps[vllm_segments(mine)[1]]  # the other rank, still mapping its segment
+    mapped[:5] = b"hello"
+
+    shm = RunSegments(mine, tmp_path)
+    assert shm.release() == vllm_segments(mine)
+    assert mapped[:5] == b"hello"  # unlinked, still mapped and usable
+    mapped[:5] = b"later"
+    assert mapped[:5] == b"later"
+    left = sorted(path.name for path in tmp_path.iterdir())
+    assert left == sorted(vllm_segments(live) + vllm_segments(dead) + others), left
+    assert shm.release() == [] and remove_run_segments(mine, tmp_path) == []  # once; the other rank's call finds none
+    for mapping in maps.values():
+        mapping.close()
+
+
+EXIT_SCRIPT = """
+import atexit, os, sys
+from pathlib import Path
+from megatron_rl.runtime.cpu.vllm_shm import RunSegments
+RunSegments(sys.argv[1], Path(sys.argv[2]))
+how = sys.argv[3]
+if how == "zygote":  # a fork of the tests' pre-imported server: atexit, then os._exit (zygote.py)
+    atexit._run_exitfuncs()
+    os._exit(0)
+if how == "killed":  # no exit path at all (SIGKILL): the next run's stale removal takes them
+    os._exit(0)
+if how == "error":
+    raise RuntimeError("the engine did not start")
+if how == "forked":  # a child of the rank (its atexit entries with it) ends first: the run goes on
+    child = os.fork()
+    if child == 0:
+        sys.exit(0)
+    os.waitpid(child, 0)
+    print(len(list(Path(sys.argv[2]).iterdir())))
+    os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("how,removed", [("normal", True), ("error", True), ("zygote", True), ("killed", False),
+                                         ("forked", False)])
+def test_a_process_that_never_shut_its_engine_down_removes_its_segments_at_exit(tmp_path, how, removed):
+    """Unit: an engine that failed while it started, or was never shut down: its run's segments go
+    when the process exits, also by the os._exit path of a fork of the pre-imported server."""
+    identifier = run_identifier()
+    for name in vllm_segments(identifier) + vllm_segments(run_identifier()):
+        (tmp_path / name).write_bytes(b"x")
+    result = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, identifier, str(tmp_path), how],
+                            env=child_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == (1 if how == "error" else 0), result.stderr
+    if how == "forked":
+        assert result.stdout.split() == ["4"], result.stdout  # the child's exit removed nothing
+    left = [path.name for path in tmp_path.iterdir()]
+    mine = [name for name in left if name.startswith(f"{identifier}-")]
+    assert len(mine) == (0 if removed else 2) and len(left) - len(mine) == 2, left  # the other run's stay
+
+
+def test_engine_shutdown_removes_its_run_segments(tmp_path):
+    """Unit: VllmColocatedEngine.shutdown unlinks the engine's segments on this rank, even when
+    vLLM's executor fails to shut down."""
+    from megatron_rl.rollout.engines.vllm_colocated import VllmColocatedEngine
+
+    def engine(identifier: str, fail: bool) -> VllmColocatedEngine:
+        def shutdown():
+            if fail:
+                raise RuntimeError("executor shutdown failed")
+
+        core = SimpleNamespace(model_executor=SimpleNamespace(shutdown=shutdown),
+                               scheduler=SimpleNamespace(shutdown=lambda: None))
+        client = SimpleNamespace(_finalizer=SimpleNamespace(detach=lambda: None), engine_core=core)
+        made = VllmColocatedEngine.__new__(VllmColocatedEngine)
+        made.name, made._closed = "vllm-colocated", False
+        made._llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=client))
+        made._shm = RunSegments(identifier, tmp_path)
+        return made
+
+    first, second, live = run_identifier(), run_identifier(), run_identifier()
+    for name in vllm_segments(first) + vllm_segments(second) + vllm_segments(live):
+        (tmp_path / name).write_bytes(b"x")
+    engine(first, fail=False).shutdown()
+    failing = engine(second, fail=True)
+    with pytest.raises(RuntimeError, match="executor shutdown failed"):
+        failing.shutdown()
+    assert sorted(path.name for path in tmp_path.iterdir()) == vllm_segments(live)
+    failing.shutdown()  # closed already: nothing again
+
+
+def launch(out: Path, preloaded: bool = False, shm_log: Path | None = None) -> subprocess.Popen:
     """`megatron-rl launch local` on 2 ranks; preloaded: the launcher, its torchrun and the ranks
     forked from the pre-imported server (not for the run whose rank the test finds and kills: its
-    ranks must be this process's descendants)."""
+    ranks must be this process's descendants). shm_log: the run carries shm_hook/, which writes
+    there the shared-memory segments its ranks made."""
     command = cli_command("launch", "local", "--nproc-per-node", "2", "--output-dir", str(out), *SHORT, "rl.steps=2",
                           preloaded=preloaded, children=preloaded)
-    return subprocess.Popen(command, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    env = child_env() if shm_log is None else child_env(PYTHONPATH=f"{HOOK}{os.pathsep}{REPO}",
+                                                        MEGATRON_RL_TEST_SHM_LOG=str(shm_log))
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+
+
+def segments_made(shm_log: Path) -> list[dict]:
+    return [json.loads(line) for line in shm_log.read_text().splitlines()] if shm_log.is_file() else []
 
 
 def wait_for_first_metrics(process: subprocess.Popen, out: Path, timeout_s: float = 600) -> None:
@@ -98,9 +238,11 @@ def test_rank_killed_with_sigkill_then_the_same_command_and_another_run_both_wor
                 path.write_bytes(b"\0" * 4096)
                 os.utime(path, (old, old))
             if attempts == 1:  # the same command, and a second run beside it
-                runs = [launch(crashed, preloaded=True), launch(tmp_path / "other", preloaded=True)]
+                runs = [launch(crashed, preloaded=True, shm_log=tmp_path / "shm-rerun.jsonl"),
+                        launch(tmp_path / "other", preloaded=True, shm_log=tmp_path / "shm-other.jsonl")]
             else:
-                runs = [launch(tmp_path / f"again-{attempts}", preloaded=True)]
+                runs = [launch(tmp_path / f"again-{attempts}", preloaded=True,
+                               shm_log=tmp_path / f"shm-again-{attempts}.jsonl")]
             outputs = [run.communicate(timeout=900)[0] for run in runs]
             for run, output in zip(runs, outputs):
                 assert run.returncode == 0, output[-5000:]
@@ -114,5 +256,15 @@ def test_rank_killed_with_sigkill_then_the_same_command_and_another_run_both_wor
     assert "stale vLLM shared-memory segment(s)" in said, said[-3000:]
     for path in planted:
         assert path.name in said, f"after {attempts} run(s) of our own:\n{said[-3000:]}"
-    assert not [path for path in SHM.iterdir() if "-cpushm" in path.name and path.name.startswith("megatron-rl-")
-                and path.stat().st_mtime > old + 60], "a finished run left its segments"
+    # Every finished run made its engine's segments (vLLM's ops on an AVX-512 CPU, the hook's
+    # stand-ins on AVX2), on each of its 2 ranks, and none is left.
+    logs = sorted(tmp_path.glob("shm-*.jsonl"))
+    assert len(logs) == 1 + attempts, logs
+    for log in logs:
+        made = segments_made(log)
+        assert len(made) == 2 and {entry["rank"] for entry in made} == {0, 1}, (log.name, made)
+        assert made[0]["group"].startswith("megatron-rl-") and made[0]["group"] == made[1]["group"], made
+        names = made[0]["segments"]
+        assert len(names) == 2 and all(name.startswith(made[0]["group"]) for name in names), made
+        assert not [name for name in names if (SHM / name).exists()], \
+            f"a finished run left its segments ({made[0]['ops']} ops): {names}"

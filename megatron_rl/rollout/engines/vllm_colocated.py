@@ -106,14 +106,19 @@ class VllmColocatedEngine:
             os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
             os.environ.setdefault("LOCAL_RANK", str(local_rank))
         # Shared memory between the engine's ranks (CPU build): named for this run, after the
-        # segments dead runs left are gone (runtime/cpu/vllm_shm.py).
+        # segments dead runs left are gone, and removed by this run when the engine shuts down or
+        # the process exits, whichever comes first (runtime/cpu/vllm_shm.py).
         shm_names = nullcontext()
+        self._shm = None
         if on_cpu and distributed:
-            from megatron_rl.runtime.cpu.vllm_shm import remove_stale_segments, run_identifier, segments_named_for
+            from megatron_rl.runtime.cpu.vllm_shm import (RunSegments, remove_stale_segments, run_identifier,
+                                                          segments_named_for)
 
             if int(os.environ["LOCAL_RANK"]) == 0:
                 remove_stale_segments(notify=lambda line: print(f"[megatron-rl] {line}", flush=True))
-            shm_names = segments_named_for(run_identifier())  # collective
+            identifier = run_identifier()  # collective
+            self._shm = RunSegments(identifier)
+            shm_names = segments_named_for(identifier)
         started = time.perf_counter()
         # vLLM runs gc.collect() about five times while it starts; over a heap that already holds
         # torch, Megatron-Core, transformers and the policy, each took ~0.3 s on 2 cores (1.4 s
@@ -267,9 +272,17 @@ class VllmColocatedEngine:
         client = self._llm.llm_engine.engine_core
         client._finalizer.detach()  # private, but the only handle on that registered shutdown
         core = client.engine_core
-        core.model_executor.shutdown()
-        core.scheduler.shutdown()
-        del self._llm
+        try:
+            core.model_executor.shutdown()
+            core.scheduler.shutdown()
+            del self._llm
+        finally:
+            # vLLM unlinks its CPU shared memory only in a C++ destructor at the process's C exit(),
+            # which a process ending with os._exit never reaches: this engine's segments go now,
+            # on every rank (each unlinks the run's names on its host; a rank still mapping one is
+            # unaffected, and vLLM opens them by name only while the engine starts).
+            if self._shm is not None:
+                self._shm.release()
 
     def _check_usable(self) -> None:
         self.health()

@@ -14,10 +14,25 @@ method is otherwise unused: the trainer's process group exists before the engine
 initializes one from it. Before an engine starts, one process per host removes the cpushm
 segments that no process on the host has mapped (a run that died without unlinking them), and
 says which.
+
+A run also removes its own (`RunSegments`). vLLM unlinks them only in its SHMManager's C++
+destructor (csrc/cpu/shm.cpp, `destroy_shm`: every rank unlinks every rank's name), which runs
+among the shared library's static destructors at C `exit()`, never at an engine shutdown (no op
+frees a manager): a process that ends with `os._exit` (a fork of the tests' pre-imported server,
+tests/_support/zygote.py), or whose interpreter dies at exit, leaves them in /dev/shm, 4 MiB and
+more each. So every rank of an engine, when the engine shuts down and otherwise at the process's
+exit (atexit, which a fork's `os._exit` path still runs), unlinks the segments named
+`{identifier}-...-cpushm_*` on its host: its own run's only, whoever of the ranks made them. The
+other ranks may still map them; that is safe, and vLLM opens a segment by name only while the
+engine starts (`init_shm_manager` / `join_shm_manager`, then a barrier on every rank), and a later
+engine gets a new identifier. Only vLLM's AVX-512 kernel libraries (`_C`, `_C_AVX512`; with AMX
+or without) have these ops; with `_C_AVX2` vLLM's CPU communicator uses torch.distributed and
+makes no segment.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import secrets
 import time
@@ -113,3 +128,48 @@ def remove_stale_segments(notify: Callable[[str], None], directory: Path = SHM_D
         notify(f"removed {len(removed)} stale vLLM shared-memory segment(s) ({sizes / 2**20:.0f} MiB) in {directory} "
                f"that no process maps, left by a run that ended without cleaning up: {', '.join(removed)}")
     return removed
+
+
+def run_segments(identifier: str, directory: Path = SHM_DIR) -> list[Path]:
+    """The segments vLLM made for the run (or engine) `identifier`: `{identifier}-{group}-[{ranks}]-cpushm_{rank}`.
+    The identifier's fixed-width random part keeps another run's names out."""
+    try:
+        return sorted(path for path in directory.iterdir()
+                      if path.name.startswith(f"{identifier}-") and SEGMENT_MARK in path.name)
+    except OSError:
+        return []
+
+
+def remove_run_segments(identifier: str, directory: Path = SHM_DIR) -> list[str]:
+    """Unlink this run's segments on this host (any rank's; mapped ones too). Returns the names removed."""
+    removed = []
+    for path in run_segments(identifier, directory):
+        try:
+            path.unlink()
+        except OSError:  # another rank of the run unlinked it first
+            continue
+        removed.append(path.name)
+    return removed
+
+
+class RunSegments:
+    """The shared memory of one engine's run: removed by `release()` (the engine's shutdown) or,
+    failing that, when the process exits (atexit, registered here: an engine that fails while it
+    starts, or is never shut down, leaves nothing either). A child forked from the rank inherits
+    the atexit entry but not the engine: its exit removes nothing."""
+
+    def __init__(self, identifier: str, directory: Path = SHM_DIR):
+        self.identifier, self.directory = identifier, directory
+        self.removed: list[str] = []
+        self._released = False
+        self._pid = os.getpid()
+        atexit.register(self.release)
+
+    def release(self) -> list[str]:
+        """Unlink the run's segments on this host, once. Returns the names this call removed."""
+        if self._released or os.getpid() != self._pid:
+            return []
+        self._released = True
+        atexit.unregister(self.release)
+        self.removed = remove_run_segments(self.identifier, self.directory)
+        return self.removed
