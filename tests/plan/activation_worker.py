@@ -1,8 +1,16 @@
 """One real training micro-batch on CPU: the activations it saved and its peak memory, against
 the planner's estimate (megatron_rl/plan/activations.py). Run by test_activation_estimate.py and
-benchmarks/activation_memory.py in a process of its own (the runtime is process-wide).
+benchmarks/activation_memory.py in a process of their own (the runtime is process-wide).
 
-    python activation_worker.py OUT.json HIDDEN LAYERS TOKENS [RECOMPUTE [FAMILY]]
+    python activation_worker.py OUT.json TOKENS CASE [CASE ...]     CASE: HIDDEN,LAYERS,RECOMPUTE,FAMILY
+
+OUT.json: a list, one result per case, measured one after the other in this process (one import of
+torch and Megatron-Core for all of them). Each case starts the runtime, builds its model, warms, measures
+and shuts the runtime down; before the next case its model, optimizer and runtime are garbage and
+glibc hands their freed heap back to the kernel (malloc_trim), so what the next case's peak is taken
+above holds no free memory of an earlier case that its step could reuse unseen: every block of 64 KiB
+or more was its own mapping, unmapped when freed, and the small blocks' heap is trimmed. What an
+earlier case leaves alive is in the resident set before and at the peak alike, not in the difference.
 
 The model is FAMILY's (qwen3-moe: MoE layers with GQA attention; deepseek-v3: multi-latent
 attention, a dense first layer, then MoE layers with a shared expert) at the given width and depth,
@@ -18,6 +26,9 @@ Measured:
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import json
 import sys
 from pathlib import Path
@@ -101,9 +112,18 @@ def measure(out: Path, hidden: int, layers: int, tokens: int, recompute: str, fa
             "estimate_bytes": estimate}
 
 
+def release_freed_memory() -> None:
+    """Collect the last case's objects and return glibc's free heap pages to the kernel."""
+    gc.collect()
+    ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+
+
 if __name__ == "__main__":
     out = Path(sys.argv[1])
-    hidden, layers, tokens = (int(v) for v in sys.argv[2:5])
-    recompute = sys.argv[5] if len(sys.argv) > 5 else "none"
-    family = sys.argv[6] if len(sys.argv) > 6 else "qwen3-moe"
-    out.write_text(json.dumps(measure(out, hidden, layers, tokens, recompute, family)))
+    tokens = int(sys.argv[2])
+    results = []
+    for case in sys.argv[3:]:
+        hidden, layers, recompute, family = case.split(",")
+        release_freed_memory()
+        results.append(measure(out, int(hidden), int(layers), tokens, recompute, family))
+    out.write_text(json.dumps(results))
