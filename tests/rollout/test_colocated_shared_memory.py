@@ -1,5 +1,6 @@
 """Colocated vLLM CPU engines' shared memory (runtime/cpu/vllm_shm.py): a crashed run no longer
-blocks the next one, two runs share a host, and a finished run leaves none of its segments.
+blocks the next one, two runs share a host, and a finished run leaves none of its segments nor its
+TP message queue (psm_); a stopped vLLM server leaves none of its processes' segments either.
 
 vLLM's CPU build named the segments after the init method (`env://`), the same for every run: a
 rank killed with SIGKILL left them in /dev/shm and every re-run failed at engine start with
@@ -26,6 +27,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -179,6 +181,151 @@ def test_engine_shutdown_removes_its_run_segments(tmp_path):
         failing.shutdown()
     assert sorted(path.name for path in tmp_path.iterdir()) == vllm_segments(live)
     failing.shutdown()  # closed already: nothing again
+
+
+class _Group:
+    """A vLLM group coordinator, for its message queue (weakly referenced, as vLLM's `_groups` does)."""
+
+    def __init__(self, queue):
+        self.mq_broadcaster = queue
+
+
+def test_engine_shutdown_unlinks_the_tp_message_queue_on_the_rank_that_made_it(monkeypatch):
+    """Unit: a TP group's message queue keeps a ring buffer in /dev/shm/psm_* (24 MiB), made by the
+    group's rank 0 and freed only when the group is destroyed, which the engine must not do, or by
+    Python's resource tracker at exit (`resource_tracker: There appear to be 1 leaked
+    shared_memory objects` after every colocated TP2 run; a leak if it is killed). The engine's
+    shutdown unlinks it where it was made, unregistered from the tracker; the reader (here in the
+    same process) only closes its mapping, and neither's later collection unlinks anything again."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
+    import gc
+    import weakref
+    from multiprocessing import resource_tracker
+
+    from vllm.distributed import parallel_state
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    from megatron_rl.rollout.engines.vllm_colocated import VllmColocatedEngine
+
+    tracked = []  # what the resource tracker would warn about at exit (not started here)
+    monkeypatch.setattr(resource_tracker, "register", lambda name, kind: tracked.append(name))
+    monkeypatch.setattr(resource_tracker, "unregister", lambda name, kind: tracked.remove(name))
+    writer = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=4096, max_chunks=2)
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+    segment = SHM / writer.buffer.shared_memory.name
+    try:
+        assert segment.name.startswith("psm_") and segment.exists() and tracked == [f"/{segment.name}"]
+        assert writer.buffer.is_creator and not reader.buffer.is_creator
+        groups = [_Group(writer), _Group(reader)]  # rank 0's TP group, rank 1's
+        monkeypatch.setattr(parallel_state, "_groups", {f"tp:{index}": weakref.ref(group)
+                                                        for index, group in enumerate(groups)})
+        core = SimpleNamespace(model_executor=SimpleNamespace(shutdown=lambda: None),
+                               scheduler=SimpleNamespace(shutdown=lambda: None))
+        client = SimpleNamespace(_finalizer=SimpleNamespace(detach=lambda: None), engine_core=core)
+        engine = VllmColocatedEngine.__new__(VllmColocatedEngine)
+        engine.name, engine._closed, engine._shm = "vllm-colocated", False, None
+        engine._llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=client))
+        engine.shutdown()
+        assert not segment.exists() and tracked == []
+        assert [group.mq_broadcaster for group in groups] == [None, None]  # broadcasts go through torch.distributed
+        assert writer.buffer.shared_memory.buf is None and reader.buffer.shared_memory.buf is None  # closed
+        unraisable = []
+        monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+        del writer, reader, groups
+        gc.collect()
+        assert unraisable == []  # ShmRingBuffer.__del__ did not unlink it a second time
+    finally:
+        segment.unlink(missing_ok=True)
+
+
+def test_server_segments_are_the_ones_its_processes_mapped(tmp_path):
+    """Unit: the segments a server's processes mapped while they ran, noted by identifier
+    (vLLM 0.32's mp executor: `vllm_dist_{uuid}`; over TCP: the port) and, for message queues, by
+    name, go once they are gone; another server's stay, and so does a queue a live process maps."""
+    from uuid import uuid4
+
+    from megatron_rl.runtime.cpu.vllm_shm import ServerSegments, segment_identifier
+
+    mine, port, other = f"vllm_dist_{uuid4().hex}", "45678", f"vllm_dist_{uuid4().hex}"
+    assert segment_identifier(vllm_segments(mine)[1]) == mine and segment_identifier(vllm_segments(port)[0]) == port
+    assert segment_identifier("megatron-rl-7-ab12cd34-pp:1-[0-1]-cpushm_1") == "megatron-rl-7-ab12cd34"
+    assert segment_identifier("psm_1234") is None
+    extra = [f"{mine}-pp:0-[0-1]-cpushm_0"]  # one no process of the server mapped: its identifier's
+    for name in vllm_segments(mine) + vllm_segments(port) + vllm_segments(other) + extra + ["psm_a1", "psm_b2"]:
+        (tmp_path / name).write_bytes(b"x")
+    proc = tmp_path / "proc"
+
+    def maps(pid: int, *names: str) -> None:
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "maps").write_text("".join(f"7f00-7f10 rw-s 00000000 00:1a 12 {SHM}/{name}\n"
+                                                      for name in names))
+
+    maps(100, *vllm_segments(mine), "psm_a1", "psm_b2")  # the server's worker of rank 0
+    maps(101, *vllm_segments(port), "/not-ours (deleted)")  # rank 1
+    maps(4242, *vllm_segments(other), "psm_b2")  # another live process
+    server = ServerSegments(tmp_path, proc)
+    server.note([100, 101, 999])  # 999: ended meanwhile
+    assert server.identifiers == {mine, port} and server.queues == {"psm_a1", "psm_b2"}
+    for pid in (100, 101):
+        shutil.rmtree(proc / str(pid))  # the server's processes are reaped
+    assert sorted(server.remove()) == sorted(vllm_segments(mine) + vllm_segments(port) + extra + ["psm_a1"])
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(vllm_segments(other) + ["proc", "psm_b2"])
+    assert server.remove() == []
+
+
+SERVER_SCRIPT = """
+import mmap, os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a worker stuck past the grace period: SIGKILL
+maps = []
+for name in sys.argv[1:]:
+    fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.ftruncate(fd, mmap.PAGESIZE)
+    maps.append(mmap.mmap(fd, mmap.PAGESIZE, mmap.MAP_SHARED))
+    os.close(fd)
+if os.fork() == 0:  # a worker of the server: the same process group, the same mappings
+    time.sleep(600)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("how", ["killed after the grace period", "died before stop"])
+def test_a_stopped_server_leaves_none_of_its_segments(tmp_path, how):
+    """A vLLM server's CPU workers (TP2, AVX-512) name theirs `{VLLM_DIST_IDENT}-tp:0-[0-1]-cpushm_N`
+    and vLLM unlinks them only in a C++ destructor at exit: a worker killed with SIGKILL after the
+    stop's grace period, or dead before it, left them in /dev/shm, with its message queues' psm_
+    (their resource tracker dies with the group). Here a stand-in server group maps segments named
+    as vLLM names them; the stop removes them after reaping the group, and no one else's."""
+    from uuid import uuid4
+
+    from megatron_rl.rollout.engines.server_process import ServerProcess, _group_alive, _group_members
+
+    identifier = f"vllm_dist_{uuid4().hex}"
+    names = vllm_segments(identifier) + [f"psm_{uuid4().hex[:8]}"]
+    unrelated = SHM / vllm_segments(f"vllm_dist_{uuid4().hex}")[0]
+    unrelated.write_bytes(b"x")
+    process = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT, *names], stdout=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        assert all((SHM / name).exists() for name in names)
+        server = ServerProcess(process, "http://127.0.0.1:9", tmp_path / "server.log", "vllm-test")
+        if how == "died before stop":
+            server.segments.note(_group_members(process.pid))  # what launch() does once the server is up
+            os.killpg(process.pid, signal.SIGKILL)
+            while _group_alive(process.pid):
+                process.poll()
+                time.sleep(0.05)
+        server.stop(grace_s=0.5)
+        assert not _group_alive(process.pid)
+        assert [name for name in names if (SHM / name).exists()] == [], "the stopped server's segments are left"
+        assert unrelated.exists()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        for path in [SHM / name for name in names] + [unrelated]:
+            path.unlink(missing_ok=True)
 
 
 def launch(out: Path, preloaded: bool = False, shm_log: Path | None = None) -> subprocess.Popen:

@@ -14,6 +14,7 @@ import psutil
 
 from megatron_rl.rollout.engines.http import JsonClient
 from megatron_rl.rollout.protocol import EngineError, EngineTimeout, EngineUnavailable, check_grouping
+from megatron_rl.runtime.cpu.vllm_shm import ServerSegments
 
 
 class ServerProcess:
@@ -21,6 +22,8 @@ class ServerProcess:
 
     def __init__(self, process: subprocess.Popen, url: str, log_path: Path, name: str):
         self.process, self.url, self.log_path, self.name = process, url, log_path, name
+        # Its processes' shared memory (vLLM's CPU workers, message queues), removed after stop().
+        self.segments = ServerSegments()
 
     @classmethod
     def launch(cls, command: list[str], *, env: dict, url: str, log_path: str | Path, name: str,
@@ -37,6 +40,7 @@ class ServerProcess:
         except BaseException:
             server.stop()
             raise
+        server.segments.note(_group_members(process.pid))  # the engine is up: its segments exist
         return server
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -67,11 +71,20 @@ class ServerProcess:
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM to the server's whole process group, SIGKILL to what is left after `grace_s`.
         Also when the main process is already gone: its engine-core and worker processes outlive
-        it (a GPU's memory with them) unless the group is signalled."""
+        it (a GPU's memory with them) unless the group is signalled. Then the shared memory its
+        processes mapped and left in /dev/shm goes (vllm_shm.ServerSegments)."""
         group = self.process.pid  # launched with start_new_session: the group's id is the server's pid
+        try:
+            self._stop_group(group, grace_s)
+        finally:
+            # A worker killed with SIGKILL (here, or before) leaves its shared memory in /dev/shm.
+            self.segments.remove()
+
+    def _stop_group(self, group: int, grace_s: float) -> None:
         if not _group_alive(group):
             self.process.poll()
             return
+        self.segments.note(_group_members(group))
         _signal_group(group, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while _group_alive(group) and time.monotonic() < deadline:
@@ -90,6 +103,18 @@ def _signal_group(group: int, number: int) -> None:
         os.killpg(group, number)
     except ProcessLookupError:
         pass
+
+
+def _group_members(group: int) -> list[int]:
+    """The pids of `group`'s processes."""
+    members = []
+    for process in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(process.pid) == group:
+                members.append(process.pid)
+        except (ProcessLookupError, psutil.NoSuchProcess, PermissionError):
+            continue
+    return members
 
 
 def _group_alive(group: int) -> bool:

@@ -283,6 +283,12 @@ class VllmColocatedEngine:
             # unaffected, and vLLM opens them by name only while the engine starts).
             if self._shm is not None:
                 self._shm.release()
+            # The TP group's message queue (24 MiB of /dev/shm/psm_*, made by its rank 0): vLLM
+            # frees it only when the group is destroyed, which the trainer's world forbids, or
+            # through Python's resource tracker at exit (a leak warning; nothing if it is killed).
+            from megatron_rl.runtime.cpu.vllm_shm import release_message_queues
+
+            release_message_queues()
 
     def _check_usable(self) -> None:
         self.health()

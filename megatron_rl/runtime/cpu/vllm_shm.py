@@ -28,12 +28,19 @@ engine starts (`init_shm_manager` / `join_shm_manager`, then a barrier on every 
 engine gets a new identifier. Only vLLM's AVX-512 kernel libraries (`_C`, `_C_AVX512`; with AMX
 or without) have these ops; with `_C_AVX2` vLLM's CPU communicator uses torch.distributed and
 makes no segment.
+
+Two more kinds are released here. A TP group's message queue (`psm_*`, 24 MiB, made by the
+group's rank 0 on any device): the colocated engine's shutdown unlinks it
+(`release_message_queues`). A vLLM server's segments, cpushm and psm_, which its workers leave
+when they are killed with SIGKILL: the server's stop removes them once its process group is gone
+(`ServerSegments`, rollout/engines/server_process.py).
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import re
 import secrets
 import time
 from contextlib import contextmanager
@@ -173,3 +180,128 @@ class RunSegments:
         atexit.unregister(self.release)
         self.removed = remove_run_segments(self.identifier, self.directory)
         return self.removed
+
+
+# vLLM's message queues between the ranks of a group (shm_broadcast.MessageQueue: a TP group's,
+# an mp executor's) keep their ring buffer in Python's multiprocessing shared memory, /dev/shm/psm_*.
+QUEUE_PREFIX = "psm_"
+# `{VLLM_DIST_IDENT}-{group}-[{ranks}]-cpushm_{rank}`: a group's unique name (`tp:0`) has no '-'.
+_SEGMENT_NAME = re.compile(r"(?P<identifier>.+)-[^-]+-\[[0-9-]+\]" + re.escape(SEGMENT_MARK) + r"_[0-9]+")
+
+
+def release_message_queue(group) -> str | None:
+    """Drop a vLLM group coordinator's message queue (`mq_broadcaster`), as vLLM's own
+    `GroupCoordinator.destroy` does (the group then broadcasts through torch.distributed), and on
+    the rank that created its ring buffer unlink the buffer's shared memory (24 MiB for a TP
+    group), unregistered from Python's resource tracker. vLLM frees it only in the buffer's
+    `__del__` (the group must live on: destroying vLLM's groups would destroy the trainer's world)
+    or through the tracker at exit, which prints `resource_tracker: There appear to be 1 leaked
+    shared_memory objects` and frees nothing when it is killed with the process tree. Every rank
+    calls this (each closes its mapping). Returns the name unlinked: on the creator only."""
+    queue = getattr(group, "mq_broadcaster", None)
+    if queue is None:
+        return None
+    group.mq_broadcaster = None
+    buffer = getattr(queue, "buffer", None)
+    memory = getattr(buffer, "shared_memory", None)  # absent where a reader could not attach
+    if memory is None:
+        return None
+    created, buffer.is_creator = buffer.is_creator, False  # its __del__ would unlink it a second time
+    try:
+        memory.close()
+    except BufferError:  # a view of it is still alive: the mapping goes with the process
+        pass
+    if not created:
+        return None
+    try:
+        memory.unlink()  # and unregisters it from the resource tracker
+    except FileNotFoundError:
+        from multiprocessing import resource_tracker
+
+        resource_tracker.unregister(memory._name, "shared_memory")
+        return None
+    return memory.name
+
+
+def release_message_queues() -> list[str]:
+    """`release_message_queue` for every vLLM group of this process (TP, and any other with a
+    queue), on any device. Returns the names unlinked here."""
+    try:
+        from vllm.distributed import parallel_state
+    except ImportError:
+        return []
+    names = []
+    for reference in list(parallel_state._groups.values()):
+        group = reference()
+        name = release_message_queue(group) if group is not None else None
+        if name:
+            names.append(name)
+    return names
+
+
+def segment_identifier(name: str) -> str | None:
+    """The VLLM_DIST_IDENT a cpushm segment is named for (None for any other name)."""
+    match = _SEGMENT_NAME.fullmatch(name)
+    return match["identifier"] if match else None
+
+
+def segments_mapped_by(pids, proc: Path = Path("/proc")) -> set[str]:
+    """The vLLM segments (cpushm, and message queues' psm_) that the processes `pids` map."""
+    names = set()
+    for pid in pids:
+        try:
+            text = (proc / str(pid) / "maps").read_text()
+        except OSError:  # ended meanwhile
+            continue
+        for line in text.splitlines():
+            where = line.find(f"{SHM_DIR}/")
+            if where >= 0:
+                name = line[where + len(str(SHM_DIR)) + 1:].split(" ")[0]
+                if SEGMENT_MARK in name or name.startswith(QUEUE_PREFIX):
+                    names.add(name)
+    return names
+
+
+class ServerSegments:
+    """The shared memory of a vLLM server's processes on this host, noted while they run and
+    removed once they are gone. A server's workers name their cpushm segments after their
+    executor's init method, which vLLM makes in the server's engine core (`vllm_dist_{uuid}` for
+    the file store of vLLM's mp executor; the port where it rendezvouses over TCP): nothing this
+    process chooses. So `note(pids)` reads which segments the server's processes map (every rank
+    maps every rank's segment once the engine is up) and keeps their identifiers, and the message
+    queues' psm_ segments they map; `remove()`, after the process group is reaped, unlinks the
+    segments of those identifiers and the noted queues, all that no live process maps. A worker
+    killed with SIGKILL never reaches the C++ destructor (cpushm) nor its resource tracker (psm_,
+    killed with the group) that would have unlinked them."""
+
+    def __init__(self, directory: Path = SHM_DIR, proc: Path = Path("/proc")):
+        self.directory, self.proc = directory, proc
+        self.identifiers: set[str] = set()
+        self.queues: set[str] = set()
+
+    def note(self, pids) -> None:
+        for name in segments_mapped_by(pids, self.proc):
+            identifier = segment_identifier(name)
+            if identifier is not None:
+                self.identifiers.add(identifier)
+            elif name.startswith(QUEUE_PREFIX):
+                self.queues.add(name)
+
+    def remove(self) -> list[str]:
+        """Unlink the noted segments that are still there and that no live process maps. Returns their names."""
+        candidates = [path for identifier in sorted(self.identifiers) for path in run_segments(identifier, self.directory)]
+        candidates += [self.directory / name for name in sorted(self.queues) if (self.directory / name).exists()]
+        self.identifiers, self.queues = set(), set()
+        if not candidates:
+            return []
+        in_use = mapped_segments(self.proc)
+        removed = []
+        for path in candidates:
+            if path.name in in_use:
+                continue
+            try:
+                path.unlink()
+            except OSError:
+                continue
+            removed.append(path.name)
+        return removed
