@@ -99,7 +99,9 @@ def learning_curve_figure(records: Sequence[dict[str, Any]], title: str = ""):
     axes[-1].set_xlabel(X_LABEL)
     if title:
         axes[0].set_title(title)
-    figure.tight_layout()
+    # Fixed margins, not tight_layout(): its measuring pass drew every tick and label once more
+    # (0.15 of the 0.45 CPU-s each run's figure took); these fit 5-digit ticks and the right axes' labels.
+    figure.subplots_adjust(left=0.125, right=0.88, bottom=0.06, top=0.955 if title else 0.975, hspace=0.08)
     return figure
 
 
