@@ -108,7 +108,8 @@ def owned_hf_names(module, arch: ArchitectureSpec, fp8: bool = False) -> list[st
 def _assemble(placement: Placement, table, arch: ArchitectureSpec,
               merge_adapters: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     hf_names, layout = table[placement.global_name]
-    tensor = merged_weight(_high_precision(placement.param.detach()), placement.adapter if merge_adapters else None)
+    tensor = merged_weight(_high_precision(placement.param.detach()), placement.adapter if merge_adapters else None,
+                           placement.global_name)
     shards = _all_gather(tensor, placement.tp_group) if placement.tp_dim is not None else [tensor]
     dim = placement.tp_dim or 0
     per_shard = [split(layout, shard, arch) for shard in shards]

@@ -27,7 +27,7 @@ from typing import Any
 from megatron_rl.algorithms.from_config import recipe_for
 from megatron_rl.config import RunConfig, parse_config, to_dict
 
-from megatron_rl.errors import ConfigError
+from megatron_rl.errors import ConfigError, TrainingStopped
 
 RUN_RECORD = "run.json"
 HF_EXPORT = "hf_model"
@@ -238,20 +238,28 @@ class CheckpointManager:
     def prepare(self) -> None:
         """Rank 0 tidies the directory before anyone reads it: staging directories of a save
         that crashed are removed; starting over (resume=none) moves an earlier run aside."""
-        import torch.distributed as dist
-
-        from megatron_rl.checkpoint.store import start_write_results_queue
+        from megatron_rl.checkpoint.store import agreed_problem, one_line, start_write_results_queue
 
         start_write_results_queue()  # now, not at the first save (see there)
+        problem = None
         if self.is_driver:
-            self.root.mkdir(parents=True, exist_ok=True)
-            for stale in list(self.root.glob(".step_*.partial-*")) + list(self.root.glob(".step_*.old-*")):
-                shutil.rmtree(stale, ignore_errors=True)
-                print(f"checkpoints: removed {stale.name}, left by a save that did not finish")
-            if self.config.checkpoint.resume == "none" or not _complete_candidates(self.root):
-                self._move_earlier_run_aside()
-            (self.out / RUN_RECORD).write_text(json.dumps({"config": to_dict(self.config)}, indent=1))
-        dist.barrier()
+            try:
+                self._tidy()
+            except OSError as exc:  # preflight tried these places: they broke since
+                problem = one_line(exc)
+        problem = agreed_problem(problem)  # also the barrier: nobody reads the directory before it is tidy
+        if problem is not None:
+            raise ConfigError(f"cannot prepare the run directory {self.out}: {problem}; make it writable or pass "
+                              "another --output-dir")
+
+    def _tidy(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        for stale in list(self.root.glob(".step_*.partial-*")) + list(self.root.glob(".step_*.old-*")):
+            shutil.rmtree(stale, ignore_errors=True)
+            print(f"checkpoints: removed {stale.name}, left by a save that did not finish")
+        if self.config.checkpoint.resume == "none" or not _complete_candidates(self.root):
+            self._move_earlier_run_aside()
+        (self.out / RUN_RECORD).write_text(json.dumps({"config": to_dict(self.config)}, indent=1))
 
     def _move_earlier_run_aside(self) -> None:
         present = [self.out / name for name in RUN_ARTIFACTS if (self.out / name).exists()]
@@ -407,8 +415,13 @@ class CheckpointManager:
                                async_save=async_save, device=self.runtime.device)
 
     def _poll(self, blocking: bool) -> list:
-        if self.pending is None or not self.pending.poll(blocking=blocking):
-            return []
+        pending = self.pending
+        try:
+            if pending is None or not pending.poll(blocking=blocking):
+                return []
+        except TrainingStopped:  # the save failed on some rank and was abandoned: nothing left to wait for
+            self.pending = None
+            raise
         stats, self.pending = self.pending.stats, None
         return [stats]
 

@@ -38,6 +38,7 @@ import os
 import random
 import shutil
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -51,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.checkpoint.unpickling import read_rng_state
+from megatron_rl.errors import TrainingStopped
 
 MANIFEST = "MANIFEST.json"
 STATE = "trainer_state.json"
@@ -91,6 +93,7 @@ class PendingCheckpoint:
     device: torch.device
     stats: SaveStats
     process: Any = None  # the forked writer (asynchronous mode)
+    report: Any = None  # the reading end of a pipe on which the forked writer sends why it failed
     started: float = field(default_factory=time.perf_counter)
 
     def poll(self, blocking: bool) -> bool:
@@ -103,12 +106,14 @@ class PendingCheckpoint:
             return False
         if self.process is not None:
             self.process.join()
-            failed = torch.tensor(int(self.process.exitcode != 0), device=self.device)
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-            if int(failed):
+            problem = None
+            if self.process.exitcode != 0:
+                sent = self.report.recv() if self.report is not None and self.report.poll() else None
+                problem = sent or f"the writer process exited with code {self.process.exitcode}"
+            problem = agreed_problem(problem)
+            if problem is not None:
                 self.abandon()
-                raise RuntimeError(f"writing checkpoint {self.final.name} failed on a rank (writer exit code "
-                                   f"{self.process.exitcode} here); the previous checkpoint is still the latest")
+                raise save_failed(self.final, problem)
         self._finalize()
         self.stats.blocked_s += time.perf_counter() - tick
         return True
@@ -118,28 +123,49 @@ class PendingCheckpoint:
             shutil.rmtree(self.staging, ignore_errors=True)
 
     def _finalize(self) -> None:
-        for finalize in self.request.finalize_fns:  # gathers write results, writes torch_dist metadata
-            finalize()
-        mine = _read_side_checksums(self.staging)
+        """Collective. A write that failed on any rank (torch gathers the writers' errors into a
+        CheckpointException on every rank; rank 0's own files) stops the run with one line on every
+        rank, the staging directory removed and the previous checkpoint still the latest."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        problem, mine = None, {"files": {}, "write_s": 0.0, "checksum_s": 0.0}
+        try:
+            for finalize in self.request.finalize_fns:  # gathers write results, writes torch_dist metadata
+                finalize()
+            mine = _read_side_checksums(self.staging)
+        except (OSError, CheckpointException) as exc:
+            problem = one_line(exc)
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        if dist.get_rank() == 0:
-            checksums: dict[str, dict] = {}
-            write_s = checksum_s = 0.0
-            for part in gathered:
-                checksums.update(part["files"])
-                write_s, checksum_s = max(write_s, part["write_s"]), max(checksum_s, part["checksum_s"])
-            self._write_description()
-            tick = time.perf_counter()
-            files = write_manifest(self.staging, known=checksums, step=self.stats.step)
-            checksum_s += time.perf_counter() - tick
-            _publish(self.staging, self.final)
-            _replace_file(self.root / LATEST, self.final.name + "\n")
-            _prune(self.root, self.keep_last)
-            self.stats.bytes = sum(entry["bytes"] for entry in files.values())
-            self.stats.write_s, self.stats.checksum_s = write_s, checksum_s
+        dist.all_gather_object(gathered, (mine, problem))
+        problem = next((part[1] for part in gathered if part[1]), None)
+        if dist.get_rank() == 0 and problem is None:
+            try:
+                self._publish_described([part[0] for part in gathered])
+            except OSError as exc:
+                problem = one_line(exc)
+        problem = agreed_problem(problem)  # also the barrier after rank 0 published
+        if problem is not None:
+            self.abandon()
+            raise save_failed(self.final, problem)
         self.stats.path = self.final
-        dist.barrier()
+
+    def _publish_described(self, gathered: list[dict]) -> None:
+        """Rank 0: the description and the manifest written, the checkpoint renamed into place,
+        `latest` replaced, the oldest pruned."""
+        checksums: dict[str, dict] = {}
+        write_s = checksum_s = 0.0
+        for part in gathered:
+            checksums.update(part["files"])
+            write_s, checksum_s = max(write_s, part["write_s"]), max(checksum_s, part["checksum_s"])
+        self._write_description()
+        tick = time.perf_counter()
+        files = write_manifest(self.staging, known=checksums, step=self.stats.step)
+        checksum_s += time.perf_counter() - tick
+        _publish(self.staging, self.final)
+        _replace_file(self.root / LATEST, self.final.name + "\n")
+        _prune(self.root, self.keep_last)
+        self.stats.bytes = sum(entry["bytes"] for entry in files.values())
+        self.stats.write_s, self.stats.checksum_s = write_s, checksum_s
 
     def _write_description(self) -> None:
         """Rank 0: the small files that describe the checkpoint."""
@@ -163,13 +189,26 @@ def begin_save(root: Path, step: int, policy, trainer_state: dict[str, Any], *, 
     name = [f".{final.name}.partial-{uuid.uuid4().hex[:8]}"]
     dist.broadcast_object_list(name, src=0)
     staging = root / name[0]
+    # A directory that cannot be written (immutable, read-only, full) stops the run here with one
+    # line on every rank, the checkpoints before this one kept (preflight tried these places at
+    # start: this is what happens when they break during the run).
+    problem = None
     if dist.get_rank() == 0:
-        staging.mkdir(parents=True)
-    dist.barrier()
-    small, request = policy.save_training_state(str(staging / "weights"), keyed_like_weights=keyed_like_weights,
-                                                async_save=True, without_frozen="base" in metadata)
-    (staging / "rng").mkdir(exist_ok=True)
-    torch.save(capture_rng(), staging / "rng" / f"rank_{dist.get_rank():05d}.pt")
+        try:
+            staging.mkdir(parents=True)
+        except OSError as exc:
+            problem = one_line(exc)
+    problem = agreed_problem(problem)  # also the barrier before any rank writes into staging
+    if problem is not None:
+        raise save_failed(final, problem)
+    try:
+        small, request = policy.save_training_state(str(staging / "weights"), keyed_like_weights=keyed_like_weights,
+                                                    async_save=True, without_frozen="base" in metadata)
+        (staging / "rng").mkdir(exist_ok=True)
+        torch.save(capture_rng(), staging / "rng" / f"rank_{dist.get_rank():05d}.pt")
+    except OSError as exc:
+        problem = one_line(exc)
+    _raise_if_failed(agreed_problem(problem), staging, final)
     state = dict(trainer_state, step=step, policy=small, world_size=dist.get_world_size(), version=STATE_VERSION,
                  keyed_like_weights=sorted(keyed_like_weights))
     describe = {"state": state, "metadata": dict(metadata, step=step), "hf_files": hf_files}
@@ -177,14 +216,80 @@ def begin_save(root: Path, step: int, policy, trainer_state: dict[str, Any], *, 
     writer = _checksummed_writer(request, staging)
     if async_save:
         args = _preloaded_args(request)
-        pending.process = multiprocessing.get_context("fork").Process(target=writer, args=args)
+        fork = multiprocessing.get_context("fork")
+        pending.report, sender = fork.Pipe(duplex=False)
+        pending.process = fork.Process(target=_write_in_child, args=(writer, sender, *args))
         pending.process.start()
+        sender.close()
         pending.stats.blocked_s = time.perf_counter() - tick
         return pending
-    writer(*_preloaded_args(request))
+    try:
+        writer(*_preloaded_args(request))
+    except OSError as exc:
+        problem = one_line(exc)
+    _raise_if_failed(agreed_problem(problem), staging, final)
     pending.stats.blocked_s = time.perf_counter() - tick
     pending.poll(blocking=True)
     return pending
+
+
+def _raise_if_failed(problem: str | None, staging: Path, final: Path) -> None:
+    if problem is None:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    raise save_failed(final, problem)
+
+
+def _write_in_child(writer, report, *args) -> None:
+    """The forked writer's body: why it failed is sent to the trainer (which reports it in one
+    line, on every rank) instead of a traceback on stderr."""
+    try:
+        writer(*args)
+    except BaseException as exc:  # noqa: BLE001 - whatever it is, the trainer reports it
+        report.send(one_line(exc))
+        report.close()
+        sys.exit(1)
+
+
+def agreed_problem(problem: str | None) -> str | None:
+    """Collective: the first rank's problem, on every rank (None when no rank has one)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return problem
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, problem)
+    return next((p for p in gathered if p), None)
+
+
+def one_line(exc: BaseException) -> str:
+    """A failed write in one line: the OSError behind it (disk full, permission, read-only) where
+    there is one, in the exception's chain or among the rank errors torch gathered into a
+    CheckpointException (whose own text is a multi-line traceback), else its first line."""
+    candidates = [exc, *(error for error, _ in (getattr(exc, "failures", None) or {}).values())]
+    for candidate in candidates:
+        link, seen = candidate, set()
+        while link is not None and id(link) not in seen:
+            if isinstance(link, OSError):
+                return f"{type(link).__name__}: {link}"
+            seen.add(id(link))
+            link = link.__cause__ or link.__context__
+    first = candidates[-1]
+    lines = str(first).strip().splitlines()
+    return f"{type(first).__name__}: {lines[0]}" if lines else type(first).__name__
+
+
+def save_failed(final: Path, problem: str) -> TrainingStopped:
+    """The run's stop when checkpoint `final` could not be written: what failed, what is kept."""
+    latest = final.parent / LATEST
+    try:
+        kept = latest.read_text().strip()
+    except OSError:
+        kept = None
+    kept = (f"the checkpoints before it are kept ({final.parent / kept} is the latest)" if kept else
+            "no earlier checkpoint of this run exists")
+    return TrainingStopped(f"checkpoint {final.name} could not be written into {final.parent}: {problem}. The run "
+                           f"stops here; {kept}. Free space or make the directory writable, then run the same "
+                           f"command to resume")
 
 
 def start_write_results_queue() -> None:

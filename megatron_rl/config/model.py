@@ -13,6 +13,18 @@ Fp8Recipe = Literal["delayed", "current", "blockwise", "mxfp8"]
 Dispatcher = Literal["alltoall", "allgather"]
 LoraTarget = Literal["qkv", "proj", "fc1", "fc2", "experts", "router"]
 LORA_TARGETS: tuple[str, ...] = ("qkv", "proj", "fc1", "fc2", "experts", "router")
+# Bounds of model.lora. A rank above the narrowest adapted layer's width adds nothing (preflight
+# refuses it against the model's dimensions: model/layout_checks.py); this bound stops a typo before
+# the model is read: rank 2,000,000 held 6.15 GB after 10 s, 10^9 died in the allocator.
+MAX_LORA_RANK = 1 << 16
+# The merged weight is W + (alpha / rank) B A. PEFT's usual alpha is rank to 2 x rank (16 at rank 8);
+# beyond 1e6 the adapters' update swamps the base at the first step, and 1e308 overflowed the merged
+# weights to infinity (bridge/lora_merge.py refuses a non-finite merge too).
+MAX_LORA_ALPHA = 1e6
+# Megatron pads the embedding to a multiple of make_vocab_size_divisible_by x TP rows, and builds
+# padded_vocab_size rows when it is set: each row is allocated. A vocabulary beyond 2^25 rows is a
+# typo (config.json's vocab_size is read up to 2^24).
+MAX_VOCAB_ROWS = 1 << 25
 
 
 @dataclass
@@ -37,9 +49,15 @@ class LoraConfig:
     def validate(self, where: str) -> None:
         if self.rank < 1:
             raise ConfigError(f"{where}.rank must be >= 1 (the adapters' inner dimension), got {self.rank}")
+        if self.rank > MAX_LORA_RANK:
+            raise ConfigError(f"{where}.rank must be at most {MAX_LORA_RANK} (the adapters' inner dimension; a rank "
+                              f"above the adapted layers' width adds nothing), got {self.rank}")
         if not (math.isfinite(self.alpha) and self.alpha > 0):
             raise ConfigError(f"{where}.alpha must be a finite number > 0 (the adapters' scale is alpha / rank), "
                               f"got {self.alpha}")
+        if self.alpha > MAX_LORA_ALPHA:
+            raise ConfigError(f"{where}.alpha must be at most {MAX_LORA_ALPHA:g} (the merged weight is W + (alpha / "
+                              f"rank) B A; PEFT's usual alpha is rank to 2 x rank), got {self.alpha:g}")
         if not (math.isfinite(self.dropout) and 0 <= self.dropout < 1):
             raise ConfigError(f"{where}.dropout must be in [0, 1), got {self.dropout}")
         if self.targets is not None:
@@ -122,10 +140,12 @@ class ModelConfig:
         return self.fp8_bf16_first_layers > 0 or self.fp8_bf16_last_layers > 0
 
     def validate(self, where: str) -> None:
-        if self.make_vocab_size_divisible_by < 1:
-            raise ConfigError(f"{where}.make_vocab_size_divisible_by must be >= 1")
-        if self.padded_vocab_size is not None and self.padded_vocab_size < 1:
-            raise ConfigError(f"{where}.padded_vocab_size must be >= 1")
+        if not 1 <= self.make_vocab_size_divisible_by <= 1 << 16:
+            raise ConfigError(f"{where}.make_vocab_size_divisible_by must be from 1 to 65536 (the embedding is padded "
+                              f"to a multiple of it x TP, every row allocated), got {self.make_vocab_size_divisible_by}")
+        if self.padded_vocab_size is not None and not 1 <= self.padded_vocab_size <= MAX_VOCAB_ROWS:
+            raise ConfigError(f"{where}.padded_vocab_size must be from 1 to {MAX_VOCAB_ROWS} (every row is allocated), "
+                              f"got {self.padded_vocab_size}")
         if self.moe_aux_loss_coeff < 0:
             raise ConfigError(f"{where}.moe_aux_loss_coeff must be >= 0")
         if self.moe_router_bias_update_rate < 0:

@@ -25,6 +25,20 @@ TisLevelSetting = Literal[TisLevel, "off"]
 
 RoutingReplay = Literal["off", "training", "rollout"]
 
+# Below this rl.temperature samples greedily in practice: softmax(logits / T) gives a token d logits
+# behind the top exp(-d / T) times its probability (at 0.05, one logit behind: e^-20 = 2e-9), and in
+# float32 a token more than 104 x T behind gets exactly 0. Every sample of a group is then the same
+# answer, every group's advantage 0, and no update is taken: rl.temperature=1e-6 ran every step
+# with 0 updates and ended "done".
+MIN_TEMPERATURE = 0.05
+# What one step holds at once: every prompt's group_size samples (tokens, logprobs, rewards) are
+# generated, scored and packed together before it trains. DAPO's 512 prompts x 16 samples is 2^13;
+# these bounds are far beyond any recipe and stop a typo before it allocates.
+MAX_GROUP_SIZE = 1 << 10
+MAX_STEP_SAMPLES = 1 << 20  # prompts_per_step x group_size
+# Tokens of one response: it must also fit rollout.max_model_len (checked with the prompts).
+MAX_RESPONSE_TOKENS = 1 << 24
+
 
 def _routing_replay_value(value: Any) -> Any:
     """rl.routing_replay as written: true / false (the former boolean key, and YAML's reading of a
@@ -232,6 +246,15 @@ class RLConfig:
                               f"got {growth}")
         if self.group_size < 2:
             raise ConfigError(f"{where}.group_size must be >= 2 (group-relative advantages need a group)")
+        if self.group_size > MAX_GROUP_SIZE:
+            raise ConfigError(f"{where}.group_size must be at most {MAX_GROUP_SIZE} (samples per prompt, held together "
+                              f"until the step trains), got {self.group_size}")
+        if self.prompts_per_step * self.group_size > MAX_STEP_SAMPLES:
+            raise ConfigError(f"{where}: prompts_per_step x group_size = {self.prompts_per_step} x {self.group_size} "
+                              f"samples per step is beyond {MAX_STEP_SAMPLES}: a step holds all of them at once")
+        if self.max_response_tokens > MAX_RESPONSE_TOKENS:
+            raise ConfigError(f"{where}.max_response_tokens must be at most {MAX_RESPONSE_TOKENS} (and fit "
+                              f"rollout.max_model_len with the prompt), got {self.max_response_tokens}")
         if self.prompts_per_step % self.updates_per_rollout:
             raise ConfigError(f"{where}.updates_per_rollout={self.updates_per_rollout} must divide "
                               f"prompts_per_step={self.prompts_per_step} (whole groups per update)")
@@ -241,6 +264,11 @@ class RLConfig:
             raise ConfigError(f"{where}.temperature must be a finite number > 0, got {self.temperature}: the "
                               f"trainer trains on the sampling distribution softmax(logits / temperature), which "
                               f"greedy decoding (0) does not have; rl.eval_temperature may be 0")
+        if self.temperature < MIN_TEMPERATURE:
+            raise ConfigError(f"{where}.temperature={self.temperature:g} samples greedily in practice: every sample of "
+                              f"a group would be the same answer, every advantage 0 and no update taken (a token one "
+                              f"logit behind the top is exp(-1 / T) as likely). Use at least {MIN_TEMPERATURE} "
+                              f"(0.6 .. 1.0 is usual); rl.eval_temperature may be 0")
         if self.top_p != 1:
             raise ConfigError(f"{where}.top_p={self.top_p}: nucleus sampling is not supported for training; set "
                               f"rl.top_p=1 (and lower rl.temperature for sharper samples). A truncated "

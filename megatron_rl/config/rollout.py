@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron_rl.errors import ConfigError
+
+# Upper bounds of counts and sizes that start processes, threads or allocations before anything
+# could report a better error; each is far beyond a real setting, so only a typo meets it.
+LIMITS = {
+    "max_model_len": (1 << 28, "tokens of context; preflight also holds it within the model's own"),
+    "num_servers": (1 << 10, "vLLM or SGLang server processes started on this node"),
+    "weight_bucket_mb": (1 << 20, "each bucket of the weight push is held in memory"),
+    "max_retries": (1 << 10, "retries of one request"),
+    "max_turns": (1 << 10, "model turns of one trajectory"),
+    "env_workers": (1 << 10, "threads running environment calls"),
+    "score_chunks": (1 << 16, "requests one generate round is split into"),
+    "overgeneration_groups": (1 << 16, "groups generated ahead of need, in flight at once"),
+}
+MAX_SERVER_TP = 1 << 10  # GPUs of one server
+MAX_CPU_KV_CACHE_GIB = 1 << 14  # a CPU engine allocates its KV cache up front
 
 
 @dataclass
@@ -117,8 +133,18 @@ class RolloutConfig:
         if self.max_retries < 0:
             raise ConfigError(f"{where}.max_retries must be >= 0")
         for name in ("startup_timeout_s", "request_timeout_s", "cpu_kv_cache_gib"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{where}.{name} must be > 0, got {getattr(self, name)}")
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):  # NaN compares False
+                raise ConfigError(f"{where}.{name} must be a finite number > 0, got {getattr(self, name)}")
+        if self.cpu_kv_cache_gib > MAX_CPU_KV_CACHE_GIB:
+            raise ConfigError(f"{where}.cpu_kv_cache_gib must be at most {MAX_CPU_KV_CACHE_GIB} (a CPU engine "
+                              f"allocates its KV cache when it starts), got {self.cpu_kv_cache_gib}")
+        if any(size > MAX_SERVER_TP for size in sizes):
+            raise ConfigError(f"{where}.server_tp must be at most {MAX_SERVER_TP} (GPUs of one server), got "
+                              f"{self.server_tp}")
+        for name, (limit, what) in LIMITS.items():
+            value = getattr(self, name)
+            if value is not None and value > limit:
+                raise ConfigError(f"{where}.{name} must be at most {limit} ({what}), got {value}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"{where}.gpu_memory_utilization must be in (0, 1]")
         for url in self.server_urls:
@@ -155,5 +181,5 @@ class RolloutConfig:
                               f"{self.max_model_len}) (the prompt needs room too)")
         if self.turn_reward not in ("last", "sum"):
             raise ConfigError(f"{where}.turn_reward must be 'last' or 'sum', got {self.turn_reward!r}")
-        if not self.env_timeout_s > 0:
-            raise ConfigError(f"{where}.env_timeout_s must be > 0, got {self.env_timeout_s}")
+        if not (self.env_timeout_s > 0 and math.isfinite(self.env_timeout_s)):
+            raise ConfigError(f"{where}.env_timeout_s must be a finite number > 0, got {self.env_timeout_s}")

@@ -33,6 +33,9 @@ class WarmStartConfig:
     def validate(self, where: str) -> None:
         if self.steps < 0 or self.batch_size < 1:
             raise ConfigError(f"{where}: steps must be >= 0 and batch_size >= 1")
+        if self.batch_size > 1 << 16:  # its sequences are packed and trained on together
+            raise ConfigError(f"{where}.batch_size must be at most {1 << 16} (sequences trained on at once), "
+                              f"got {self.batch_size}")
         check_learning_rate(f"{where}.lr", self.lr)
 
 

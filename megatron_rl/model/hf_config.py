@@ -150,9 +150,12 @@ def load_hf_config(source: str | Path) -> tuple[dict[str, Any], str]:
             "nor a config.json file or a directory holding one"
         )
     try:
-        return json.loads(path.read_text()), str(path)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON: {exc}") from exc
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON, or not UTF-8
+        raise ConfigError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):  # every reader takes its keys
+        raise ConfigError(f"{path}: expected a JSON object (a Hugging Face config.json), got {type(raw).__name__}")
+    return raw, str(path)
 
 
 # The numeric keys a config.json may hold, by the kind of value they must have (when present and
@@ -162,15 +165,38 @@ POSITIVE_INT_KEYS = (
     "num_key_value_heads", "max_position_embeddings", "num_experts", "num_local_experts", "n_routed_experts",
     "num_experts_per_tok", "moe_intermediate_size", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
     "v_head_dim", "q_lora_rank", "n_group", "topk_group", "decoder_sparse_step", "original_max_position_embeddings",
+    "sliding_window",
 )
 NON_NEGATIVE_INT_KEYS = ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers")
 REAL_KEYS = ("rms_norm_eps", "initializer_range", "attention_dropout", "routed_scaling_factor", "rope_theta",
              "partial_rotary_factor", "factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+# The largest value each integer key may have. Layers, experts and positions are counted out one by
+# one (a tuple per layer, a loop per divisor), and widths multiply into parameter counts: a value
+# beyond these is a typo or a damaged file, and refusing it costs nothing, while reading on took
+# minutes and gigabytes (num_hidden_layers: 1e30 in `megatron-rl plan`). Each is 16x or more the
+# largest published model's (DeepSeek-V3: 61 layers, 256 experts, hidden 7168, vocabulary 129280;
+# Llama 4 Scout: 10M positions).
+INT_KEY_LIMITS = {
+    "num_hidden_layers": 1 << 12, "first_k_dense_replace": 1 << 12, "decoder_sparse_step": 1 << 12,
+    "num_nextn_predict_layers": 1 << 12,
+    "hidden_size": 1 << 18, "intermediate_size": 1 << 20, "moe_intermediate_size": 1 << 20, "head_dim": 1 << 14,
+    "kv_lora_rank": 1 << 16, "q_lora_rank": 1 << 16, "qk_nope_head_dim": 1 << 14, "qk_rope_head_dim": 1 << 14,
+    "v_head_dim": 1 << 14,
+    "num_attention_heads": 1 << 14, "num_key_value_heads": 1 << 14,
+    "vocab_size": 1 << 24,
+    "max_position_embeddings": 1 << 28, "original_max_position_embeddings": 1 << 28, "sliding_window": 1 << 28,
+    "num_experts": 1 << 16, "num_local_experts": 1 << 16, "n_routed_experts": 1 << 16, "num_experts_per_tok": 1 << 16,
+    "n_shared_experts": 1 << 10, "n_group": 1 << 16, "topk_group": 1 << 16,
+}
+# Flags read as booleans: a string "false" would read as true (bool("false")).
+BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "norm_topk_prob", "use_qk_norm",
+             "use_sliding_window", "rope_interleave")
 
 
 def check_value_types(raw: dict[str, Any], where: str) -> None:
-    """ConfigError naming the first numeric key (top level, or in rope_scaling / rope_parameters)
-    whose value is not of its kind: a string, a bool, a fraction where a count belongs, NaN."""
+    """ConfigError naming the first numeric or flag key (top level, or in rope_scaling /
+    rope_parameters) whose value is not of its kind: a string, a bool, a fraction where a count
+    belongs, NaN, a count beyond INT_KEY_LIMITS."""
     sections = [("", raw), *((f"{name}.", raw[name]) for name in ("rope_scaling", "rope_parameters")
                             if isinstance(raw.get(name), dict))]
     for prefix, section in sections:
@@ -182,9 +208,15 @@ def check_value_types(raw: dict[str, Any], where: str) -> None:
                 if isinstance(value, bool) or not isinstance(value, int) or value < least:
                     kind = "a positive integer" if least else "an integer >= 0"
                     raise ConfigError(f"{where}: {prefix}{key}={value!r} must be {kind}")
+                limit = INT_KEY_LIMITS[key]
+                if value > limit:
+                    raise ConfigError(f"{where}: {prefix}{key}={value} is beyond {limit}, the most it is read with "
+                                      f"(16x or more the largest published model's): a typo or a damaged file")
             elif key in REAL_KEYS:
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                     raise ConfigError(f"{where}: {prefix}{key}={value!r} must be a finite number")
+            elif key in BOOL_KEYS and not prefix and not isinstance(value, bool):
+                raise ConfigError(f"{where}: {key}={value!r} must be true or false")
 
 
 def parse_hf_config(raw: dict[str, Any], where: str = "config.json") -> ArchitectureSpec:
@@ -288,6 +320,45 @@ def parse_hf_config(raw: dict[str, Any], where: str = "config.json") -> Architec
         if family.router == "sigmoid":
             spec.update(_sigmoid_router(raw, get, refuse, spec))
     return ArchitectureSpec(**spec)
+
+
+# The keys a rollout engine reads a model's context from, as vLLM does (derive_max_model_len_and_key
+# in vllm/transformers_utils/model_arch_config_convertor.py): the smallest one present, except that
+# model_max_length, when present, is taken as it is.
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+# What transformers' config class of each family fills in when config.json has none of them: the
+# engines load config.json through it.
+CONTEXT_DEFAULTS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "qwen3_moe": 32768, "mixtral": 4096 * 32,
+                    "deepseek_v3": 4096, "glm4_moe": 131072}
+# RoPE scalings whose max_position_embeddings is the scaled context already (YaRN: DeepSeek-V3's
+# 163840 = 4096 x factor 40); vLLM multiplies the context of the others by their `factor`.
+ROPE_SCALED_ALREADY = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def engine_context(raw: dict[str, Any]) -> tuple[int, str]:
+    """(the longest context, in tokens, a rollout engine serves this config.json's model with,
+    the key it comes from): what vLLM derives and refuses a longer max_model_len against (its
+    pydantic check, at engine start). The key is `family default` when config.json names none."""
+    present = {key: raw[key] for key in CONTEXT_KEYS
+               if isinstance(raw.get(key), int) and not isinstance(raw.get(key), bool) and raw[key] > 0}
+    if "model_max_length" in present:
+        key = "model_max_length"
+    elif present:
+        key = min(present, key=lambda name: present[name])
+    else:
+        architectures = raw.get("architectures") or [None]
+        family = FAMILIES.get(architectures[0]) if isinstance(architectures, list) else None
+        context = CONTEXT_DEFAULTS.get(family.name, 2048) if family is not None else 2048
+        return context, "family default"
+    context = present[key]
+    params = _rope_parameters(raw)
+    rope_type = params.get("rope_type", params.get("type")) if isinstance(params, dict) else None
+    factor = params.get("factor") if isinstance(params, dict) else None
+    if (rope_type not in (None, *ROPE_SCALED_ALREADY) and isinstance(factor, (int, float))
+            and not isinstance(factor, bool) and math.isfinite(factor) and factor > 0):
+        return int(context * factor), f"{key} x rope factor {factor:g}"
+    return context, key
 
 
 def with_implied_keys(raw: dict[str, Any], arch: ArchitectureSpec) -> dict[str, Any]:
@@ -399,12 +470,16 @@ def _fp8_block(raw: dict[str, Any], refuse) -> tuple[int, int] | None:
     quant = raw.get("quantization_config")
     if not quant:
         return None
+    if not isinstance(quant, dict):
+        refuse("quantization_config", quant, "it must be a mapping (quant_method, fmt, weight_block_size)")
     if quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
         refuse("quantization_config", {k: quant.get(k) for k in ("quant_method", "fmt")},
                "only block-wise e4m3 FP8 checkpoints are dequantized on import; use a BF16 checkpoint")
     block = quant.get("weight_block_size")
     if not (isinstance(block, (list, tuple)) and len(block) == 2):
         refuse("quantization_config.weight_block_size", block, "per-tensor FP8 is not read; a [rows, cols] block size is")
+    if not all(isinstance(size, int) and not isinstance(size, bool) and 1 <= size <= 1 << 16 for size in block):
+        refuse("quantization_config.weight_block_size", block, "each block size must be an integer from 1 to 65536")
     if quant.get("activation_scheme", "dynamic") != "dynamic":
         refuse("quantization_config.activation_scheme", quant["activation_scheme"], "only dynamic activation scales are read")
     return int(block[0]), int(block[1])
@@ -425,7 +500,10 @@ def _moe_layers(raw: dict[str, Any], num_layers: int, family: Family, where: str
     # Qwen3-MoE: layer i is sparse unless listed in mlp_only_layers, and only every
     # decoder_sparse_step-th layer is sparse.
     step = raw.get("decoder_sparse_step") or 1
-    dense = set(raw.get("mlp_only_layers") or [])
+    listed = raw.get("mlp_only_layers") or []
+    if not isinstance(listed, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in listed):
+        raise ConfigError(f"{where}: mlp_only_layers={listed!r} must be a list of layer ids (integers)")
+    dense = set(listed)
     bad = [i for i in dense if not 0 <= i < num_layers]
     if bad:
         raise ConfigError(f"{where}: mlp_only_layers has layer ids outside [0, {num_layers}): {bad}")

@@ -33,6 +33,12 @@ from megatron_rl.plan.meta_model import layer_kinds, probe_parameters, stage_lay
 from megatron_rl.plan.state_bytes import RankState, stage_states
 
 GIB = 1024**3
+# The largest cluster `plan` reasons about: 2^20 GPUs (a million; today's largest jobs hold ~10^5),
+# 2^12 per node (NVLink domains hold 72 .. 576), 2^50 bytes of memory per GPU. Beyond them a flag
+# is a typo, and the layout search (divisors of the GPU count, per layer and expert) only wastes time.
+MAX_GPUS = 1 << 20
+MAX_GPUS_PER_NODE = 1 << 12
+MAX_GPU_MEMORY = 1 << 50
 HEADROOM = 0.1  # of GPU memory, for what is not modelled: CUDA context, NCCL buffers, fragmentation
 RANKING = ("fits", f"at least {HEADROOM:.0%} of the GPU left", "fewer pipeline stages",
            "tensor parallel within a node, smaller", "expert group within a node",
@@ -51,13 +57,14 @@ class Cluster:
     ib_gbs_per_node: float = 400.0  # GB/s per node (8 x 400 Gb/s NICs)
 
     def validate(self) -> "Cluster":
-        for name in ("gpus", "gpus_per_node", "gpu_memory"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.rollout_gpus < 0:
-            raise ConfigError(f"--rollout-gpus must be >= 0, got {self.rollout_gpus}")
-        if self.rollout_gpu_memory is not None and self.rollout_gpu_memory < 1:
-            raise ConfigError(f"--rollout-gpu-memory must be >= 1, got {self.rollout_gpu_memory}")
+        limits = {"gpus": MAX_GPUS, "gpus_per_node": MAX_GPUS_PER_NODE, "gpu_memory": MAX_GPU_MEMORY}
+        for name, limit in limits.items():
+            if not 1 <= getattr(self, name) <= limit:
+                raise ConfigError(f"--{name.replace('_', '-')} must be from 1 to {limit}, got {getattr(self, name)}")
+        if not 0 <= self.rollout_gpus <= MAX_GPUS:
+            raise ConfigError(f"--rollout-gpus must be from 0 to {MAX_GPUS}, got {self.rollout_gpus}")
+        if self.rollout_gpu_memory is not None and not 1 <= self.rollout_gpu_memory <= MAX_GPU_MEMORY:
+            raise ConfigError(f"--rollout-gpu-memory must be from 1 to {MAX_GPU_MEMORY}, got {self.rollout_gpu_memory}")
         for name in ("nvlink_gbs", "ib_gbs_per_node"):  # the push time divides by them
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
@@ -242,7 +249,9 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending, in O(sqrt(n)) steps (the GPUs' count, the experts')."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def candidate_layouts(config, arch, cluster: Cluster) -> list:

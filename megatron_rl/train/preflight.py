@@ -36,6 +36,8 @@ def check_layout_and_paths(config, *, rl: bool = True) -> None:
     raw, source = load_hf_config(config.model.hf_config)
     arch = parse_hf_config(raw, source)
     check_layout(config, arch, read_launch_env().world_size, rl=rl, source=source)
+    if rl:
+        check_engine_context(config, raw, source)
     if rl and config.rollout.weight_transport == "nccl":
         import torch
 
@@ -46,6 +48,8 @@ def check_layout_and_paths(config, *, rl: bool = True) -> None:
         from megatron_rl.rollout.engines.vllm_lora import check_adapter_push
 
         check_adapter_push(config, arch)  # the targets and family vLLM's own LoRA serves here
+    if config.model.lora is not None:
+        check_lora_rank(config.model.lora, arch, source)
     if rl:
         check_fp8_rollout(config)
         if engines_on_cpu(config):
@@ -54,6 +58,106 @@ def check_layout_and_paths(config, *, rl: bool = True) -> None:
             refuse_unrunnable(raw, source)
     if config.checkpoint.init_from and not Path(config.checkpoint.init_from).exists():
         raise ConfigError(f"checkpoint.init_from: {config.checkpoint.init_from} does not exist")
+
+
+def lora_layer_widths(arch, target: str) -> dict[str, tuple[int, int]]:
+    """{linear: (in features, out features)} of the layers LoRA target `target` adapts
+    (config/model.py: LoraConfig.targets; model/lora.py builds them)."""
+    hidden, heads = arch.hidden_size, arch.num_attention_heads
+    if target == "qkv" and arch.mla is not None:
+        mla = arch.mla
+        layers = {"linear_kv_down_proj": (hidden, mla.kv_lora_rank + mla.qk_rope_head_dim),
+                  "linear_kv_up_proj": (mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim))}
+        if mla.q_lora_rank is None:
+            return {"linear_q_proj": (hidden, heads * mla.qk_head_dim), **layers}
+        return {"linear_q_down_proj": (hidden, mla.q_lora_rank),
+                "linear_q_up_proj": (mla.q_lora_rank, heads * mla.qk_head_dim), **layers}
+    if target == "qkv":
+        return {"linear_qkv": (hidden, (heads + 2 * arch.num_key_value_heads) * arch.head_dim)}
+    if target == "proj":
+        value_dim = arch.mla.v_head_dim if arch.mla is not None else arch.head_dim
+        return {"linear_proj": (heads * value_dim, hidden)}
+    if target in ("fc1", "fc2"):
+        widths = []
+        if not arch.is_moe or not all(arch.moe_layer_pattern):
+            widths.append(("mlp", arch.ffn_hidden_size))
+        if arch.moe_shared_ffn_hidden_size:
+            widths.append(("shared_experts", arch.moe_shared_ffn_hidden_size))
+        return {f"{where}.linear_{target}": (hidden, 2 * ffn) if target == "fc1" else (ffn, hidden)
+                for where, ffn in widths}
+    if target == "experts":
+        return {"experts.linear_fc1": (hidden, 2 * arch.moe_ffn_hidden_size),
+                "experts.linear_fc2": (arch.moe_ffn_hidden_size, hidden)}
+    return {"router": (hidden, arch.num_experts)}
+
+
+def check_lora_rank(lora, arch, source: str) -> None:
+    """model.lora.rank at most the width of the narrowest layer it adapts: B A has rank at most
+    min(in, out) of its layer, so a larger rank adds memory and nothing else (rank 2,000,000 on the
+    tiny model held 6.15 GB after 10 s; 10^9 died in the allocator)."""
+    from megatron_rl.model.layout_checks import lora_targets
+
+    layers = {f"{target}: {name}": shape for target in lora_targets(lora, arch)
+              for name, shape in lora_layer_widths(arch, target).items()}
+    name, (fan_in, fan_out) = min(layers.items(), key=lambda item: min(item[1]))
+    width = min(fan_in, fan_out)
+    if lora.rank > width:
+        raise ConfigError(f"model.lora.rank={lora.rank} is above the width of the narrowest layer it adapts, "
+                          f"{name} ({fan_in} in, {fan_out} out, in {source}): an adapter B A has rank at most "
+                          f"min(in, out), so a larger rank only costs memory. Use model.lora.rank={width} or lower, "
+                          f"or leave that layer out of model.lora.targets")
+
+
+def check_engine_context(config, raw: dict, source: str) -> None:
+    """rollout.max_model_len within the model's context (hf_config.engine_context: what vLLM derives
+    from config.json). Beyond it every engine refuses to start (vLLM's pydantic check, after the
+    warm start has run), and positions past the model's make no sense to train on either."""
+    from megatron_rl.model.hf_config import engine_context
+
+    context, key = engine_context(raw)
+    wanted = config.rollout.max_model_len
+    if wanted <= context:
+        return
+    where = _context_words(context, key, source)
+    room = context - config.rl.max_response_tokens
+    then = (f"prompts then get up to {room} tokens next to rl.max_response_tokens={config.rl.max_response_tokens}"
+            if room >= 1 else f"and lower rl.max_response_tokens={config.rl.max_response_tokens} below it")
+    raise ConfigError(f"rollout.max_model_len={wanted} is longer than the model's context: {where}. The rollout "
+                      f"engine refuses a context beyond the model's when it starts (after the warm start). Set "
+                      f"rollout.max_model_len={context} or lower ({then}), or use a model with a longer context")
+
+
+def check_teacher_context(config) -> None:
+    """A teacher server started here (rl.teacher, mode: server, no server_url) gets a context of
+    rl.teacher.max_model_len (null: rollout.max_model_len + 1); vLLM refuses one beyond the teacher
+    model's own (hf_config.engine_context), as it does the student's."""
+    from megatron_rl.model.hf_config import engine_context
+    from megatron_rl.train.teacher import TeacherSource, server_context
+
+    teacher = config.rl.teacher
+    if teacher is None or teacher.mode != "server" or teacher.server_url is not None:
+        return
+    source = TeacherSource.resolve(teacher)
+    context, key = engine_context(source.raw_config())
+    served = server_context(config)
+    if served <= context:
+        return
+    named = (f"rl.teacher.max_model_len={served}" if teacher.max_model_len is not None else
+             f"rl.teacher.max_model_len=null serves rollout.max_model_len + 1 = {served} tokens (the student's "
+             f"longest sequence plus the token a prompt-logprobs request needs), which")
+    needed = config.rollout.max_model_len + 1
+    fix = (f"set rl.teacher.max_model_len={context} (or null)" if needed <= context else
+           f"lower rollout.max_model_len to {context - 1} or less, or use a teacher with a longer context")
+    where = _context_words(context, key, str(source.config_dir / "config.json"))
+    raise ConfigError(f"{named} is longer than the teacher's context: {where}; the teacher's engine would refuse "
+                      f"to start. {fix}")
+
+
+def _context_words(context: int, key: str, source: str) -> str:
+    if key == "family default":
+        return (f"{context}, the default of its family ({source} names none of max_position_embeddings, "
+                f"max_seq_len, seq_length, ...)")
+    return f"{key}={context} in {source}"
 
 
 def check_fp8_rollout(config) -> None:
@@ -121,6 +225,7 @@ def preflight(config):
     from megatron_rl.observability.metrics_log import check_wandb_available
     from megatron_rl.rewards import build_scorer
     from megatron_rl.rollout.factory import check_engine_installed
+    from megatron_rl.train.output_paths import check_writable
     from megatron_rl.train.teacher import check_teacher
     from megatron_rl.train.warm_start import check_targets
 
@@ -130,9 +235,11 @@ def preflight(config):
     except ValueError as exc:
         raise ConfigError(f"rl: {exc}") from None
     check_run_directory(config)
+    check_writable(config)  # every directory and file the run writes, tried as it will write them
     check_engine_installed(config)
     if config.rl.teacher is not None:  # its source, vocabulary and context, before any model or engine
         check_teacher(config, run_tokenizer(config))
+        check_teacher_context(config)  # the context its server gets here, as the engine will read it
     check_wandb_available(config.logging.wandb_mode)
     build_scorer(config.rewards).close()  # resolves every reward function now
     check_agents(config)

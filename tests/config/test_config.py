@@ -183,3 +183,45 @@ def test_weight_decay_that_flips_or_grows_the_weights_is_refused(overrides, mess
     assert message in str(info.value) and "Keep lr x weight_decay below 1" in str(info.value)
     load_config(None, ["optimizer.weight_decay=400", "warm_start.steps=0"])  # 400 x 5e-4 = 0.2: no warm start, fine
     load_config(None, ["optimizer.weight_decay=0.1"])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        # rank 2,000,000 held 6.15 GB after 10 s; 10^9 died in the allocator (preflight also bounds it by the
+        # model's own layer widths: tests/train/test_preflight_outputs.py)
+        ("model.lora.rank=2000000", "model.lora.rank must be at most 65536 (the adapters' inner dimension"),
+        # merged weights W + (alpha / rank) B A overflowed to infinity
+        ("model.lora.alpha=1e308", "model.lora.alpha must be at most 1e+06 (the merged weight is W + (alpha / rank) B A"),
+        ("model.lora.alpha=.inf", "model.lora.alpha must be a finite number > 0"),
+        # vLLM sampled greedily: every group identical, 0 updates on every step, exit 0
+        ("rl.temperature=1e-6", "rl.temperature=1e-06 samples greedily in practice: every sample of a group would be "
+                                "the same answer, every advantage 0 and no update taken"),
+        ("rl.group_size=1000000000", "rl.group_size must be at most 1024"),
+        ("rl.prompts_per_step=1048576", "prompts_per_step x group_size = 1048576 x 8 samples per step is beyond 1048576"),
+        ("rl.max_response_tokens=1000000000", "rl.max_response_tokens must be at most 16777216"),
+        ("rollout.max_model_len=1000000000000", "rollout.max_model_len must be at most 268435456"),
+        ("rollout.num_servers=100000", "rollout.num_servers must be at most 1024 (vLLM or SGLang server processes"),
+        ("rollout.server_tp=100000", "rollout.server_tp must be at most 1024"),
+        ("rollout.env_workers=1000000", "rollout.env_workers must be at most 1024 (threads running environment calls)"),
+        ("rollout.weight_bucket_mb=1000000000", "rollout.weight_bucket_mb must be at most 1048576"),
+        ("rollout.cpu_kv_cache_gib=1e9", "rollout.cpu_kv_cache_gib must be at most 16384"),
+        ("rollout.cpu_kv_cache_gib=.nan", "rollout.cpu_kv_cache_gib must be a finite number > 0, got nan"),
+        ("rollout.request_timeout_s=.nan", "rollout.request_timeout_s must be a finite number > 0, got nan"),
+        ("rollout.overgeneration_groups=100000000", "rollout.overgeneration_groups must be at most 65536"),
+        ("model.make_vocab_size_divisible_by=1000000000000", "model.make_vocab_size_divisible_by must be from 1 to 65536"),
+        ("model.padded_vocab_size=1000000000000", "model.padded_vocab_size must be from 1 to 33554432"),
+        ("warm_start.batch_size=1000000000", "warm_start.batch_size must be at most 65536"),
+    ],
+)
+def test_numbers_that_would_allocate_before_any_useful_error_are_bounded_by_name(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert message in str(info.value), str(info.value)
+    assert str(info.value).startswith(f"command line ({override}): ")
+
+
+def test_the_bounds_leave_every_usual_setting_alone():
+    config = load_config(None, ["model.lora.rank=64", "model.lora.alpha=128", "rl.temperature=0.05", "rl.group_size=1024",
+                                "rl.prompts_per_step=1024", "rollout.max_model_len=131072"])
+    assert (config.model.lora.rank, config.rl.temperature, config.rl.group_size) == (64, 0.05, 1024)

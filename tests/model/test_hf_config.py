@@ -179,3 +179,58 @@ def test_uneven_pipeline_stages():
         check_divisibility(arch, load_config(None, ["parallel.pp=4", "parallel.pp_last_stage_layers=12"]))
     with pytest.raises(ConfigError, match="needs pp > 1"):
         load_config(None, ["parallel.pp_first_stage_layers=2"])
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_hidden_layers": 10**30}, "num_hidden_layers=1000000000000000000000000000000 is beyond 4096, the most it is "
+                                    "read with"),
+    ({"num_hidden_layers": 1e30}, "num_hidden_layers=1e+30 must be a positive integer"),
+    ({"max_position_embeddings": 2**40}, "max_position_embeddings=1099511627776 is beyond 268435456"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 10**20}},
+     "rope_scaling.original_max_position_embeddings=100000000000000000000 is beyond"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings='false' must be true or false"),
+    ({"norm_topk_prob": 1}, "norm_topk_prob=1 must be true or false"),
+    ({"mlp_only_layers": ["0"]}, "mlp_only_layers=['0'] must be a list of layer ids (integers)"),
+    ({"sliding_window": "4096"}, "sliding_window='4096' must be a positive integer"),
+])
+def test_config_json_values_beyond_any_model_or_of_the_wrong_kind_are_refused_by_key(change, message):
+    import signal
+
+    def expired(*_):  # 10^30 layers were counted out one by one (60 s and 2.7 GB in `plan`): fail, not hang
+        raise TimeoutError("parse_hf_config still running after 5 s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(5)
+    try:
+        with pytest.raises(ConfigError) as info:
+            parse_hf_config(dict(preset("tiny-qwen3-moe"), **change), "some/config.json")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert str(info.value).startswith("some/config.json: ") and message in str(info.value), str(info.value)
+
+
+def test_a_block_size_of_the_wrong_kind_is_refused():
+    raw = dict(preset("tiny-deepseek-v3"), quantization_config={"quant_method": "fp8", "weight_block_size": ["128", 128]})
+    with pytest.raises(ConfigError, match=r"weight_block_size=\['128', 128\] is not supported \(each block size"):
+        parse_hf_config(raw, "config.json")
+    with pytest.raises(ConfigError, match=r"quantization_config=\['fp8'\] is not supported"):
+        parse_hf_config(dict(preset("tiny-deepseek-v3"), quantization_config=["fp8"]), "config.json")
+
+
+def test_engine_context_is_what_vllm_derives_from_config_json():
+    from megatron_rl.model.hf_config import engine_context
+
+    # YaRN: max_position_embeddings is the scaled context already (DeepSeek-V3: 4096 x 40)
+    assert engine_context(preset("deepseek-v3")) == (163840, "max_position_embeddings")
+    assert engine_context(preset("kimi-k2")) == (131072, "max_position_embeddings")
+    # another scaling multiplies by its factor; the smallest key wins, model_max_length over all
+    llama = preset("tiny-llama")
+    assert engine_context(dict(llama, rope_scaling={"rope_type": "linear", "factor": 2.0})) == (
+        4096, "max_position_embeddings x rope factor 2")
+    assert engine_context(dict(llama, seq_length=512)) == (512, "seq_length")
+    assert engine_context(dict(llama, model_max_length=8192)) == (8192, "model_max_length")
+    # none of the keys: transformers' default of the family, what the engine loads the config with
+    del llama["max_position_embeddings"]
+    assert engine_context(llama) == (2048, "family default")
+    assert engine_context(dict(llama, architectures=["Qwen3ForCausalLM"])) == (32768, "family default")
