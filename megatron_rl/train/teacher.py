@@ -17,6 +17,10 @@ Two homes for the teacher, one interface:
 Both score at temperature 1 (the teacher's own distribution, the target the student is pulled
 to), on every position after the prompt; only the loss mask's tokens (the model's own, not a
 multi-turn trajectory's observations) enter the advantage.
+
+A served teacher that fails during the run (its server died, or answered an error or something
+that is not a completion) raises TeacherFailed on every rank at once, before the step trains: the
+trainer keeps the last finished step's checkpoint and stops in one line (train/trainer.py).
 """
 
 from __future__ import annotations
@@ -26,9 +30,16 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl.errors import ConfigError
+from megatron_rl.errors import ConfigError, TrainingStopped
+from megatron_rl.rollout.protocol import EngineError
 
 KEY = "rl.teacher"
+
+
+class TeacherFailed(TrainingStopped):
+    """The teacher's server could not score (or sample for its held-out accuracy): it died, or
+    answered an error or something that is not a completion. Raised on every rank at once; the
+    trainer checkpoints the last finished step and stops with this one line."""
 
 
 # --------------------------------------------------------------------------- the source
@@ -196,6 +207,12 @@ def build_teacher(config, runtime, *, notify=print):
     return ServerTeacher.build(config, runtime, source, notify=notify)
 
 
+def one_line(error: Exception) -> str:
+    """An engine error's first line (a dead server's message continues with its log's last lines)."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
 def _store(trajectories, values) -> None:
     for trajectory, row in zip(trajectories, values):
         if len(row) != trajectory.length:
@@ -234,6 +251,8 @@ class ServerTeacher:
             except Exception as exc:  # noqa: BLE001 - every rank raises it, none waits for the driver
                 values = exc
         values = self.runtime.from_driver(values)
+        if isinstance(values, EngineError):
+            raise TeacherFailed(f"the teacher's server could not score the step's tokens: {one_line(values)}") from None
         if isinstance(values, Exception):
             raise values
         _store(trajectories, values)
@@ -287,7 +306,10 @@ class TrainerTeacher:
         else:
             from megatron_rl.bridge import load_hf_weights
 
-            load_hf_weights(model.module, model.arch, source.config_dir)  # this rank's slices only
+            try:
+                load_hf_weights(model.module, model.arch, source.config_dir)  # this rank's slices only
+            except ConfigError as exc:  # raised on every rank together (the importer agrees first)
+                raise ConfigError(f"{KEY}.source: the teacher's weights cannot be loaded: {exc}") from None
         return cls(model)
 
     def score(self, groups, experience) -> None:
@@ -314,8 +336,19 @@ class _DriverEngine:
         self.engine, self.runtime, self.timeout_s = engine, runtime, timeout_s
 
     def generate(self, prompts, params):
-        samples = self.engine.generate(prompts, params, timeout_s=self.timeout_s) if self.engine is not None else None
-        return self.runtime.from_driver(samples)
+        samples = None
+        if self.engine is not None:
+            try:
+                samples = self.engine.generate(prompts, params, timeout_s=self.timeout_s)
+            except Exception as exc:  # noqa: BLE001 - every rank raises it, none waits for the driver
+                samples = exc
+        samples = self.runtime.from_driver(samples)
+        if isinstance(samples, EngineError):
+            raise TeacherFailed(f"the teacher's server could not sample its held-out accuracy ({KEY}.eval): "
+                                f"{one_line(samples)}") from None
+        if isinstance(samples, Exception):
+            raise samples
+        return samples
 
 
 def teacher_heldout(teacher, config, heldout, encode, scorer, runtime) -> tuple[dict, str | None]:

@@ -47,7 +47,7 @@ from megatron_rl.train.reward_failures import check_reward_failures
 from megatron_rl.train.routing_replay import RoutingReplay
 from megatron_rl.train.scoring import GroupScorer
 from megatron_rl.train.stop_signals import StopSignals
-from megatron_rl.train.teacher import build_teacher, teacher_heldout
+from megatron_rl.train.teacher import TeacherFailed, build_teacher, teacher_heldout
 from megatron_rl.train.update import LossSettings, run_updates, store_step_logprobs
 from megatron_rl.train.update_guard import UpdateGuard
 from megatron_rl.train.warm_start import warm_start
@@ -165,14 +165,18 @@ class Trainer:
 
             last_saved = None
             step = start - 1
+            state = self._trainer_state()  # the last finished step's, for a stop before the next one trains
             for step in range(start, config.rl.steps + 1):
-                metrics = self.rl_step(step)
+                try:
+                    metrics = self.rl_step(step)
+                except TeacherFailed as exc:  # on every rank at once, before the step trained
+                    raise self._teacher_stop(f"step {step}", step - 1, state, exc) from None
                 if step == config.rl.steps or (config.rl.eval_every and step % config.rl.eval_every == 0):
                     metrics.update(self.evaluate())
                 self.log.step(step, metrics)
                 stop = self.stop_signals.requested(self.runtime)
-                for saved in self.checkpoints.after_step(step, self._trainer_state(), stop=bool(stop),
-                                                         last=step == config.rl.steps):
+                state = self._trainer_state()
+                for saved in self.checkpoints.after_step(step, state, stop=bool(stop), last=step == config.rl.steps):
                     last_saved = saved.path
                     self._report_save(saved)
                 if stop:
@@ -250,8 +254,12 @@ class Trainer:
         teacher's own server samples); otherwise one line saying why not."""
         if self.teacher is None:
             return {}
-        metrics, why_not = teacher_heldout(self.teacher, self.config, self.heldout, self.encode, self.scorer,
-                                           self.runtime)
+        try:
+            metrics, why_not = teacher_heldout(self.teacher, self.config, self.heldout, self.encode, self.scorer,
+                                               self.runtime)
+        except TeacherFailed as exc:  # on every rank at once; the warm start's weights are kept
+            raise self._teacher_stop("measuring the teacher's held-out accuracy", 0, self._trainer_state(),
+                                     exc) from None
         if why_not is not None:
             self.log.message(f"the teacher's held-out accuracy is not measured: {why_not}")
         elif "teacher/accuracy" in metrics:
@@ -284,6 +292,22 @@ class Trainer:
         collector = self.collector.state_dict()  # the sampler's cursor (and, async, the batches ahead)
         return {"sampler": collector.pop("sampler"), "seed": self.config.seed, "config": to_dict(self.config),
                 **collector}
+
+    def _teacher_stop(self, failed: str, done: int, state: dict, error: TeacherFailed) -> TrainingStopped:
+        """Collective: the teacher failed in `failed`, before anything trained on it, so the weights
+        are still step `done`'s. Its checkpoint is kept (written with `state`, the trainer state at
+        its end, unless it exists) and the run stops in one line, as a stop signal would have."""
+        from megatron_rl.checkpoint.store import checkpoint_name
+
+        for saved in self.checkpoints.close(clean=True):  # a save in flight is published first
+            self._report_save(saved)
+        path = self.checkpoints.root / checkpoint_name(done)
+        if not self.runtime.from_driver(path.is_dir()):
+            for saved in self.checkpoints.after_step(done, state, stop=True, last=False):
+                self._report_save(saved)
+        self.checkpoints.record_run_state(done, finished=False)
+        return TrainingStopped(f"{failed}: {error}. Nothing was trained on it; checkpoint {path} (step {done}). "
+                               f"Continue with the same command (checkpoint.resume=auto) once the teacher serves")
 
     def _report_save(self, saved) -> None:
         mode = "in the background" if self.config.checkpoint.async_save else "synchronously"

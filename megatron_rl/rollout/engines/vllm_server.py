@@ -53,13 +53,15 @@ class VllmServerProcess(ServerProcess):
         host: str = "127.0.0.1", dtype: str = "float32", max_model_len: int = 1024, seed: int = 0,
         cache_dir: str | Path | None = None, cpu_kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.5,
         load_format: str = "auto", startup_timeout_s: float = 600.0,
-        extra_args: list[str] | None = None, python: str | None = None,
+        extra_args: list[str] | None = None, python: str | None = None, extra_env: dict[str, str] | None = None,
     ) -> VllmServerProcess:
         """`python -m vllm.entrypoints.openai.api_server` for `model_dir`, healthy when it returns.
-        `python`: the interpreter to run it with (default: this process's)."""
+        `python`: the interpreter to run it with (default: this process's); `extra_env`: variables
+        set for the server over this process's environment."""
         on_cpu = not torch.cuda.is_available()
         env = dict(os.environ)
         env.update(vllm_environment(cache_dir, on_cpu=on_cpu, kv_cache_gib=cpu_kv_cache_gib))
+        env.update(extra_env or {})
         env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache
         env[TOKEN_ENV] = ensure_rollout_token()  # the server reads it, our clients send it (rollout/auth.py)
         command = [

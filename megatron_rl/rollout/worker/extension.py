@@ -52,6 +52,7 @@ import torch
 from megatron_rl.rollout.weights.digest import WeightDigest, digesting, served_sum
 from megatron_rl.rollout.worker.inplace_copy import InPlacePlan, in_place_supported
 from megatron_rl.rollout.worker.lora_adapters import LoraAdapterWorker
+from megatron_rl.rollout.worker.prompt_logprobs import batch_prompt_logprobs
 from megatron_rl.rollout.worker.route_capture import RouteCaptureWorker
 from megatron_rl.runtime.cpu.vllm_repairs import (cpu_moe_kernels, fix_cpu_rotary_embedding,
                                                   fix_cpu_seeded_chunked_prefill, repack_cpu_moe)
@@ -291,3 +292,4 @@ if "vllm" in sys.modules:
     # model: the place to fix what must be fixed before then (see fix_cpu_rotary_embedding).
     fix_cpu_rotary_embedding()
     fix_cpu_seeded_chunked_prefill()
+    batch_prompt_logprobs()  # a served teacher's scoring: one engine step's prompt logprobs at once
