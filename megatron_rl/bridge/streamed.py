@@ -110,7 +110,7 @@ class _Parameter:
 
 def write_hf_from_torch_dist(module, arch: ArchitectureSpec, weights: Path, index, staging: Path, *, precision: str,
                              file_bytes: int = 2 << 30, bucket_bytes: int = 512 << 20,
-                             adapters: dict | None = None) -> dict[str, dict]:
+                             adapters: dict | None = None, held: tuple[Path, object] | None = None) -> dict[str, dict]:
     """The safetensors files and model.safetensors.index.json of the torch_dist checkpoint in
     `weights`, written into `staging`. `module`: the whole model (TP1, PP1, EP1) on the meta
     device, built at the checkpoint's precision and padded vocabulary, with Megatron's parallel
@@ -121,7 +121,11 @@ def write_hf_from_torch_dist(module, arch: ArchitectureSpec, weights: Path, inde
     never used here). Returns each written file's size and CRC-32.
     `adapters`: a LoRA run's adapters (read_adapters; the model built with its model.lora), each
     merged into its weight as the run's own export does (bridge/lora_merge.py); without them a
-    checkpoint holding adapters is refused."""
+    checkpoint holding adapters is refused.
+    `held`: (weights, index) of the LoRA checkpoint whose referenced base `weights` is: every
+    parameter or buffer it holds itself (beside its adapters: the routers' expert bias, which
+    model.moe_router_bias_update_rate moves during training) is read from it, not from the base,
+    as a resume loads it over the base; the base gives only what the checkpoint leaves out."""
     if adapters is None:
         refuse_adapters(weights, index)
     parameters = _parameters(module, arch)
@@ -131,9 +135,10 @@ def write_hf_from_torch_dist(module, arch: ArchitectureSpec, weights: Path, inde
             planned.append((name, _output_dtype(item.placement, precision), tuple(piece.shape)))
     files = plan_files(planned, file_bytes)
     reader = _IndexReadOnce(str(weights), index)
+    own = _IndexReadOnce(str(held[0]), held[1]) if held is not None else None
     with SafetensorsStream(staging, files) as out:
         for bucket in _buckets(parameters, bucket_bytes):
-            values = _load(bucket, reader)
+            values = _load_from(bucket, reader, own, held[1] if held is not None else None)
             for item in bucket:
                 value = merged_weight(values.pop(0), (adapters or {}).get(item.placement.global_name))
                 for name, piece in zip(item.hf_names, _hf_pieces(item, value, arch)):
@@ -142,6 +147,17 @@ def write_hf_from_torch_dist(module, arch: ArchitectureSpec, weights: Path, inde
             del values
     (staging / "model.safetensors.index.json").write_text(json.dumps(out.index(), indent=2) + "\n")
     return out.checksums
+
+
+def _load_from(bucket: list[_Parameter], reader, own, own_index) -> list[torch.Tensor]:
+    """_load, each parameter whose torch_dist keys `own_index` holds (all of them) read through
+    `own` instead of `reader`, in `bucket`'s order."""
+    if own is None:
+        return _load(bucket, reader)
+    mine = [all(s.key in own_index.state_dict_metadata for s in item.sharded) for item in bucket]
+    theirs = iter(_load([item for item, m in zip(bucket, mine) if m], own) if any(mine) else [])
+    rest = iter(_load([item for item, m in zip(bucket, mine) if not m], reader) if not all(mine) else [])
+    return [next(theirs) if m else next(rest) for m in mine]
 
 
 def refuse_adapters(weights: Path, index) -> None:
