@@ -13,6 +13,11 @@ engines paused, the transport's push, prefix caches dropped, engines resumed. A 
 rollout.lora_push=adapters pushes the base weights that way once, then only the adapters
 (rollout/weights/adapters.py). `last_push_bytes` is the bytes the last push carried, on the driver.
 
+Engines that fail stop every rank at the same point: the driver's error (every server dead, a
+refused request) is broadcast with the samples or with the push's dead list, and a colocated
+engine's error is agreed on after each generate; every rank raises `RolloutFailed` (pool.py), a
+TrainingStopped the trainer answers with the last finished step's checkpoint and one line.
+
 The engines start with the first sync, after the supervised warm start, which never generates:
 the warm start's weights are pushed once, and on GPU a colocated engine does not hold its memory
 share while the warm start trains. Every rank syncs at the same points, so they start it together.
@@ -27,8 +32,8 @@ import torch.distributed as dist
 from megatron_rl.bridge import fp8_rollout_stream
 from megatron_rl.config import RunConfig
 from megatron_rl.rollout.factory import build_engines, build_transport, torch_dtype
-from megatron_rl.rollout.pool import EnginePool
-from megatron_rl.rollout.protocol import RolloutEngine, Sample, SamplingParams
+from megatron_rl.rollout.pool import EnginePool, RolloutFailed, rollout_failed
+from megatron_rl.rollout.protocol import EngineError, RolloutEngine, Sample, SamplingParams
 from megatron_rl.rollout.weights.adapters import AdapterPush
 from megatron_rl.rollout.weights.stream import ByteCount, hf_weight_stream, pushed_bytes
 
@@ -70,10 +75,25 @@ class RolloutClient:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
         timeout = self.config.rollout.request_timeout_s
-        if self.colocated:
-            return self._requests.generate(prompts, params, timeout_s=timeout)
-        holder = [self._requests.generate(prompts, params, timeout_s=timeout) if self.drives else None]
+        groups = None
+        if self.drives:
+            try:
+                groups = self._requests.generate(prompts, params, timeout_s=timeout)
+            except Exception as exc:  # noqa: BLE001 - every rank raises it, none waits for the driver
+                groups = rollout_failed("generate", exc, in_process=self.colocated)
+        if self.colocated:  # each rank its own answer: whether any failed is agreed on
+            failures = [None] * dist.get_world_size()
+            dist.all_gather_object(failures, str(groups) if isinstance(groups, BaseException) else None)
+            failed = next((rank for rank, failure in enumerate(failures) if failure is not None), None)
+            if isinstance(groups, BaseException):
+                raise groups
+            if failed is not None:
+                raise RolloutFailed(f"{failures[failed]} (on rank {failed})")
+            return groups
+        holder = [groups]
         dist.broadcast_object_list(holder, src=0)
+        if isinstance(holder[0], BaseException):
+            raise holder[0]
         return holder[0]
 
     # ---- weights ------------------------------------------------------------------------------
@@ -96,19 +116,28 @@ class RolloutClient:
         # The whole model (merged), or with adapters pushed apart the base W, once.
         stream = None if adapters is not None and adapters.base_pushed else ByteCount(
             self._model_stream(module, arch, merge_adapters=adapters is None))
-        if self.drives and pause_mode == "wait":
-            self._requests.pause()
-        elif self.drives:
-            self._requests.pause(pause_mode)  # servers only: a pool passes the mode on
+        try:
+            if self.drives and pause_mode == "wait":
+                self._requests.pause()
+            elif self.drives:
+                self._requests.pause(pause_mode)  # servers only: a pool passes the mode on
+        except Exception as exc:  # noqa: BLE001 - with servers every rank hears of it below
+            if self.colocated:
+                raise rollout_failed("take the weights", exc, in_process=True) from None
+            paused = rollout_failed("take the weights", exc)
+        else:
+            paused = None
         if not self.colocated:
             # Servers that died since the last push (the pool moved their requests to the others)
-            # leave the transport on every rank before it pushes.
-            dead = [self._requests.dead if self.drives else None]
+            # leave the transport on every rank before it pushes; a failed pause stops every rank.
+            dead = [(self._requests.dead, paused) if self.drives else None]
             dist.broadcast_object_list(dead, src=0)
-            self.transport.drop(dead[0])
+            if dead[0][1] is not None:
+                raise dead[0][1]
+            self._transport("drop", dead[0][0])
         count, sent = 0, 0
         if stream is not None:
-            count = self.transport.push(stream)
+            count = self._transport("push", stream)
             sent = pushed_bytes(stream.bytes, self.transport.destination)
         if adapters is not None:  # colocated (config/run.py): every rank loads its share
             adapters.base_pushed = True
@@ -116,10 +145,27 @@ class RolloutClient:
             count += self.engines[0].update_adapters(tensors, adapters.adapter_config(tensors))
             sent += sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
         self.last_push_bytes = sent
+        resumed = None
         if self.drives:
-            self._requests.reset_prefix_cache()
-            self._requests.resume()
+            try:
+                self._requests.reset_prefix_cache()
+                self._requests.resume()
+            except Exception as exc:  # noqa: BLE001 - every rank raises it, none waits for the driver
+                resumed = rollout_failed("take the weights", exc, in_process=self.colocated)
+        if not self.colocated:
+            holder = [resumed]
+            dist.broadcast_object_list(holder, src=0)
+            resumed = holder[0]
+        if resumed is not None:
+            raise resumed
         return count
+
+    def _transport(self, method: str, *args):
+        """A transport call, collective: its errors are raised on every rank together."""
+        try:
+            return getattr(self.transport, method)(*args)
+        except EngineError as exc:
+            raise rollout_failed("take the weights", exc) from None
 
     def _model_stream(self, module, arch, *, merge_adapters: bool):
         stream = hf_weight_stream(module, arch, destination=self.transport.destination,

@@ -13,9 +13,11 @@ exhausted; or any other failure after which its health check fails too) is marke
 live engines with the same global indices, so with the same seeds: every prompt's group appears
 exactly once. A dead engine gets no more requests, pauses or health checks (`pool.live`,
 `pool.dead`); weight transports drop it on every trainer rank (rollout/weights/transport.py, `drop`).
-Only when no engine is left does generate raise (EngineUnavailable naming every dead engine).
-Failures that are not deaths (a refused request: EngineError, the engine still healthy) raise as
-before, naming the engine.
+Only when no engine is left does generate raise (EngineUnavailable naming every dead engine on
+one line: a server the run started with its exit code or signal and its log). Failures that are
+not deaths (a refused request: EngineError, the engine still healthy) raise as before, naming the
+engine. The trainer's rollout client turns either into `RolloutFailed` on every rank at once
+(`rollout_failed`): the run keeps the last finished step's checkpoint and stops in one line.
 
 Weights reach the pool's engines through a transport (rollout/weights/transport.py), one engine at a time
 or all at once, never through the pool.
@@ -25,10 +27,13 @@ from __future__ import annotations
 
 import inspect
 import logging
+import pickle
+import signal
 import threading
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import replace
 
+from megatron_rl.errors import TrainingStopped, raised_at
 from megatron_rl.rollout.protocol import (
     PAUSE_MODES,
     EngineDied,
@@ -41,6 +46,35 @@ from megatron_rl.rollout.protocol import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+class RolloutFailed(TrainingStopped):
+    """The rollout engines could not generate (or take the weights): every engine died, or one
+    failed a request. Raised on every trainer rank at once (rollout/client.py shares the driver's
+    error); the trainer checkpoints the last finished step and stops with this one line."""
+
+
+def rollout_failed(action: str, error: BaseException, *, in_process: bool = False) -> BaseException:
+    """What every rank raises for `error` from the engines while they `action` ("generate"): an
+    engine error (or, `in_process`, any error of an engine in this process) as RolloutFailed in one
+    line; anything else as itself, in a form that crosses a broadcast."""
+    if isinstance(error, TrainingStopped):  # RolloutFailed, WeightsNotServed: already a stop
+        return error
+    if isinstance(error, EngineError):
+        return RolloutFailed(f"the rollout engines could not {action}: {_first_line(error)}")
+    if in_process:
+        return RolloutFailed(f"the rollout engine could not {action}: {type(error).__name__}: "
+                             f"{_first_line(error)}{raised_at(error)}")
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - its type cannot be rebuilt elsewhere: its text can
+        return RuntimeError(f"{type(error).__name__}: {error}{raised_at(error)}")
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
 
 
 class EnginePool:
@@ -188,9 +222,10 @@ class EnginePool:
                        self.name, engine.name, error, left)
 
     def _none_left(self) -> EngineUnavailable:
-        return EngineUnavailable(
-            f"{self.name}: no live engine left; dead: "
-            + "; ".join(f"{name} ({cause})" for name, cause in self._dead.items()))
+        """One line naming every dead engine and why (called with the lock held)."""
+        engines = {engine.name: engine for engine in self.engines}
+        return EngineUnavailable(f"{self.name}: no live engine left; dead: "
+                                 + "; ".join(_why_dead(engines[name], cause) for name, cause in self._dead.items()))
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -245,6 +280,22 @@ class EnginePool:
         with self._lock:
             if len(self._dead) == len(self.engines):
                 raise self._none_left()
+
+
+def _why_dead(engine: RolloutEngine, cause: EngineError) -> str:
+    """'name: why' on one line: a server process that exited by its code (and signal) and its log,
+    else the first line of the error that marked the engine dead."""
+    server = getattr(engine, "process", None)  # a server this run started (rollout/engines/server_process.py)
+    process = getattr(server, "process", None)
+    code = process.poll() if process is not None else None
+    if code is not None:
+        try:
+            killed = f" (killed by {signal.Signals(-code).name})" if code < 0 else ""
+        except ValueError:
+            killed = ""
+        return f"{engine.name}: server process exited with code {code}{killed}; its log: {server.log_path}"
+    line = _first_line(cause)
+    return line if line.startswith(f"{engine.name}:") else f"{engine.name}: {line}"
 
 
 def _split(count: int, parts: int) -> list[tuple[int, int]]:

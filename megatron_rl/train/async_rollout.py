@@ -35,7 +35,9 @@ prompt stream, and each prompt's seed (from its position in the stream), do not 
 ahead the producer ran.
 
 Everything here runs on the driver (global rank 0), in one producer thread plus a pool of
-request threads; the trainer takes a finished batch and broadcasts it to every rank. Checkpoints
+request threads; the trainer takes a finished batch and broadcasts it to every rank, or the
+producer's error: engines that all died (or refused a request) stop every rank with
+`RolloutFailed` at the step that needed them (rollout/pool.py). Checkpoints
 carry the finished batches not yet trained on and the sampler state from which the next one
 starts (`state_dict`), so a resumed run trains on exactly what the uninterrupted one would have
 (without partial rollouts).
@@ -56,7 +58,8 @@ import torch
 from megatron_rl.train.collect import rollout_params, step_seed
 from megatron_rl.train.experience import StepRollout, Trajectory
 from megatron_rl.train.scoring import assemble_step, keeps_group
-from megatron_rl.rollout.protocol import Sample, SamplingParams
+from megatron_rl.rollout.pool import rollout_failed
+from megatron_rl.rollout.protocol import EngineError, Sample, SamplingParams
 
 _STATE_VERSION = 1
 _POLL_S = 1.0  # how often blocked waits look for an error or a shutdown
@@ -374,10 +377,12 @@ class AsyncCollector:
         self.sampler, self.train_set, self.rollout, self.scorer = sampler, train_set, rollout, scorer
         self.generation = generation
         self.producer: AsyncRollout | None = None  # the driver's, once started
+        self.started = False  # on every rank
 
     def start(self, next_step: int, resumed_state: dict | None) -> None:
         """The driver's producer starts generating batch `next_step` on the weights just pushed
         (version next_step - 1), from the checkpoint's unfinished business when resuming."""
+        self.started = True
         if not self.runtime.is_driver:
             return
         rl, rollout = self.config.rl, self.config.rollout
@@ -407,7 +412,7 @@ class AsyncCollector:
     def take(self, step: int, timings: dict) -> StepRollout:
         """Step `step`'s batch on every rank, with its staleness metrics."""
         tick = time.perf_counter()
-        batch = self.runtime.from_driver(self.producer.take(step) if self.producer is not None else None)
+        batch = self._shared(self.producer.take, step)
         timings["time/wait_rollout_s"] = time.perf_counter() - tick
         while self.producer is not None and self.producer.notices:
             self.notify(self.producer.notices.pop(0))
@@ -423,12 +428,27 @@ class AsyncCollector:
     def before_push(self, version: int | None, timings: dict | None) -> None:
         """Without partial rollouts the push waits for the batches due at older versions
         (`time/wait_push_s`); then the producer holds new requests until `after_push`."""
-        if self.producer is None:
+        if not self.started:
             return
         tick = time.perf_counter()
-        self.producer.before_push(version)
+        self._shared(self.producer.before_push, version)
         if timings is not None:
             timings["time/wait_push_s"] = time.perf_counter() - tick
+
+    def _shared(self, call, *args):
+        """Collective: the driver's `call(*args)`, or its error raised on every rank (an engine
+        error as RolloutFailed, in one line)."""
+        result = None
+        if self.producer is not None:
+            try:
+                result = call(*args)
+            except Exception as exc:  # noqa: BLE001 - every rank raises it, none waits for the driver
+                cause = exc.__cause__ if isinstance(exc.__cause__, EngineError) else exc  # the producer's, wrapped
+                result = rollout_failed("generate", cause)
+        result = self.runtime.from_driver(result)
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     def pause_mode(self, version: int | None) -> str:
         """With partial rollouts a step's push aborts the requests in flight (each returns what it

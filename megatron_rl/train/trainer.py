@@ -14,6 +14,10 @@ Process layout: every rank trains its share (Megatron TP/PP/EP/DP). Rollout goes
 client (rollout/client.py) that gives every rank the same samples and pushes weights through the
 configured transport, wherever the engines run. Rewards are computed on the driver (global rank
 0) and broadcast (scoring.py). The trainer asks the runtime, never Megatron, where it stands.
+
+A service a step needs that is gone (every rollout engine dead or failing: RolloutFailed; the
+teacher's server: TeacherFailed) stops every rank at the same point with one line, after the
+checkpoint of the last finished step is written or named (`_service_stop`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from megatron_rl.observability.metrics_log import MetricsLog
 from megatron_rl.observability.plotting import learning_summary
 from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.rollout.engine_model import load_engine_tokenizer, write_engine_model_dir
+from megatron_rl.rollout.pool import RolloutFailed
 from megatron_rl.runtime import start_runtime
 from megatron_rl.runtime.launch_env import read_launch_env
 from megatron_rl.train.agent_failures import check_agent_failures, describe_source
@@ -147,17 +152,21 @@ class Trainer:
         self.stop_signals.install()
         clean = False
         try:
-            if self.resumed is None:
-                if config.warm_start.steps:
-                    warm_start(self.policy, self.tokenizer, self.train_set, config, self.runtime, self.log)
-                self.sync_weights()
-                self.log.step(0, {**self.evaluate(), **self._teacher_heldout(),
-                                  "rollout/weights_bytes": self.rollout.last_push_bytes})
-                start = 1
-            else:
-                self.sync_weights()
-                start = self.resumed.step + 1
-                self.log.message(f"resumed from {self.resumed.path} at step {start - 1}")
+            try:
+                if self.resumed is None:
+                    if config.warm_start.steps:
+                        warm_start(self.policy, self.tokenizer, self.train_set, config, self.runtime, self.log)
+                    self.sync_weights()
+                    self.log.step(0, {**self.evaluate(), **self._teacher_heldout(),
+                                      "rollout/weights_bytes": self.rollout.last_push_bytes})
+                    start = 1
+                else:
+                    self.sync_weights()
+                    start = self.resumed.step + 1
+                    self.log.message(f"resumed from {self.resumed.path} at step {start - 1}")
+            except RolloutFailed as exc:  # on every rank at once: the weights RL starts from are kept
+                done = self.resumed.step if self.resumed is not None else 0
+                raise self._service_stop("starting RL", done, self._trainer_state(), exc) from None
             self.update_guard = UpdateGuard(config.rl.max_bad_steps, notify=self.log.message,
                                             weight_norm=self.policy.weight_norm(),
                                             max_norm_growth=config.rl.max_weight_norm_growth)
@@ -167,12 +176,16 @@ class Trainer:
             step = start - 1
             state = self._trainer_state()  # the last finished step's, for a stop before the next one trains
             for step in range(start, config.rl.steps + 1):
+                self.trained = step - 1  # rl_step sets it to `step` once the step's updates are done
                 try:
                     metrics = self.rl_step(step)
-                except TeacherFailed as exc:  # on every rank at once, before the step trained
-                    raise self._teacher_stop(f"step {step}", step - 1, state, exc) from None
-                if step == config.rl.steps or (config.rl.eval_every and step % config.rl.eval_every == 0):
-                    metrics.update(self.evaluate())
+                    self.trained = step
+                    if step == config.rl.steps or (config.rl.eval_every and step % config.rl.eval_every == 0):
+                        metrics.update(self.evaluate())
+                except (TeacherFailed, RolloutFailed) as exc:  # on every rank at once
+                    if self.trained == step:  # its weights' push or evaluation failed: the step is kept
+                        state = self._trainer_state()
+                    raise self._service_stop(f"step {step}", self.trained, state, exc) from None
                 self.log.step(step, metrics)
                 stop = self.stop_signals.requested(self.runtime)
                 state = self._trainer_state()
@@ -236,6 +249,7 @@ class Trainer:
 
         tick = time.perf_counter()
         metrics.update(self._train(experience, step))
+        self.trained = step
         timings["time/train_s"] = time.perf_counter() - tick
 
         tick = time.perf_counter()
@@ -258,7 +272,7 @@ class Trainer:
             metrics, why_not = teacher_heldout(self.teacher, self.config, self.heldout, self.encode, self.scorer,
                                                self.runtime)
         except TeacherFailed as exc:  # on every rank at once; the warm start's weights are kept
-            raise self._teacher_stop("measuring the teacher's held-out accuracy", 0, self._trainer_state(),
+            raise self._service_stop("measuring the teacher's held-out accuracy", 0, self._trainer_state(),
                                      exc) from None
         if why_not is not None:
             self.log.message(f"the teacher's held-out accuracy is not measured: {why_not}")
@@ -293,9 +307,11 @@ class Trainer:
         return {"sampler": collector.pop("sampler"), "seed": self.config.seed, "config": to_dict(self.config),
                 **collector}
 
-    def _teacher_stop(self, failed: str, done: int, state: dict, error: TeacherFailed) -> TrainingStopped:
-        """Collective: the teacher failed in `failed`, before anything trained on it, so the weights
-        are still step `done`'s. Its checkpoint is kept (written with `state`, the trainer state at
+    def _service_stop(self, failed: str, done: int, state: dict,
+                      error: TeacherFailed | RolloutFailed) -> TrainingStopped:
+        """Collective: a service the step needs (the teacher's server, the rollout engines) failed
+        in `failed`, before anything trained on what it returned, so the weights are step `done`'s
+        (the last finished step). Its checkpoint is kept (written with `state`, the trainer state at
         its end, unless it exists) and the run stops in one line, as a stop signal would have."""
         from megatron_rl.checkpoint.store import checkpoint_name
 
@@ -306,8 +322,14 @@ class Trainer:
             for saved in self.checkpoints.after_step(done, state, stop=True, last=False):
                 self._report_save(saved)
         self.checkpoints.record_run_state(done, finished=False)
+        if isinstance(error, TeacherFailed):
+            until = " once the teacher serves"
+        elif self.config.rollout.mode != "colocated" and self.config.rollout.server_urls:
+            until = " once the servers of rollout.server_urls serve"
+        else:
+            until = ""  # the run starts its engines again
         return TrainingStopped(f"{failed}: {error}. Nothing was trained on it; checkpoint {path} (step {done}). "
-                               f"Continue with the same command (checkpoint.resume=auto) once the teacher serves")
+                               f"Continue with the same command (checkpoint.resume=auto){until}")
 
     def _report_save(self, saved) -> None:
         mode = "in the background" if self.config.checkpoint.async_save else "synchronously"
