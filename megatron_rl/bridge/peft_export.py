@@ -170,7 +170,9 @@ def adapter_config(tensors: dict[str, torch.Tensor], rank: int, alpha: float, dr
 def write_peft_directory(adapters: Adapters, arch: ArchitectureSpec, rank: int, alpha: float, dropout: float,
                          directory: Path, base_model: str | None = None) -> list[str]:
     """adapter_config.json and adapter_model.safetensors in `directory` (it exists). Returns the
-    files written. Everything is checked (and refused by name) before the first file is written."""
+    files written. Everything is checked (and refused by name) before the first file is written.
+    `base_model`: base_model_name_or_path, the base the adapters were trained on (a run's export
+    finds it: tools/convert_lora.trained_base; PEFT on another base is another model)."""
     from safetensors.torch import save_file
 
     if not adapters:

@@ -338,7 +338,7 @@ def hf_to_megatron(argv: list[str], prog: str = "megatron-rl convert hf-to-megat
             save_megatron_checkpoint(built.module, built.raw_hf_config, staging, config, tokenizer_dir=args.hf_dir,
                                      source=str(Path(args.hf_dir).resolve()), checksums=checksums,
                                      values=adapter.values(built, values) if adapter else values,
-                                     extra=adapter.record() if adapter else None)
+                                     extra=adapter.record(precision) if adapter else None)
         if runtime.is_driver:
             print(f"wrote {args.out} ({built.arch.architecture}, tp={args.tp} pp={args.pp} ep={args.ep})")
 
@@ -393,12 +393,16 @@ def megatron_to_hf(argv: list[str], prog: str = "megatron-rl convert megatron-to
     weights = weights_path(ckpt)
     with model_on_this_rank(config, meta=True) as (runtime, built):
         adapters = read_checkpoint_adapters(built.module, weights) if lora else None
+        # A checkpoint that refers to its base holds the state training moved beside its adapters
+        # (the routers' expert bias): read from it, the rest from the base, as a resume loads them.
+        held = (weights, read_torch_dist_index(weights)) if base.resolve() != weights.resolve() else None
         with written_atomically(output) as (staging, checksums):
             try:
                 checksums.update(write_hf_from_torch_dist(built.module, built.arch, base,
                                                           read_torch_dist_index(base), staging,
                                                           precision=metadata["precision"],
-                                                          bucket_bytes=args.bucket_mb << 20, adapters=adapters))
+                                                          bucket_bytes=args.bucket_mb << 20, adapters=adapters,
+                                                          held=held))
             except TorchDistUnreadable as exc:
                 raise ConfigError(unloadable(base, exc.__cause__) if exc.__cause__ is not None
                                   else f"{base}: {exc}; {USE_ANOTHER}") from exc
@@ -407,7 +411,10 @@ def megatron_to_hf(argv: list[str], prog: str = "megatron-rl convert megatron-to
 
 
 def megatron_to_peft(argv: list[str], prog: str = "megatron-rl convert megatron-to-peft") -> None:
-    from megatron_rl.tools.convert_lora import megatron_to_peft_parser, recorded_model, require_lora, write_peft_export
+    from megatron_rl.tools.convert_lora import (
+        BASE_DIR, megatron_to_peft_parser, peft_export_bytes, recorded_model, require_lora, trained_base,
+        write_peft_export,
+    )
 
     args = megatron_to_peft_parser(prog).parse_args(argv)
     ckpt = _resolved_for_conversion(args.ckpt)
@@ -417,8 +424,12 @@ def megatron_to_peft(argv: list[str], prog: str = "megatron-rl convert megatron-
     metadata, model = read_metadata(ckpt), recorded_model(ckpt)
     require_lora(ckpt, model.get("lora"), "export")
     _verify_once(ckpt)
-    count = write_peft_export(ckpt, metadata, model, lambda: written_atomically(output))
-    print(f"wrote {args.out} ({count} adapters as a PEFT directory)")
+    base = trained_base(ckpt, metadata, model) if args.write_base else None  # the one the adapters were trained on
+    if base is not None:
+        check_free_space(output, peft_export_bytes(ckpt, base))
+    count = write_peft_export(ckpt, metadata, model, lambda: written_atomically(output), Path(args.out), base)
+    print(f"wrote {args.out} ({count} adapters as a PEFT directory"
+          + (f", their base as a Hugging Face directory in {BASE_DIR}/)" if base is not None else ")"))
 
 
 COMMANDS = {"hf-to-megatron": hf_to_megatron, "megatron-to-hf": megatron_to_hf, "megatron-to-peft": megatron_to_peft,

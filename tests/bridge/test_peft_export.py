@@ -8,12 +8,19 @@ What PEFT cannot load (a MoE model's dense-layer MLP or shared experts) is refus
 In-process and without Megatron: the adapters are a state dict in Megatron's names, with random
 nonzero A and B, on the weights of a tiny random HF model (the bridge tests' configs) read back in
 Megatron's fused layout.
+
+Which base adapter_config.json names (tools/convert_lora.trained_base), in one forked process
+(peft_export_worker.py): `megatron-rl convert megatron-to-peft` on checkpoints the trainer's own
+writers make (a run from random initialization, one from checkpoint.init_from, megatron-rl sft's,
+peft-to-megatron's and a run from it, a MoE run whose expert bias moved): peft on the named base
+gives the run's merged model, or the export is refused by name.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -155,3 +162,102 @@ def test_dense_mlp_of_a_moe_model_is_refused_by_name(tmp_path, name, weight, lea
     with pytest.raises(ConfigError, match=rf"{weight.replace('.', '[.]')} .*{leaf}.*merged Hugging Face export"):
         write_peft_directory(adapters, arch, RANK, ALPHA, 0.0, tmp_path)
     assert list(tmp_path.iterdir()) == []  # refused before anything is written
+
+
+# ---- which base the export names: megatron-rl convert megatron-to-peft on a run's checkpoints --------
+
+WORKER = Path(__file__).with_name("peft_export_worker.py")
+
+
+def model_logits(directory: Path, adapter: Path | None = None) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    return logits(peft.PeftModel.from_pretrained(model, adapter) if adapter is not None else model)
+
+
+@pytest.mark.subprocess
+def test_the_export_names_the_base_the_adapters_were_trained_on(tmp_path):
+    """A LoRA run's adapters mean what they mean on the base they were trained on (checkpoint/
+    base_ref.py), which is not model.hf_config's weights unless the run loaded them. One process
+    (peft_export_worker.py) writes a run's checkpoint from random initialization (its base in
+    checkpoints/base/), one from checkpoint.init_from=hf/, and `megatron-rl sft`'s checkpoint (base
+    and adapters together), with the live merged export of each policy; megatron-to-peft on each:
+    peft on the base adapter_config.json names gives the run's merged model within 1e-4. A base
+    that is no Hugging Face directory is refused by name without --write-base, and written as
+    OUT/base/ with it. peft-to-megatron takes the adapter back on the base it names, and refuses
+    hf/ (another base); its checkpoint of an adapter on hf/ exports again naming hf/, and so does a
+    run started from that checkpoint."""
+    from _support.processes import child_env, python_command
+
+    make_hf_model(family_configs()["llama"], tmp_path / "hf")
+    make_hf_model(family_configs()["glm4_moe"], tmp_path / "hf_moe")
+    done = subprocess.run(python_command(WORKER, tmp_path, preloaded=True), capture_output=True, text=True,
+                          env=child_env(), timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    runs, paths, out, hf = result["runs"], result["paths"], tmp_path / "out", (tmp_path / "hf").resolve()
+
+    # Refused by name without --write-base: the base is no Hugging Face directory, and nothing is written.
+    random_base = (tmp_path / "random" / "checkpoints" / "base").resolve()
+    for name, trained_on in (("random", f"trained on the megatron-rl checkpoint {random_base} (the run's initial "
+                                        "weights (the frozen base of its LoRA adapters))"),
+                             ("sft", f"trained on the base weights {tmp_path / 'sft'} holds beside them (from random "
+                                     "init (seed ")):
+        assert runs[name]["code"] == 2 and not (out / name).exists(), runs[name]
+        message = runs[name]["error"][0]
+        assert trained_on in message and f"pass --write-base to write that base as a Hugging Face directory " \
+                                          f"{out / name / 'base'} beside the adapter" in message, message
+    assert f"(the run's model.hf_config {tmp_path / 'hf'} gives only its architecture)" in runs["random"]["error"][0]
+
+    merged = {run: model_logits(tmp_path / f"merged_{run}") for run in ("random", "init_from", "from_imported")}
+    cases = [("random_write_base", "random", out / "random_write_base" / "base"),
+             ("sft_write_base", "random", out / "sft_write_base" / "base"),
+             ("init_from", "init_from", hf),
+             ("init_from_write_base", "init_from", out / "init_from_write_base" / "base"),
+             # peft-to-megatron's checkpoint holds hf/'s weights converted exactly (it records hf/ with its
+             # checksums): exported again, and a run from it, name hf/.
+             ("reexport", "init_from", hf),
+             ("from_imported", "from_imported", hf)]
+    assert runs["import_init_from"]["code"] == 0, runs["import_init_from"]
+    for name, run, base in cases:
+        assert runs[name]["code"] == 0, (name, runs[name])
+        named = json.loads((out / name / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
+        assert named == str(base.resolve()), (name, named)
+        difference = (model_logits(Path(named), out / name) - merged[run]).abs().max().item()
+        print(f"{name}: max |peft on {Path(named).name}/ - the run's merged model| = {difference:.2e}")
+        assert difference <= TOL, (name, difference)
+    assert (merged["random"] - model_logits(out / "random_write_base" / "base")).abs().max() > 0.1  # B is not 0
+    # The export once named model.hf_config (hf/) for the random run: peft there is another model.
+    wrong = (model_logits(hf, out / "random_write_base") - merged["random"]).abs().max().item()
+    print(f"peft on model.hf_config's weights (the base once named) - the run's merged model: {wrong:.2f}")
+    assert wrong > 0.5
+
+    assert runs["import_named_base"]["code"] == 0, runs["import_named_base"]
+    refused = runs["import_other_base"]
+    assert refused["code"] == 2 and not (out / "import_other_base").exists()
+    assert f"base_model_name_or_path='{out / 'random_write_base' / 'base'}' names the base the adapter was trained " \
+           f"on, and its weights differ from those of --hf {tmp_path / 'hf'}" in refused["error"][0], refused
+
+    # A run that moved its routers' expert bias: PEFT on the base would route as the base does.
+    assert runs["moe_still"]["code"] == 0, runs["moe_still"]
+    assert json.loads((out / "moe_still" / ADAPTER_CONFIG).read_text())["base_model_name_or_path"] == \
+        str((tmp_path / "hf_moe").resolve())
+    moved = runs["moe_moved"]
+    assert moved["code"] == 2 and not (out / "moe_moved").exists(), moved
+    assert f"{paths['moe_moved']}: its decoder.layers.1.mlp.router.expert_bias (the router's expert bias, which the " \
+           "run moved" in moved["error"][0] and "(largest difference 0.05)" in moved["error"][0], moved
+
+    # The merged export of a checkpoint whose base is a megatron-rl checkpoint (checkpoints/base/,
+    # written before the bias moved): the checkpoint's own expert bias, not the base's, so it is the
+    # run's live merged export.
+    assert runs["moe_merge"]["code"] == 0, runs["moe_merge"]
+    live = load_file(str(tmp_path / "merged_moe_merge" / "model.safetensors"))
+    converted = {k: v for f in (out / "moe_merge").glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    assert converted.keys() == live.keys()
+    loaded = {k: v for f in (tmp_path / "hf_moe").glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert torch.allclose(live[bias] - loaded[bias], torch.full_like(live[bias], 0.05))  # moved since the base
+    for name in sorted(live):
+        difference = (converted[name].double() - live[name].double()).abs().max().item()
+        assert difference <= 1e-6, f"--merge-lora's {name} is {difference:.3g} away from the run's merged model"

@@ -287,7 +287,58 @@ def referenced_checkpoint_checks(lora, config, out: Path, batches) -> dict:
         data[len(data) // 2] ^= 0xFF
         victim.write_bytes(bytes(data))
     dist.barrier()
+    # A base file rewritten between the check and the load (same size, other values): the check
+    # passes, and the load, which reads the new bytes, refuses them (checkpoint/checked_read.py).
+    result["swapped_base_refused"] = swapped_after_the_check(saved, other, victim, _flip_middle_byte)
+    result["swapped_hf_base_refused"] = swapped_after_the_check(hf_saved, other, out / "base" / "model.safetensors",
+                                                                _embedding_plus_one)
     return result
+
+
+def _flip_middle_byte(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def _embedding_plus_one(file: Path) -> None:
+    """16 values of the embedding +1.0, the file rewritten in place (the same size)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(file))
+    tensors["model.embed_tokens.weight"].view(-1)[:16] += 1.0
+    save_file(tensors, str(file))
+
+
+def swapped_after_the_check(ckpt: Path, policy, file: Path, change) -> str | None:
+    """load_training_checkpoint(ckpt) with `change(file)` run by global rank 0 right after it
+    checked the base (format.check_base; the ranks wait for its verdict, so no rank has read the
+    base yet): the refusal, None if it loaded. The file is put back afterwards."""
+    from megatron_rl.checkpoint import format
+    from megatron_rl.checkpoint.manager import load_training_checkpoint
+    from megatron_rl.errors import ConfigError
+
+    original, check = file.read_bytes(), format.check_base
+
+    def check_then_change(*args):
+        base = check(*args)
+        change(file)
+        assert file.stat().st_size == len(original)
+        return base
+
+    format.check_base = check_then_change
+    try:
+        load_training_checkpoint(ckpt, policy)
+        refused = None
+    except ConfigError as exc:
+        refused = str(exc)
+    finally:
+        format.check_base = check
+    dist.barrier()
+    if dist.get_rank() == 0:
+        file.write_bytes(original)
+    dist.barrier()
+    return refused
 
 
 BASE = ["device=cpu", "optimizer.lr=0.01", "optimizer.clip_grad=0.0", "parallel.ep=2", "parallel.etp=1"]

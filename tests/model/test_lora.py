@@ -196,7 +196,10 @@ def test_a_checkpoint_refers_to_its_base_and_loads_over_it(results):
     adapters, no base weight; it names
     its base with every file's checksum; a policy with every weight moved, loaded from it, is the
     saved policy bit for bit (so its base came from the base, not from anywhere else); a base file
-    with one byte changed is refused by name before anything is loaded."""
+    with one byte changed is refused by name, before the run trains on anything. A base file
+    rewritten (same size) after the check and before the load, a torch_dist one and a Hugging Face
+    one (16 embedding values +1.0), is refused by the load that reads it: the CRC-32 is compared
+    on the bytes loaded."""
     from megatron_rl.checkpoint.unpickling import read_torch_dist_index
 
     ckpt = Path(results[0]["referenced_ckpt"])
@@ -225,6 +228,11 @@ def test_a_checkpoint_refers_to_its_base_and_loads_over_it(results):
         refused = result["changed_base_refused"]
         assert refused is not None and "has changed" in refused and result["changed_file"] in refused, refused
         assert "CRC-32" in refused and str(ckpt) in refused
+        for swapped, name in (("swapped_base_refused", result["changed_file"]),
+                              ("swapped_hf_base_refused", "model.safetensors")):
+            refused = result[swapped]
+            assert refused is not None and f"has changed: {name} has CRC-32 " in refused, (swapped, refused)
+            assert "when the run read it" in refused, refused
 
 
 @multiprocess
@@ -279,8 +287,9 @@ def hf_logits(directory, tokens, adapter=None):
 @pytest.mark.subprocess
 def test_a_lora_checkpoint_converts_to_peft_and_to_the_merged_model(results, tmp_path):
     """`megatron-rl convert` on the worker's EP2 checkpoint after a step (B nonzero), in one
-    process: megatron-to-peft's directory, loaded by peft on the base, gives the live merged
-    export's logits; megatron-to-hf --merge-lora writes the live merged export's tensors."""
+    process: megatron-to-peft --write-base's directory, loaded by peft on the base it wrote and
+    names (the checkpoint holds its base), gives the live merged export's logits; megatron-to-hf
+    --merge-lora writes the live merged export's tensors."""
     import subprocess
 
     from safetensors.torch import load_file
@@ -293,7 +302,8 @@ def test_a_lora_checkpoint_converts_to_peft_and_to_the_merged_model(results, tmp
     # The same step's training checkpoint that refers to its base (test above): merged from that base.
     referenced, merged_from_base = results[0]["referenced_ckpt"], tmp_path / "merged_from_base"
     script = ("import sys; from megatron_rl.tools.convert import main; "
-              f"sys.exit(main(['megatron-to-peft', '--ckpt', {str(out / 'ckpt')!r}, '--out', {str(peft_dir)!r}]) or "
+              f"sys.exit(main(['megatron-to-peft', '--write-base', '--ckpt', {str(out / 'ckpt')!r}, '--out', "
+              f"{str(peft_dir)!r}]) or "
               f"main(['megatron-to-hf', '--merge-lora', '--ckpt', {str(out / 'ckpt')!r}, '--out', {str(merged_dir)!r}])"
               f" or main(['megatron-to-hf', '--merge-lora', '--ckpt', {referenced!r}, '--out', {str(merged_from_base)!r}]))")
     done = subprocess.run(python_command("-c", script, preloaded=True), capture_output=True, text=True, env=child_env(),
@@ -309,4 +319,8 @@ def test_a_lora_checkpoint_converts_to_peft_and_to_the_merged_model(results, tmp
     tokens = [3, 17, 42, 99, 7, 120, 12, 5]
     merged = hf_logits(out / "merged", tokens)
     assert (merged - hf_logits(out / "base", tokens)).abs().max() > 1e-3  # the adapters moved the model
+    # The checkpoint holds its base: --write-base writes it beside the adapter (peft_dir/base), named there.
+    assert json.loads((peft_dir / "adapter_config.json").read_text())["base_model_name_or_path"] == \
+        str((peft_dir / "base").resolve())
+    assert (hf_logits(peft_dir / "base", tokens, adapter=peft_dir) - merged).abs().max().item() <= 1e-4
     assert (hf_logits(out / "base", tokens, adapter=peft_dir) - merged).abs().max().item() <= 1e-4
