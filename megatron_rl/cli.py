@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def command_overrides(args) -> list[str]:
-    """The `key=value` overrides of a parsed command line, with --output-dir folded in."""
+    """The `key=value` overrides of a parsed command line, with --output-dir folded in (output_dir
+    is typed as text, so the loader keeps the path as written: config/loader.py)."""
     overrides = list(args.overrides)
     if getattr(args, "output_dir", None) and args.command != "sft":  # sft: the checkpoint itself
         overrides.append(f"output_dir={args.output_dir}")

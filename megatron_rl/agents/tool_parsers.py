@@ -191,7 +191,16 @@ _DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
 
 
 def _loads(text: str) -> Any:
-    return _DECODER.decode(text)
+    return _raw_decode(text, 0, whole=True)[0]
+
+
+def _raw_decode(text: str, position: int, *, whole: bool = False) -> tuple[Any, int]:
+    """_DECODER's decode (whole) / raw_decode; JSON nested deeper than the parser recurses (a
+    model can write 10,000 "[" in one turn) is a ValueError like any other malformed call."""
+    try:
+        return (_DECODER.decode(text), len(text)) if whole else _DECODER.raw_decode(text, position)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 def _shown(text: str) -> str:
@@ -294,7 +303,7 @@ def _parse_llama3_json(text: str) -> tuple[list[ToolCall], list[str]]:
         number += 1
         what = f"tool call {number}"
         try:
-            obj, end = _DECODER.raw_decode(region, position)
+            obj, end = _raw_decode(region, position)
         except ValueError as exc:
             # skip to the next "; {" (the next call) and carry on; a lone error otherwise
             resume = re.compile(r";\s*\{").search(region, position)

@@ -155,6 +155,10 @@ class DataConfig:
     # run naming the first few (file and line, tokens, limit); "drop": leave them out of the
     # dataset and print how many went from which file. Held-out prompts included.
     overlong_prompts: Literal["error", "drop"] = "error"
+    # JSON Lines files: the longest line read, in bytes (a longer one is refused by file and line
+    # after reading this much of it). 16 MiB holds a million-token prompt at 16 bytes a token with
+    # room for metadata; raise it for rows with larger metadata (test cases, documents).
+    max_line_bytes: int = 16 * 1024 * 1024
     # Prompt order: reshuffled every epoch from this seed (None: the run's seed).
     shuffle: bool = True
     seed: int | None = None
@@ -197,6 +201,8 @@ class DataConfig:
         if self.overlong_prompts not in OVERLONG_PROMPTS:
             raise ConfigError(f"{where}.overlong_prompts must be one of {', '.join(OVERLONG_PROMPTS)}, "
                               f"got {self.overlong_prompts!r}")
+        if self.max_line_bytes < 1:
+            raise ConfigError(f"{where}.max_line_bytes must be >= 1, got {self.max_line_bytes}")
         if self.num_train < 1:
             raise ConfigError(f"{where}.num_train must be >= 1, got {self.num_train}")
         if self.num_heldout < 0:

@@ -86,7 +86,7 @@ def _empty(source: str, key: str, split_hint: bool) -> ConfigError:
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested deeper than Python recurses
         raise ConfigError(f"{path}: not a readable save_to_disk file: {type(exc).__name__}: {exc}") from None
 
 

@@ -19,11 +19,19 @@ a line that is not UTF-8 (with the byte offset in the file), a prompt that is em
 whitespace. Files are read whole at start-up, so a bad row fails the run before any model is
 built; preflight then counts every prompt's tokens against the engine's limit
 (``data.overlong_prompts``).
+
+Untrusted lines are bounded before they are parsed: a JSONL line longer than
+``data.max_line_bytes`` (16 MiB by default: a million-token prompt at 16 bytes a token) is
+refused after reading that many bytes of it, never the rest (a file without line breaks, a
+multi-GB line); a row nested deeper than MAX_JSON_DEPTH levels of arrays and objects (which
+Python's JSON parser and the code that copies and pickles metadata cannot recurse through) is
+refused by its line too.
 Parquet needs ``pyarrow`` (``pip install pyarrow``); JSONL needs nothing.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping
@@ -32,7 +40,7 @@ from megatron_rl.data.config import RESERVED_NAMES, DataConfig
 # Imports `datasets` only when a dataset is read through it.
 from megatron_rl.data.hf_datasets import SUFFIX_BUILDERS, load_hf_prompts
 from megatron_rl.data.records import PromptDataset, PromptRecord, get_field, prompt_text, record_from_row
-from megatron_rl.errors import ConfigError
+from megatron_rl.errors import ConfigError, not_a_file
 from megatron_rl.rewards.synthetic import TaskConfig, make_task
 
 __all__ = [
@@ -63,18 +71,56 @@ def _decode_line(raw: bytes, path: Path, number: int, offset: int) -> str:
         ) from None
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
+# Levels of nested arrays and objects a row may have. A chat prompt has 4 (row, messages, message,
+# content parts); Python's JSON parser gives out near 1,000, and pickling metadata to the reward
+# workers or copying it recurses as deep, so this refuses a hostile row by name long before that.
+MAX_JSON_DEPTH = 100
+
+
+def _too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether `value` nests arrays / objects more than `limit` levels deep (iteratively)."""
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
+def _too_deep_error(path: Path, number: int) -> ConfigError:
+    return ConfigError(f"{path} line {number}: nested more than {MAX_JSON_DEPTH} levels deep (arrays and objects); "
+                       "a prompt row is an object of text, chat messages and metadata")
+
+
+def _jsonl_rows(path: Path, max_line_bytes: int) -> Iterator[tuple[str, Any]]:
     offset = 0
     with path.open("rb") as handle:
-        for number, raw in enumerate(handle, start=1):
+        for number in itertools.count(1):
+            raw = handle.readline(max_line_bytes + 1)  # never more than the limit (and its line break) in memory
+            if not raw:
+                return
+            if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+                raise ConfigError(
+                    f"{path} line {number}: longer than data.max_line_bytes={max_line_bytes} bytes (refused after "
+                    f"reading that much of it); a JSON Lines file holds one record per line. If a record (its "
+                    f"metadata included) really is that large, raise data.max_line_bytes; otherwise fix the file"
+                )
             line = _decode_line(raw, path, number, offset)
             offset += len(raw)
             if not line.strip():
                 continue
             try:
-                yield f"{path} line {number}", json.loads(line)
+                row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"{path} line {number}: not valid JSON: {exc.msg} (column {exc.colno})") from None
+            except RecursionError:  # deeper than the parser recurses
+                raise _too_deep_error(path, number) from None
+            # Counting brackets first keeps the walk off every ordinary row.
+            if line.count("[") + line.count("{") > MAX_JSON_DEPTH and _too_deep(row):
+                raise _too_deep_error(path, number)
+            yield f"{path} line {number}", row
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
@@ -94,16 +140,19 @@ _READERS = {".jsonl": _jsonl_rows, ".parquet": _parquet_rows}
 
 
 def load_prompts(path: str | Path, *, prompt_key: str = "prompt", answer_key: str | None = "answer",
-                 columns: Mapping[str, str] | None = None, other_columns: str = "keep") -> PromptDataset:
+                 columns: Mapping[str, str] | None = None, other_columns: str = "keep",
+                 max_line_bytes: int = DataConfig.max_line_bytes) -> PromptDataset:
     """Read every record of a .jsonl or .parquet file (see the module docstring for errors)."""
     path = Path(path)
     reader = _READERS.get(path.suffix.lower())
     if reader is None:
         raise ConfigError(f"{path}: unsupported prompt file type {path.suffix!r}; use {' or '.join(_READERS)}")
-    if not path.is_file():
-        raise ConfigError(f"prompt file {path} does not exist")
+    problem = not_a_file(path)  # never opened when it is not a file (a FIFO would block)
+    if problem:
+        raise ConfigError(f"prompt file {path} {problem}")
     keep_other = other_columns == "keep"
-    records = [record_from_row(row, where, prompt_key, answer_key, columns, keep_other) for where, row in reader(path)]
+    rows = _jsonl_rows(path, max_line_bytes) if reader is _jsonl_rows else reader(path)
+    records = [record_from_row(row, where, prompt_key, answer_key, columns, keep_other) for where, row in rows]
     return PromptDataset(records, str(path))
 
 
@@ -166,10 +215,13 @@ def load_source(config: DataConfig, key: Literal["train", "heldout"]) -> PromptD
     path = Path(getattr(config, key))
     if not path.exists():
         raise _missing_path(f"data.{key}", path)
+    if not path.is_dir() and (problem := not_a_file(path)):
+        raise ConfigError(f"data.{key}: prompt file {path} {problem}; it must be a file or a directory written "
+                          "by `datasets` save_to_disk")
     fields = dict(prompt_key=config.prompt_key, answer_key=config.answer_key, columns=config.columns,
                   other_columns=config.other_columns)
     if not _uses_datasets(config, f"data.{key}", path):
-        return load_prompts(path, **fields)
+        return load_prompts(path, max_line_bytes=config.max_line_bytes, **fields)
     return load_hf_prompts(path, key=key, split=getattr(config, f"{key}_split"), **fields)
 
 

@@ -17,6 +17,7 @@ closed terminal still abort: SIGINT and SIGHUP go to torchrun, which stops the r
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -45,9 +46,9 @@ def run_local(config_path: str | None, overrides: list[str], nproc_per_node: int
     train_args = (["--config", config_path] if config_path else []) + list(overrides)
     command = torchrun_command(nproc_per_node, train_args)
     if dry_run:
-        print(" ".join(command))
+        print(shlex.join(command))  # as a shell takes it back: a path with a space or '#' stays one argument
         return 0
-    print(f"[megatron-rl] {' '.join(command)}", flush=True)
+    print(f"[megatron-rl] {shlex.join(command)}", flush=True)
     return run_torchrun(command)
 
 

@@ -187,7 +187,7 @@ def render(options: SlurmOptions, config: RunConfig, config_path: Path) -> str:
     values = {
         "JOB_NAME": options.job_name,
         "NODES": str(options.nodes + options.rollout_nodes),
-        "OUTPUT_DIR": str(out),
+        "OUTPUT_DIR": _script_path(out),
         "SIGNAL_LEAD": str(options.signal_lead_seconds),
         "SBATCH_EXTRA": "\n".join(sbatch),
         "SETUP": "\n".join(setup) or ":",
@@ -203,6 +203,17 @@ def render(options: SlurmOptions, config: RunConfig, config_path: Path) -> str:
         "SERVER_TIMEOUT": str(options.server_timeout_s),
     }
     return fill(template_path(options).read_text(), values)
+
+
+def _script_path(out: Path) -> str:
+    """The run directory as the job script writes it: shell-quoted (sbatch reads the same quotes in
+    its #SBATCH lines), so a space or a '#' in it is part of the path. A line break cannot be
+    written into one line of a script: refused."""
+    text = str(out)
+    if any(char in text for char in "\n\r\0"):
+        raise ConfigError(f"output_dir: {text!r} holds a line break, which the job script cannot hold in one line; "
+                          "choose a directory name without one")
+    return shlex.quote(text)
 
 
 def rollout_layout(config: RunConfig, options: SlurmOptions) -> tuple[int, int]:

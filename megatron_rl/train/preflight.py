@@ -109,10 +109,10 @@ def check_lora_rank(lora, arch, source: str) -> None:
 
 
 def check_engine_context(config, raw: dict, source: str) -> None:
-    """rollout.max_model_len within the model's context (hf_config.engine_context: what vLLM derives
+    """rollout.max_model_len within the model's context (model/context_length.py: what vLLM derives
     from config.json). Beyond it every engine refuses to start (vLLM's pydantic check, after the
     warm start has run), and positions past the model's make no sense to train on either."""
-    from megatron_rl.model.hf_config import engine_context
+    from megatron_rl.model.context_length import engine_context
 
     context, key = engine_context(raw)
     wanted = config.rollout.max_model_len
@@ -130,8 +130,8 @@ def check_engine_context(config, raw: dict, source: str) -> None:
 def check_teacher_context(config) -> None:
     """A teacher server started here (rl.teacher, mode: server, no server_url) gets a context of
     rl.teacher.max_model_len (null: rollout.max_model_len + 1); vLLM refuses one beyond the teacher
-    model's own (hf_config.engine_context), as it does the student's."""
-    from megatron_rl.model.hf_config import engine_context
+    model's own (model/context_length.py), as it does the student's."""
+    from megatron_rl.model.context_length import engine_context
     from megatron_rl.train.teacher import TeacherSource, server_context
 
     teacher = config.rl.teacher
@@ -341,6 +341,71 @@ def token_counts(tokenizer, texts: list[str], add_special_tokens: bool) -> list[
     return [len(ids) for ids in tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]]
 
 
+# A prompt is never handed to the tokenizer whole when its length alone says it is over the limit
+# (a 50 MB prompt took 6 GB and 30 s in the tokenizer, then was refused). Text is 1 to 5 characters
+# a token, so a prompt over PREFIX_CHARS_PER_TOKEN x (limit + CUT_MARGIN + 1) characters is first
+# counted on a prefix of that many (doubled while the count stays within the limit) and is over
+# when the prefix is over by more than CUT_MARGIN: the text after a cut changes how the prefix's
+# last pre-tokens (a word, a run of spaces) are split, not the rest. A prompt longer than limit x
+# the longest token's characters x NORMALIZATION_SHRINK is not tokenized at all: no token stands
+# for more characters of it, unless the tokenizer drops or fuses characters (whitespace-splitting
+# pre-tokenizers, fused unknown tokens; no model family served here), and such a prompt is
+# refused either way. The tokenizer so sees at most that many characters of any one prompt.
+PREFIX_CHARS_PER_TOKEN = 8
+CUT_MARGIN = 16
+# Characters Unicode normalization (NFC / NFKC, as Qwen's tokenizers apply) folds into one at most:
+# 3 (a Hangul syllable from its jamo), rounded up.
+NORMALIZATION_SHRINK = 4
+
+
+class AtLeast(int):
+    """A token count known from below only (the prompt was not tokenized whole): compares as the
+    number, reads "at least N" in messages."""
+
+    def __format__(self, spec: str) -> str:
+        return f"at least {int(self):{spec}}"
+
+
+def longest_token_chars(tokenizer) -> int | None:
+    """Characters of the vocabulary's longest entry, added tokens included (a byte-level BPE's
+    entries have a character per byte, sentencepiece's one per character): the most of a prompt one
+    token stands for. None when the tokenizer does not list its vocabulary."""
+    try:
+        return max(map(len, tokenizer.get_vocab()), default=0) or None
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+
+
+def bounded_token_counts(tokenizer, texts: list[str], add_special_tokens: bool, limit: int) -> list[int]:
+    """token_counts of `texts`, exact for every text that can fit in `limit` tokens; a text too
+    long for that gets an AtLeast over `limit` from a prefix or from its length alone (see
+    PREFIX_CHARS_PER_TOKEN), so the tokenizer sees a bounded number of characters per prompt."""
+    short = PREFIX_CHARS_PER_TOKEN * (limit + CUT_MARGIN + 1)
+    if max(map(len, texts), default=0) <= short:  # every ordinary batch: one call, as before
+        return token_counts(tokenizer, texts, add_special_tokens)
+    ordinary = [index for index, text in enumerate(texts) if len(text) <= short]
+    counts: list[int] = [0] * len(texts)
+    if ordinary:
+        for index, count in zip(ordinary, token_counts(tokenizer, [texts[i] for i in ordinary], add_special_tokens)):
+            counts[index] = count
+    longest = longest_token_chars(tokenizer)
+    for index, text in enumerate(texts):
+        if len(text) <= short:
+            continue
+        if longest is not None and len(text) > limit * longest * NORMALIZATION_SHRINK:
+            counts[index] = AtLeast(-(-len(text) // (longest * NORMALIZATION_SHRINK)))
+            continue
+        size, count = short, None
+        while size < len(text):
+            prefix = token_counts(tokenizer, [text[:size]], add_special_tokens)[0]
+            if prefix > limit + CUT_MARGIN:
+                count = AtLeast(prefix - CUT_MARGIN)
+                break
+            size *= 2
+        counts[index] = count if count is not None else token_counts(tokenizer, [text], add_special_tokens)[0]
+    return counts
+
+
 def _prompt_texts(records, tokenizer, data) -> list[str]:
     """The prompts of `records` as text, rendered as encode_prompt renders them."""
     from megatron_rl.data import render_prompt
@@ -361,12 +426,13 @@ def _prompt_texts(records, tokenizer, data) -> list[str]:
 
 def overlong_prompts(dataset, tokenizer, data, limit: int) -> list[tuple[int, int]]:
     """(index, tokens) of every prompt of `dataset` longer than `limit` tokens, as encode_prompt
-    encodes it (`data`: the DataConfig), counted LENGTH_BATCH prompts at a time."""
+    encodes it (`data`: the DataConfig), counted LENGTH_BATCH prompts at a time (a prompt too long
+    to fit, on a prefix or by its length: bounded_token_counts; its count is then an AtLeast)."""
     add_special_tokens = data.prompt_format == "raw"  # chat templates write their own (data/chat.py)
     over = []
     for start in range(0, len(dataset), LENGTH_BATCH):
         texts = _prompt_texts(dataset[start:start + LENGTH_BATCH], tokenizer, data)
-        counts = token_counts(tokenizer, texts, add_special_tokens)
+        counts = bounded_token_counts(tokenizer, texts, add_special_tokens, limit)
         over.extend((start + offset, count) for offset, count in enumerate(counts) if count > limit)
     return over
 

@@ -530,3 +530,24 @@ def test_calculator_refuses(expression, expected):
     assert expected in str(info.value)
     if "not allowed" in expected:
         assert "allowed: integers and decimals" in str(info.value)
+
+
+DEEP = "[" * 10_000 + "]" * 10_000  # deeper than Python's JSON parser recurses
+
+
+@pytest.mark.parametrize("fmt, text", [
+    ("hermes", f"<tool_call>{DEEP}</tool_call>"),
+    ("llama3_json", '{"name": "calculator", "parameters": ' + DEEP + "}"),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>calculator\n```json\n"
+                    + DEEP + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+    ("glm45", f"<tool_call>calculator\n<arg_key>expression</arg_key>\n<arg_value>{DEEP}</arg_value>\n</tool_call>"),
+])
+def test_a_call_nested_deeper_than_the_parser_recurses_is_a_malformed_call(fmt, text):
+    """A model can write 10,000 "[" in one turn: json's RecursionError escaped the parser and ended
+    the trajectory with a traceback; it is one malformed call like any other (or, where a format
+    keeps the value as text, a call whose argument is that text)."""
+    calls, errors = parse_tool_calls(text, fmt)
+    if errors:
+        assert calls == [] and len(errors) == 1 and "nested too deeply" in errors[0], errors
+    else:
+        assert len(calls) == 1 and calls[0].arguments == {"expression": DEEP}, calls

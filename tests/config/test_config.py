@@ -225,3 +225,105 @@ def test_the_bounds_leave_every_usual_setting_alone():
     config = load_config(None, ["model.lora.rank=64", "model.lora.alpha=128", "rl.temperature=0.05", "rl.group_size=1024",
                                 "rl.prompts_per_step=1024", "rollout.max_model_len=131072"])
     assert (config.model.lora.rank, config.rl.temperature, config.rl.group_size) == (64, 0.05, 1024)
+
+
+# --------------------------------------------------------------------------- untrusted YAML (issue 57)
+
+BOMB = """rollout:
+  environment: my_envs:Env
+  environment_args:
+    a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]
+    b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+    c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+    d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
+    e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]
+    f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]
+    g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]
+"""
+
+
+def test_a_yaml_alias_bomb_is_refused_before_anything_expands_it(tmp_path):
+    """Ten lines that expand to 9^7 strings in a free-form mapping: PyYAML builds them as shared
+    references at once, and the checkpoint's copy of the config (dataclasses.asdict) expanded them
+    (2.35 GB after 150 s). Refused by the loader, naming the file, the key and the line, before any
+    setting is read; an override carrying a bomb is refused the same way."""
+    from megatron_rl.config.loader import MAX_ALIAS_NODES
+
+    path = tmp_path / "bomb.yaml"
+    path.write_text(BOMB)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"{path}: rollout.environment_args.f[0] (line 9): YAML aliases expand the "
+                                      f"document by more than {MAX_ALIAS_NODES:,} nodes"), str(info.value)
+    override = "rollout.environment_args=" + "{" + ", ".join(BOMB.splitlines()[3:]).replace("    ", "") + "}"
+    with pytest.raises(ConfigError, match=r"^override 'rollout\.environment_args=.*': f\[0\] \(line 1\): YAML aliases "
+                                          r"expand the document"):
+        load_config(None, ["rollout.environment=my_envs:Env", override])
+
+
+FREE_FORM = "rollout:\n  environment: my_envs:Env\n  environment_args:\n"  # a mapping any value fits
+
+
+# Under a free-form mapping, where nothing else would refuse them: before the loader's checks a
+# recursive alias loaded there and crashed later, when the checkpoint copied the config.
+@pytest.mark.parametrize("text, message", [
+    (FREE_FORM + "    a: &a [1, *a]\n", "rollout.environment_args.a[1] (line 4): an alias refers to a node that contains it"),
+    ("x: " + "[" * 10_000 + "]" * 10_000 + "\n", "line 1: nested more than 100 levels deep"),
+    (FREE_FORM + "    x: &x " + "[" * 60 + "]" * 60 + "\n    y: &y " + "[" * 60 + "*x" + "]" * 60 + "\n",
+     "rollout.environment_args.y" + "[0]" * 60 + " (line 5): nested more than 100 levels deep through aliases"),
+])
+def test_recursive_aliases_and_deep_nesting_are_refused_by_line(tmp_path, text, message):
+    path = tmp_path / "deep.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"{path}: {message}" or str(info.value).startswith(f"{path}: {message}"), str(info.value)
+
+
+def test_honest_aliases_and_merges_still_load(tmp_path):
+    path = tmp_path / "anchors.yaml"
+    path.write_text("rollout:\n  environment: my_envs:Env\n  environment_args:\n"
+                    "    common: &common {tools: [calc, search], max_turns: 4}\n"
+                    "    train: {<<: *common, seed: 1}\n    heldout: *common\n")
+    args = load_config(path).rollout.environment_args
+    assert args["train"] == {"tools": ["calc", "search"], "max_turns": 4, "seed": 1}
+    assert args["heldout"] == args["common"]
+
+
+PATHS = ["/runs/victim #new-experiment", "2024-01-01", "yes", "no", "null", "~", "42", "1e3", "a\nb",
+         "[a, b]", "{a: 1}", " spaced ", "x: y"]
+
+
+@pytest.mark.parametrize("text", PATHS)
+def test_a_text_key_given_on_the_command_line_is_taken_as_written(text):
+    """A key the tree types as text (a path, a name) gets the override's text verbatim: YAML
+    stripped `#...` as a comment (`output_dir=/runs/victim #new-experiment` wrote into
+    /runs/victim), read dates and booleans (refused), folded a newline into a space."""
+    config = load_config(None, [f"output_dir={text}", f"model.hf_config={text}", f"data.train={text}"])
+    assert config.output_dir == config.model.hf_config == config.data.train == text
+
+
+@pytest.mark.parametrize("text", ["yes", "no", "null", "on"])
+def test_a_name_mapping_value_on_the_command_line_is_text(text):
+    assert load_config(None, [f"data.columns.field={text}"]).data.columns == {"field": text}
+
+
+@pytest.mark.parametrize("text, value", [("null", None), ("~", None), ("", None), ("NULL", None),
+                                         ("/ckpt #3", "/ckpt #3"), ("2024-01-01", "2024-01-01")])
+def test_a_text_key_that_may_be_null_reads_null_and_otherwise_the_text(text, value):
+    assert load_config(None, [f"checkpoint.init_from={text}"]).checkpoint.init_from == value
+    if value is not None:  # through an optional section too
+        assert load_config(None, [f"rl.teacher.source={text}"]).rl.teacher.source == value
+
+
+def test_other_keys_still_read_their_value_as_yaml_and_files_read_no_dates(tmp_path):
+    config = load_config(None, ["rl.steps=3", "rollout.tools=[a, b]", "rl.routing_replay=true",
+                                "rollout.environment=e:E", "rollout.environment_args.when=2024-01-01",
+                                "rollout.environment_args.flag=yes"])
+    assert (config.rl.steps, config.rollout.tools, config.rl.routing_replay) == (3, ["a", "b"], "training")
+    assert config.rollout.environment_args == {"when": "2024-01-01", "flag": True}  # YAML, less its dates
+    path = tmp_path / "dated.yaml"
+    path.write_text("output_dir: 2024-01-01\n")
+    assert load_config(path).output_dir == "2024-01-01"
+    with pytest.raises(ConfigError, match=r"^override 'rl\.steps=\[1': not valid YAML"):
+        load_config(None, ["rl.steps=[1"])

@@ -211,3 +211,105 @@ def test_a_blank_message_beside_a_real_one_is_kept(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", [[{"role": "system", "content": ""}, {"role": "user", "content": "1+1="}]])
     train, _ = load_datasets(DataConfig(train=str(path)))
     assert train[0].prompt[1]["content"] == "1+1=" and train[0].location == f"{path} line 1"
+
+
+# --------------------------------------------------------------------------- untrusted sizes and nesting (issue 57)
+
+
+def test_a_huge_prompt_is_refused_without_the_tokenizer_seeing_it_whole(tmp_path, model_dir, tokenizer, monkeypatch):
+    """A 20 MB prompt (one of 50 MB held 6 GB in the tokenizer after 28 s, then was refused) and
+    one of 2,000 characters are refused by line with a count from below: the first by its length
+    alone (no token of the run's tokenizer stands for more than its longest entry's characters),
+    the second on a bounded prefix. The tokenizer sees at most that prefix of any prompt; a
+    prompt that can fit is still counted exactly, and drop leaves the long ones out."""
+    from megatron_rl.train import preflight as checks
+
+    seen: list[int] = []
+    count = checks.token_counts
+    monkeypatch.setattr(checks, "token_counts",
+                        lambda tok, texts, special: seen.extend(map(len, texts)) or count(tok, texts, special))
+    train = write_jsonl(tmp_path / "huge.jsonl", ["1+1=", "9" * 20_000_000, "8" * 2000, "7" * (LIMIT - 1)])
+    with pytest.raises(ConfigError) as refused:
+        preflight(run_config(tmp_path, model_dir, train, "data.max_line_bytes=33554432"))
+    message = str(refused.value)
+    per_token = checks.longest_token_chars(tokenizer) * checks.NORMALIZATION_SHRINK
+    prefix = checks.PREFIX_CHARS_PER_TOKEN * (LIMIT + checks.CUT_MARGIN + 1)
+    assert message.startswith(f"{train} line 2: the prompt is at least {-(-20_000_000 // per_token)} tokens, over "
+                              f"the limit of {LIMIT}"), message
+    assert f"{train} line 3 (at least {tokens(tokenizer, '8' * prefix) - checks.CUT_MARGIN} tokens)" in message, message
+    assert f"{train} line 4" not in message, message
+    assert max(seen) <= prefix, max(seen)  # never the 20 MB, nor the 2,000 characters whole
+    kept, _ = preflight(run_config(tmp_path, model_dir, train, "data.max_line_bytes=33554432",
+                                   "data.overlong_prompts=drop"))
+    assert [record.location for record in kept] == [f"{train} line 1", f"{train} line 4"]
+
+
+def test_a_line_longer_than_max_line_bytes_is_refused_after_reading_only_that_much(tmp_path, monkeypatch):
+    """A 20 MB line against the default data.max_line_bytes (16 MiB): refused by file and line
+    naming the key, with no read of the file returning more than the limit (a file with no line
+    breaks at all would otherwise be read whole into memory)."""
+    path = write_jsonl(tmp_path / "p.jsonl", ["1+1=", "9" * 20_000_000, "2+2="])
+    limit = DataConfig().max_line_bytes
+    reads: list[int] = []
+    real_open = Path.open
+
+    class Spy:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def readline(self, size=-1):
+            line = self.handle.readline(size)
+            reads.append(len(line))
+            return line
+
+        def __iter__(self):
+            for line in self.handle:
+                reads.append(len(line))
+                yield line
+
+    monkeypatch.setattr(Path, "open", lambda self, *a, **k: Spy(real_open(self, *a, **k)) if self == path
+                        else real_open(self, *a, **k))
+    with pytest.raises(ConfigError, match=rf"^{path} line 2: longer than data.max_line_bytes={limit} bytes "
+                                          r"\(refused after reading that much of it\).*raise data.max_line_bytes"):
+        load_datasets(DataConfig(train=str(path)))
+    assert max(reads) <= limit + 1, max(reads)
+    train, _ = load_datasets(DataConfig(train=str(path), max_line_bytes=32 << 20))  # raised: read as it is
+    assert len(train[1].prompt) == 20_000_000
+
+
+def deep_row(levels: int) -> str:
+    return '{"prompt": "1+1=", "answer": "2", "extra": ' + "[" * (levels - 1) + "]" * (levels - 1) + "}"
+
+
+@pytest.mark.parametrize("levels", [100_000, 150])
+def test_a_row_nested_too_deep_is_refused_by_line(tmp_path, levels):
+    """100,000 nested arrays raised RecursionError out of the JSON parser (a traceback); 150 parse,
+    but nothing a prompt row holds nests that deep, and copying or pickling such metadata recurses
+    as the parser does. Both are refused by file and line; 100 levels are read."""
+    from megatron_rl.data.prompts import MAX_JSON_DEPTH
+
+    path = tmp_path / "deep.jsonl"
+    path.write_text(deep_row(2) + "\n" + deep_row(levels) + "\n")
+    with pytest.raises(ConfigError, match=rf"^{path} line 2: nested more than {MAX_JSON_DEPTH} levels deep"):
+        load_datasets(DataConfig(train=str(path)))
+    path.write_text(deep_row(MAX_JSON_DEPTH) + "\n")
+    train, _ = load_datasets(DataConfig(train=str(path)))
+    assert train[0].metadata["extra"]
+
+
+def test_a_row_nested_too_deep_exits_2_through_the_cli(tmp_path):
+    path = tmp_path / "deep.jsonl"
+    path.write_text(deep_row(2) + "\n" + deep_row(100_000) + "\n")
+    result = subprocess.run(
+        cli_command("train", f"output_dir={tmp_path / 'run'}", f"data.train={path}", "logging.wandb_mode=disabled"),
+        capture_output=True, text=True, timeout=300, cwd=REPO, env=child_env(),
+    )
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-4000:]
+    assert f"megatron-rl: configuration error: {path} line 2: nested more than" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr

@@ -47,7 +47,10 @@ class JsonClient:
             try:
                 with urllib.request.urlopen(request, timeout=timeout) as response:
                     payload = response.read()
-                return json.loads(payload) if payload else None
+                try:
+                    return json.loads(payload) if payload else None
+                except RecursionError:  # nested deeper than Python recurses: "not JSON" to callers, as a ValueError
+                    raise ValueError(f"{self.name}: {method} {path} answered JSON nested too deeply to read") from None
             except urllib.error.HTTPError as exc:
                 detail = exc.read().decode(errors="replace")[:500]
                 if exc.code in (401, 403):
