@@ -1,4 +1,5 @@
-"""The project's user-facing error type, in a module of its own so every layer can import it."""
+"""The project's user-facing error type, in a module of its own so every layer can import it,
+and the small helpers its messages share (where an exception was raised, why a path is no file)."""
 
 
 class ConfigError(ValueError):
@@ -17,3 +18,23 @@ def raised_at(exc: BaseException) -> str:
 
     frames = traceback.extract_tb(exc.__traceback__)
     return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+
+def not_a_file(path) -> str | None:
+    """Why `path` cannot be read as a file, or None when it can: it does not exist, is a
+    directory, or is something else that exists (a FIFO, a device, a socket: read, it would
+    block or never end). Decided without opening it."""
+    import os
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "does not exist"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "is a directory, not a file"
+    return "is not a regular file (a FIFO, device or socket)"

@@ -11,7 +11,9 @@
         return None                                            # or its own reward
 
 Each of a record's G trajectories runs the agent once, in its own thread, with its own base URL
-(a loopback chat-completions endpoint, agents/openai_server.py; the path names the trajectory).
+(a loopback chat-completions endpoint, agents/openai_server.py). The path carries the trajectory's
+token, random and unguessable (`TOKEN_BYTES`, drawn per trajectory): an agent cannot reach another
+trajectory through its own URL, and a token no running trajectory holds is answered 404.
 `record` is {"prompt", "answer", "metadata"}. The agent returns its reward, or None to have the
 run's reward functions (`rewards.terms`) score the content of its last completion.
 
@@ -55,6 +57,8 @@ the driver.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import inspect
 import json
 import secrets
@@ -78,6 +82,7 @@ from megatron_rl.errors import ConfigError, raised_at
 from megatron_rl.rollout.protocol import Sample, SamplingParams
 
 BATCH_WINDOW_S = 0.5  # a batch goes out once no call has arrived for this long (or all agents wait)
+TOKEN_BYTES = 32  # the random bytes of a trajectory's URL token (secrets.token_urlsafe: 43 characters)
 
 
 @dataclass
@@ -124,7 +129,7 @@ class _Call:
 class _Run:
     group: int
     sample: int
-    token: str
+    token: str  # its URL's secret (module docstring)
     record: dict
     params: SamplingParams  # the request's: its seeds and per-call cap
     segments: list[_Segment] = field(default_factory=list)
@@ -154,9 +159,9 @@ class OpenAIAgentRollout:
         self.chat, self.tokenizer, self.settings = chat_format, tokenizer, settings
         self.env_wall_s = 0.0  # seconds the driver waited on agents between engine requests, ever
         self._cond = threading.Condition()
-        # every running trajectory by its URL token (the asynchronous producer runs several
-        # groups at once, each in its own run() call, all served by the one endpoint)
-        self._runs: dict[str, _Run] = {}
+        # every running trajectory by its URL token's digest (`_digest`; the asynchronous producer
+        # runs several groups at once, each in its own run() call, all served by the one endpoint)
+        self._runs: dict[bytes, _Run] = {}
         self._server: ChatCompletionsServer | None = None
 
     @classmethod
@@ -180,15 +185,13 @@ class OpenAIAgentRollout:
         `share` broadcasts from the driver (every rank calls it with the same arguments)."""
         runs: list[_Run] = []
         if is_driver:
-            # one random prefix per rollout (an agent cannot guess another trajectory's URL), then its index
-            prefix = secrets.token_hex(8)
-            places = [(group, sample) for group in range(len(records)) for sample in range(params.n)]
-            runs = [_Run(group, sample, f"{prefix}{index:08x}", _record_dict(records[group]), params)
-                    for index, (group, sample) in enumerate(places)]
+            # a token of its own per trajectory: no agent can derive another trajectory's URL from its own
+            runs = [_Run(group, sample, secrets.token_urlsafe(TOKEN_BYTES), _record_dict(records[group]), params)
+                    for group in range(len(records)) for sample in range(params.n)]
             with self._cond:
                 if self._server is None:
                     self._server = ChatCompletionsServer(self._on_call)
-                self._runs.update({run.token: run for run in runs})
+                self._runs.update({_digest(run.token): run for run in runs})
             threads = [threading.Thread(target=self._agent_thread, args=(run,), daemon=True,
                                         name=f"agent-{run.group}-{run.sample}") for run in runs]
             for thread in threads:
@@ -216,7 +219,7 @@ class OpenAIAgentRollout:
             if is_driver:
                 with self._cond:
                     for run in runs:
-                        self._runs.pop(run.token, None)
+                        self._runs.pop(_digest(run.token), None)
                         self._end(run, "failed", "the rollout stopped before the agent finished", final=True)
         groups = None
         if is_driver:
@@ -283,8 +286,10 @@ class OpenAIAgentRollout:
 
     def _on_call(self, token: str, body: dict) -> dict:
         with self._cond:
-            run = self._runs.get(token)
-            if run is None:
+            # looked up by digest, then compared in constant time: how long a refusal takes says nothing
+            # about how much of a token was right
+            run = self._runs.get(_digest(token))
+            if run is None or not hmac.compare_digest(run.token.encode(), token.encode()):
                 raise EndpointError(404, "no running trajectory has this base URL (it ended or never existed)")
             if not run.running:
                 raise EndpointError(400, f"this trajectory has ended ({run.finish}); further calls are not recorded")
@@ -435,6 +440,10 @@ def _segment_sample(run: _Run, segment: _Segment, finish: str) -> Sample:
     if segment.versions is not None:
         extras["versions"] = segment.versions
     return Sample(run.group, run.sample, segment.prompt_ids, segment.ids, segment.logprobs, finish, extras)
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
 
 
 def _record_dict(record) -> dict:

@@ -16,8 +16,9 @@ from megatron_rl.errors import ConfigError
 
 
 def recorded_lora(ckpt: Path, metadata: dict) -> dict | None:
-    """The model.lora of the adapters checkpoint `ckpt` holds (`metadata`: its megatron_rl.json),
-    or None when it holds none."""
+    """The model.lora of the adapters checkpoint `ckpt` holds (`metadata`: its megatron_rl.json,
+    as read_metadata checked it), or None when it holds none. ConfigError naming the file and
+    the key for a recorded value of the wrong type or out of bounds (`checked_lora`)."""
     from megatron_rl.checkpoint.store import STATE
 
     lora = metadata.get("lora")
@@ -26,7 +27,20 @@ def recorded_lora(ckpt: Path, metadata: dict) -> dict | None:
             lora = json.loads((ckpt / STATE).read_text()).get("config", {}).get("model", {}).get("lora")
         except (OSError, ValueError, AttributeError):
             return None  # not the trainer state a run writes: its own readers name it
+        if lora is not None:
+            checked_lora(lora, ckpt / STATE, "config.model.lora")
     return lora if isinstance(lora, dict) else None
+
+
+def checked_lora(lora, path: Path, key: str) -> dict:
+    """`lora`, a model.lora as file `path` records it under `key`, once its values are checked as
+    the config's own are: ConfigError naming the file and the key otherwise (the values become
+    config overrides and messages later, which would blame the command line or fail to format)."""
+    from megatron_rl.config import LoraConfig
+    from megatron_rl.config.loader import parse_section
+
+    parse_section(LoraConfig, lora, str(path), key)
+    return lora
 
 
 def check_run_lora(ckpt: Path, metadata: dict, lora, arch, key: str = "checkpoint.init_from") -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 import threading
 import time
@@ -77,7 +78,9 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # A fresh run (no checkpoint step, or 0) starts a new file: rows of an earlier attempt in
         # this directory that never checkpointed would otherwise stay, and step 0 appear twice.
-        truncate_metrics(self.path, resume_step if resume_step else -1)
+        notice = truncate_metrics(self.path, resume_step if resume_step else -1)
+        if notice:
+            print(notice, file=self.stream, flush=True)
         if resume_step:
             self._elapsed_before = max((r.get("elapsed_s", 0.0) for r in read_metrics(self.path)), default=0.0)
         if wandb_mode != "disabled":
@@ -154,21 +157,50 @@ class GuardedWandb:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The file's records; lines that are not one (see _parse_lines) are left out."""
     path = Path(path)
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [record for _, _, record in _parse_lines(path) if record is not None]
 
 
-def truncate_metrics(path: Path, keep_through_step: int) -> None:
-    """Keep only records with step <= keep_through_step (atomic rewrite)."""
+def _parse_lines(path: Path) -> list[tuple[int, str, dict[str, Any] | None]]:
+    """(line number, text, record or None) for every non-blank line. A line that is not a JSON
+    object is None: the last one when a kill (SIGKILL, OOM, a node lost) cut its write short, or
+    any line a person or a full disk damaged. Rows are written by json.dumps (ASCII), so bytes
+    that do not decode are damage too."""
+    parsed = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            record = None
+        parsed.append((number, line, record if isinstance(record, dict) else None))
+    return parsed
+
+
+def truncate_metrics(path: Path, keep_through_step: int) -> str | None:
+    """Keep only records with step <= keep_through_step (atomic rewrite). Lines that are not
+    records are left out, the file as it was kept beside it, and a line saying so returned (a
+    resume after a kill must not die on the half-written row the kill left)."""
     if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= keep_through_step]
+        return None
+    parsed = _parse_lines(path)
+    kept = [line for _, line, record in parsed if record is not None and record.get("step", 0) <= keep_through_step]
+    unreadable = [number for number, _, record in parsed if record is None]
+    notice = None
+    if unreadable:
+        aside = path.with_name(f"{path.name}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}")
+        shutil.copy2(path, aside)
+        shown = ", ".join(map(str, unreadable[:5])) + (", ..." if len(unreadable) > 5 else "")
+        notice = (f"{path}: line(s) {shown} are not metric records (a write cut short by a kill, or damage); "
+                  f"left out, the file as it was is kept as {aside}")
     temporary = path.with_name(f".{path.name}.tmp")
     temporary.write_text("".join(line + "\n" for line in kept))
     os.replace(temporary, path)
+    return notice
 
 
 def check_wandb_available(mode: str) -> None:

@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from megatron_rl.errors import ConfigError
+from megatron_rl.errors import ConfigError, not_a_file
 from megatron_rl.rewards.code_tests import MODES, check_harness, code_tests_reward
 from megatron_rl.rewards.format import make_format_reward
 from megatron_rl.rewards.functions import RewardFunction, is_batched
@@ -153,8 +153,9 @@ def absolute_reward_name(name: str) -> str:
 
 def _load_file_module(name: str, path_text: str):
     path = Path(path_text).resolve()
-    if not path.is_file():
-        raise ConfigError(f"reward {name!r}: file {path} does not exist")
+    problem = not_a_file(path)
+    if problem:
+        raise ConfigError(f"reward {name!r}: file {path} {problem}")
     # One module per file path, registered so pickling and repeated resolution find it again.
     module_name = "megatron_rl_user_reward_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
     if module_name in sys.modules:

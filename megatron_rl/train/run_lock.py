@@ -18,6 +18,12 @@ finished run, a stop signal's checkpoint-and-exit, an error). Another run that f
 
 A holder on another host of another job cannot be checked from here: if that run is gone (its
 node failed), the message says to delete the lock.
+
+A lock whose content names no holder (not UTF-8 JSON, a key missing or of the wrong kind: a pid
+that is not a process id) is unreadable: no run wrote it whole, so once it is older than a
+partial write could be (`PARTIAL_GRACE_S`) it is taken over, with one line naming the file and
+the key. Something other than a file in its place (a directory, a FIFO: never opened to wait on
+it) refuses the run, naming it.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,6 +41,7 @@ from megatron_rl.errors import ConfigError
 
 LOCK = "run.lock"
 PARTIAL_GRACE_S = 5.0  # an unreadable lock younger than this is being written by its holder
+PID_MAX = 2**31 - 1  # pid_t's largest value
 
 
 @dataclass(frozen=True)
@@ -65,7 +73,11 @@ class RunLock:
         self.path, self.holder, self.made_directory = path, holder, made_directory
 
     def release(self) -> None:
-        if _read(self.path) == self.holder:
+        try:
+            ours = _read(self.path) == self.holder
+        except ConfigError:
+            return  # something else was put in its place: not ours to remove
+        if ours:
             self.path.unlink(missing_ok=True)
             if self.made_directory:
                 try:
@@ -89,29 +101,30 @@ def acquire(directory: str | Path, notify: Callable[[str], None] = print, me: Ho
                               "--output-dir this user can write to") from None
         if created:
             return RunLock(path, me, made_directory)
-        text = _text(path)
-        if text is None:
+        content = _content(path)
+        if content is None:
             continue  # released meanwhile
-        holder = _parse(text)
-        if holder is None and time.time() - _mtime(path) < PARTIAL_GRACE_S:
+        holder = _parse(content, path)
+        if isinstance(holder, str) and time.time() - _mtime(path) < PARTIAL_GRACE_S:
             time.sleep(0.1)  # its holder is writing it right now
             continue
-        reason = "its content is unreadable" if holder is None else stale_reason(holder, me)
+        reason = holder if isinstance(holder, str) else stale_reason(holder, me)
         if reason is None:
             raise ConfigError(f"output directory {directory} is in use by another run: {holder.describe()} holds "
                               f"{path}. Two runs in one directory would resume from the same checkpoint and "
                               "write over each other's metrics and checkpoints: wait for it to end, stop it, or "
                               "pass another --output-dir. If that run is gone (its machine failed), delete "
                               f"{path}")
-        if _replace(path, text, me):
-            shown = "an unreadable lock" if holder is None else f"the lock of {holder.describe()}"
+        if _replace(path, content, me):
+            shown = "an unreadable lock" if isinstance(holder, str) else f"the lock of {holder.describe()}"
             notify(f"took over {shown} on {directory} ({reason})")
             return RunLock(path, me)
     raise ConfigError(f"could not take {path}: other runs keep taking and releasing it; start one run at a time")
 
 
 def holder_of(directory: str | Path) -> Holder | None:
-    """Who holds `directory`/run.lock now, if anyone (an unreadable lock: None)."""
+    """Who holds `directory`/run.lock now, if anyone (an unreadable lock: None; ConfigError when
+    something other than a file is in its place)."""
     return _read(Path(directory) / LOCK)
 
 
@@ -145,12 +158,12 @@ def _create(path: Path, me: Holder) -> bool:
     return True
 
 
-def _replace(path: Path, seen: str, me: Holder) -> bool:
-    """Put `me` in place of the stale lock whose text was `seen`; False if it changed meanwhile
+def _replace(path: Path, seen: bytes, me: Holder) -> bool:
+    """Put `me` in place of the stale lock whose content was `seen`; False if it changed meanwhile
     (another run took it over first)."""
     temporary = path.with_name(f".{path.name}.{me.pid}.tmp")
     temporary.write_text(_dump(me))
-    if _text(path) != seen:
+    if _content(path) != seen:
         temporary.unlink(missing_ok=True)
         return False
     os.replace(temporary, path)
@@ -161,23 +174,55 @@ def _dump(holder: Holder) -> str:
     return json.dumps(asdict(holder), indent=1) + "\n"
 
 
-def _text(path: Path) -> str | None:
+def _content(path: Path) -> bytes | None:
+    """The lock file's bytes, None when there is none. Opened without waiting (a FIFO in its place
+    would block a plain open) and refused unless it is a file."""
     try:
-        return path.read_text()
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the run lock {path} ({exc.strerror}): remove it, or pass another "
+                          "--output-dir") from None
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise ConfigError(f"{path} is not a file (a directory, FIFO or device is in its place): a run lock is a "
+                          "file a run writes; remove it, or pass another --output-dir")
+    with os.fdopen(descriptor, "rb") as handle:
+        return handle.read()
 
 
-def _parse(text: str) -> Holder | None:
+# Each key of the lock and what its value must be (`None` allowed where the run may not know it).
+_KINDS = {"host": (str, False), "pid": (int, False), "started": (str, False), "pid_start": (int, True),
+          "boot_id": (str, True), "slurm_job_id": (str, True)}
+
+
+def _parse(content: bytes, path: Path) -> Holder | str:
+    """The holder the lock's bytes name, or why they name none (with `path` and the key)."""
     try:
-        return Holder(**json.loads(text))
-    except (ValueError, TypeError):
-        return None
+        fields = json.loads(content.decode("utf-8"))
+    except (ValueError, RecursionError):  # not UTF-8 (UnicodeDecodeError is a ValueError), not JSON
+        return f"{path} is not UTF-8 JSON"
+    if not isinstance(fields, dict) or set(fields) != set(_KINDS):
+        return f"{path} is not the JSON object a run writes (keys {', '.join(_KINDS)})"
+    for key, (kind, optional) in _KINDS.items():
+        value = fields[key]
+        if not (isinstance(value, kind) and not isinstance(value, bool) or optional and value is None):
+            return f"{path}: {key!r} is {_shown(value)}, not {'an integer' if kind is int else 'a string'}"
+    if not 0 < fields["pid"] <= PID_MAX:
+        return f"{path}: 'pid' is {_shown(fields['pid'])}, not a process id (1 to {PID_MAX})"
+    return Holder(**fields)
+
+
+def _shown(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:40] + "..."
 
 
 def _read(path: Path) -> Holder | None:
-    text = _text(path)
-    return None if text is None else _parse(text)
+    content = _content(path)
+    holder = None if content is None else _parse(content, path)
+    return holder if isinstance(holder, Holder) else None
 
 
 def _mtime(path: Path) -> float:

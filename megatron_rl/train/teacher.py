@@ -75,9 +75,16 @@ class TeacherSource:
         return cls(path, None)
 
     def raw_config(self) -> dict:
-        from megatron_rl.model.hf_config import load_hf_config
+        """The teacher's config.json, an object whose numeric keys are of their kind (it may be of
+        an architecture only vLLM serves: not parsed further here)."""
+        from megatron_rl.model.hf_config import check_value_types, load_hf_config
 
-        return load_hf_config(self.config_dir)[0]
+        try:
+            raw, where = load_hf_config(self.config_dir)
+            check_value_types(raw, where)
+        except ConfigError as exc:
+            raise ConfigError(f"{KEY}.source: {exc}") from None
+        return raw
 
 
 # --------------------------------------------------------------------------- start-up checks
@@ -94,7 +101,27 @@ def check_teacher(config, student_tokenizer) -> None:
     check_teacher_length(config, source)
     check_same_vocabulary(student_tokenizer, teacher_tokenizer(source), source.config_dir)
     if teacher.mode == "trainer":
+        check_no_adapters(source)
         check_trainer_layout(config, source)
+
+
+def check_no_adapters(source: TeacherSource) -> None:
+    """A trainer-held teacher is built from its config.json and loaded whole: a checkpoint of a
+    LoRA run (adapters over a base) is refused by name, with the merged export as the way."""
+    from megatron_rl.checkpoint.format import read_metadata
+    from megatron_rl.checkpoint.lora_record import recorded_lora
+
+    if source.checkpoint is None:
+        return
+    try:
+        lora = recorded_lora(source.checkpoint, read_metadata(source.checkpoint))
+    except ConfigError as exc:
+        raise ConfigError(f"{KEY}.source: {exc}") from None
+    if lora is not None:
+        raise ConfigError(f"{KEY}.source: {source.checkpoint} holds a LoRA run's adapters (rank {lora.get('rank')}, "
+                          f"alpha {lora.get('alpha')}), and the teacher is a whole model, loaded without them: "
+                          f"export the merged model (`megatron-rl convert megatron-to-hf --merge-lora --ckpt "
+                          f"{source.checkpoint} --out DIR`) and set {KEY}.source=DIR")
 
 
 def teacher_tokenizer(source: TeacherSource):
@@ -168,12 +195,12 @@ def check_served_length(config, served: int | None) -> None:
 
 def teacher_run_config(config, source: TeacherSource):
     """The run's config with the teacher's model: its config.json, its vocabulary padding (a
-    checkpoint's recorded row count), an even pipeline split (the student's uneven one is counted
-    in the student's layers)."""
+    checkpoint's recorded row count), no adapters (model.lora is the student's), an even pipeline
+    split (the student's uneven one is counted in the student's layers)."""
     from megatron_rl.checkpoint.format import with_vocab_of
 
     model = dataclasses.replace(config.model, hf_config=str(source.config_dir), padded_vocab_size=None,
-                                architecture=None, moe_router_bias_update_rate=0.0)
+                                architecture=None, moe_router_bias_update_rate=0.0, lora=None)
     parallel = dataclasses.replace(config.parallel, pp_first_stage_layers=None, pp_last_stage_layers=None)
     teacher_config = dataclasses.replace(config, model=model, parallel=parallel)
     return with_vocab_of(teacher_config, source.checkpoint) if source.checkpoint is not None else teacher_config

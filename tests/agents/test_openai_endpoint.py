@@ -282,3 +282,93 @@ def test_a_slow_agent_does_not_hold_the_others_batch():
                for group in groups for sample in group)
     assert [size for _, size in sent] == [4, 2, 2]  # all first calls; the fast second calls; the slow ones
     assert sent[1][0] - sent[0][0] < 1.4  # the fast agents' calls did not wait for the slow tool
+
+
+def test_no_trajectory_can_reach_another_through_a_url_derived_from_its_own():
+    """Each trajectory's URL carries its own random token: an agent that posts to the URLs it
+    could derive from its own (the same token with another index at its end, as a prefix plus
+    index would give, or one character changed) is answered 404, and every other trajectory
+    records only its own agent's calls."""
+    from openai import NotFoundError
+
+    tokens, refused = [], []
+
+    async def prober(base_url, record):
+        client = AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0)
+        messages = [{"role": "user", "content": record["prompt"]}]
+        reply = (await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR])
+                 ).choices[0].message
+        token = base_url.split("/t/")[1].split("/v1")[0]
+        tokens.append(token)
+        neighbours = [token[:-8] + f"{index:08x}" for index in range(8)]
+        neighbours.append(token[:-1] + ("B" if token[-1] == "A" else "A"))
+        for url in (base_url.replace(token, other) for other in neighbours if other != token):
+            other = AsyncOpenAI(base_url=url, api_key="x", max_retries=0)
+            try:
+                await other.chat.completions.create(model="policy", messages=messages)
+                refused.append(None)
+            except NotFoundError as exc:
+                refused.append(exc.status_code)
+            except Exception as exc:  # noqa: BLE001 - anything but a 404 reached a trajectory
+                refused.append(type(exc).__name__)
+            finally:
+                await other.close()
+        messages += [reply.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": record["answer"]}]
+        await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR])
+        await client.close()
+        return 1.0
+
+    groups, engine = run(prober, window=5.0)
+    assert refused and set(refused) == {404}, refused
+    for sample in (sample for group in groups for sample in group):
+        agent = sample.extras["agent"]
+        assert agent["finish"] == "stop" and agent["turns"] == 2 and agent["reward"] == 1.0, agent
+    assert len(engine.requests) == 2 and all(len(prompts) == 4 for prompts, _ in engine.requests)
+    # a token of its own per trajectory, of at least 128 random bits (base64url: 6 bits a character),
+    # sharing no prefix with another's that would tell one from another
+    assert len(set(tokens)) == len(tokens) == 4 and all(len(token) * 6 >= 128 for token in tokens)
+    assert len({token[:8] for token in tokens}) == 4
+
+
+def test_requests_nested_too_deep_are_refused_with_400_and_the_trajectory_goes_on():
+    """A body of 100,000 nested arrays (Python's JSON parser raised RecursionError: a 500), one
+    nested 150 levels (parsed, deeper than any request, MAX_NESTING), and tool-call arguments
+    that nest 100,000 levels inside their JSON text: each is a 400, and the agent's next call is
+    served as usual."""
+    import urllib.error
+    import urllib.request
+
+    from megatron_rl.agents.openai_server import MAX_NESTING
+
+    deep = "[" * 100_000 + "]" * 100_000
+    user = {"role": "user", "content": "1*1="}
+    call = {"id": "c", "type": "function", "function": {"name": "calculator", "arguments": deep}}
+    bodies = [
+        '{"model": "policy", "messages": ' + deep + "}",
+        json.dumps({"model": "policy", "messages": [user], "metadata": json.loads("[" * 150 + "]" * 150)}),
+        json.dumps({"model": "policy", "messages": [user, {"role": "assistant", "content": None,
+                                                           "tool_calls": [call]}]}),
+    ]
+    answers = []
+
+    def post(url: str, body: str) -> tuple[int, str]:
+        request = urllib.request.Request(url, data=body.encode(), headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    async def agent(base_url, record):
+        for body in bodies:
+            answers.append(await asyncio.to_thread(post, f"{base_url}/chat/completions", body))
+        client = AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0)
+        await client.chat.completions.create(model="policy", messages=[user])
+        await client.close()
+        return 1.0
+
+    groups, _ = run(agent, records=RECORDS[:1], n=1)
+    assert [status for status, _ in answers] == [400, 400, 400], answers
+    assert all(f"nested more than {MAX_NESTING} levels deep" in text for _, text in answers), answers
+    assert groups[0][0].extras["agent"]["status"] != "failed" and groups[0][0].extras["agent"]["reward"] == 1.0

@@ -77,6 +77,37 @@ def test_file_errors(tmp_path):
         load_prompts(tmp_path / "p.csv")
 
 
+@pytest.mark.timeout(60)  # a FIFO opened to read blocks until a writer comes: never here
+def test_a_path_that_exists_but_is_not_a_regular_file_is_named_so_and_never_opened(tmp_path):
+    """A FIFO or a device named like a prompt file (data.train, data.heldout, load_prompts) is
+    refused as what it is, not as a file that "does not exist", and is not opened (a FIFO would
+    block the run at start-up, /dev/zero never end); so is a recipe (--config) or a reward file."""
+    import os
+
+    from megatron_rl.config import load_config
+    from megatron_rl.data.prompts import load_source
+    from megatron_rl.rewards.registry import resolve_reward
+
+    fifo, device = tmp_path / "fifo.jsonl", tmp_path / "zero.jsonl"
+    os.mkfifo(fifo)
+    device.symlink_to("/dev/zero")
+    os.mkfifo(tmp_path / "fifo.json")  # a `datasets` file type
+    for path in (fifo, device, tmp_path / "fifo.json"):
+        with pytest.raises(ConfigError) as caught:
+            load_source(DataConfig(train=str(path)), "train")
+        assert str(caught.value) == (f"data.train: prompt file {path} is not a regular file (a FIFO, device or "
+                                     "socket); it must be a file or a directory written by `datasets` save_to_disk")
+    for path in (fifo, device):
+        with pytest.raises(ConfigError, match=f"^prompt file {path} is not a regular file"):
+            load_prompts(path)
+    os.mkfifo(tmp_path / "recipe.yaml")
+    with pytest.raises(ConfigError, match=f"^config file {tmp_path / 'recipe.yaml'} is not a regular file"):
+        load_config(tmp_path / "recipe.yaml")
+    os.mkfifo(tmp_path / "reward.py")
+    with pytest.raises(ConfigError, match=f"file {tmp_path / 'reward.py'} is not a regular file"):
+        resolve_reward(f"{tmp_path / 'reward.py'}:score")
+
+
 def test_parquet_records_and_errors(tmp_path):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")

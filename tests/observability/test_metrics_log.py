@@ -68,3 +68,26 @@ def test_a_fresh_run_starts_a_new_file_at_zero_elapsed(tmp_path):
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1]
     assert rows[0]["elapsed_s"] < 0.25 and rows[1]["elapsed_s"] > rows[0]["elapsed_s"]
+
+
+def test_a_row_cut_short_by_a_kill_is_left_out_on_resume_and_the_file_kept_beside(tmp_path):
+    """SIGKILL while a row was being written leaves half a JSON line at the end of metrics.jsonl:
+    the resume died in json.loads with a traceback (its checkpoint never reached). The torn row
+    (and any line that is not a record) is left out with one line, the file as it was kept."""
+    first = MetricsLog(tmp_path, 6, wandb_mode="disabled", stream=io.StringIO())
+    log_steps(first, range(0, 4), pause=0)
+    first.close()
+    path = tmp_path / "metrics.jsonl"
+    before = path.read_text() + '{"step": 4, "reward/me'  # the kill, mid-write
+    path.write_text(before)
+    stream = io.StringIO()
+    resumed = MetricsLog(tmp_path, 6, wandb_mode="disabled", resume_step=3, stream=stream)
+    log_steps(resumed, [4], pause=0)
+    resumed.close()
+    assert [r["step"] for r in read_metrics(path)] == [0, 1, 2, 3, 4]
+    (aside,) = tmp_path.glob("metrics.jsonl.unreadable-*")
+    assert aside.read_text() == before
+    assert f"{path}: line(s) 5 are not metric records" in stream.getvalue() and str(aside) in stream.getvalue()
+    # Plotting reads what is there, the damaged line left out.
+    path.write_text(before)
+    assert [r["step"] for r in read_metrics(path)] == [0, 1, 2, 3]

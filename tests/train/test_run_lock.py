@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from megatron_rl.errors import ConfigError
-from megatron_rl.train.run_lock import LOCK, Holder, acquire, this_process
+from megatron_rl.train.run_lock import LOCK, Holder, acquire, holder_of, this_process
 
 
 def write_lock(directory, holder: Holder) -> None:
@@ -104,3 +104,51 @@ def test_train_refuses_a_directory_a_live_run_holds_before_reading_or_writing_an
     with pytest.raises(ConfigError, match=f"output directory {out} is in use by another run: pid {os.getppid()} on"):
         train(load_config(None, [f"output_dir={out}", "data.train=/no/such/file.jsonl"]))
     assert sorted(p.name for p in out.iterdir()) == [LOCK]
+
+
+def test_a_malformed_lock_is_taken_over_with_a_line_naming_the_file_and_the_key(tmp_path):
+    """Content no run wrote whole names no holder: once older than a partial write could be, it is
+    taken over, the line naming the file and what is wrong (not a TypeError or OverflowError from
+    os.kill, nor a UnicodeDecodeError)."""
+    fields = dataclasses.asdict(this_process())
+    path = tmp_path / LOCK
+    for content, named in ((b"\xff\xfe{", "run.lock is not UTF-8 JSON"),
+                           ({**fields, "pid": "abc"}, "run.lock: 'pid' is \"abc\", not an integer"),
+                           ({**fields, "pid": 10**21}, "run.lock: 'pid' is 1000000000000000000000, not a process id"),
+                           ({**fields, "pid": -1}, "run.lock: 'pid' is -1, not a process id"),
+                           ({**fields, "pid": True}, "run.lock: 'pid' is true, not an integer"),
+                           ({**fields, "host": None}, "run.lock: 'host' is null, not a string"),
+                           ({**fields, "pid_start": 1.5}, "run.lock: 'pid_start' is 1.5, not an integer"),
+                           ([1], "run.lock is not the JSON object a run writes"),
+                           (b"[" * 100_000, "run.lock is not UTF-8 JSON")):
+        path.write_bytes(content if isinstance(content, bytes) else json.dumps(content).encode())
+        os.utime(path, (0, 0))  # older than a partial write
+        lines = []
+        acquire(tmp_path, notify=lines.append).release()
+        assert len(lines) == 1 and lines[0].startswith(f"took over an unreadable lock on {tmp_path} ({tmp_path}/"
+                                                       f"{named}"), (lines, named)
+        assert not path.exists()
+
+
+def test_something_other_than_a_file_in_the_locks_place_is_refused_by_name_without_blocking(tmp_path):
+    import threading
+
+    for name, make in (("directory", os.mkdir), ("fifo", os.mkfifo), ("device", lambda p: os.symlink("/dev/zero", p))):
+        directory = tmp_path / name
+        directory.mkdir()
+        make(directory / LOCK)
+        outcome = []
+
+        def take():
+            for attempt in (lambda: acquire(directory, notify=pytest.fail), lambda: holder_of(directory)):
+                try:
+                    attempt()
+                except ConfigError as exc:
+                    outcome.append(str(exc))
+
+        thread = threading.Thread(target=take, daemon=True)
+        thread.start()
+        thread.join(timeout=10)
+        assert not thread.is_alive(), f"blocked on a {name} in the lock's place"
+        assert outcome == 2 * [f"{directory / LOCK} is not a file (a directory, FIFO or device is in its place): a "
+                               "run lock is a file a run writes; remove it, or pass another --output-dir"], outcome

@@ -102,3 +102,47 @@ def test_the_teachers_dynamic_sampling_default_is_off():
     assert recipe_for(config.rl).dynamic_sampling is False  # dapo's default is on: equal-reward groups still teach
     config = load_config(None, ["rl.teacher.source=x", "rl.dynamic_sampling=true"])
     assert recipe_for(config.rl).dynamic_sampling is True
+
+
+def test_a_teacher_config_json_that_is_not_an_object_or_holds_a_string_count_is_refused_by_name(tmp_path):
+    """Its values are read before the architecture is (the context length): a list in place of the
+    object, or a count that is a string, is a line naming rl.teacher.source and the file, not an
+    AttributeError or TypeError."""
+    from megatron_rl.train.preflight import run_tokenizer
+
+    source = teacher_dir(tmp_path)
+    config = load_config(None, [*FAST, f"rl.teacher.source={source}", "rl.teacher.mode=trainer"])
+    for content, named in (([1, 2], "expected a JSON object (a Hugging Face config.json), got list"),
+                           ({**json.loads((source / "config.json").read_text()), "max_position_embeddings": "4096"},
+                            "max_position_embeddings='4096' must be a positive integer")):
+        (source / "config.json").write_text(json.dumps(content))
+        with pytest.raises(ConfigError) as caught:
+            check_teacher(config, run_tokenizer(config))
+        assert str(caught.value).startswith(f"rl.teacher.source: {source / 'config.json'}: {named}"), str(caught.value)
+
+
+def test_a_lora_runs_checkpoint_as_the_teacher_is_refused_naming_the_teachers_key(tmp_path):
+    """A trainer-held teacher is a whole model: a checkpoint of a LoRA run is refused naming
+    rl.teacher.source and the merged export, not the student's checkpoint.init_from or model.lora
+    (whatever the student's model.lora is)."""
+    from megatron_rl.checkpoint.format import FORMAT, METADATA
+    from megatron_rl.train.preflight import run_tokenizer
+
+    ckpt = tmp_path / "lora_run_step"
+    ckpt.mkdir()
+    teacher_dir(tmp_path).rename(ckpt / "hf_config")
+    metadata = {"format": FORMAT, "padded_vocab_size": 1024, "precision": "fp32"}
+    (ckpt / METADATA).write_text(json.dumps(metadata))
+    (ckpt / "trainer_state.json").write_text(json.dumps({"config": {"model": {"lora": {"rank": 4, "alpha": 8.0}}}}))
+    for student in ([], ["model.lora.rank=8"]):
+        config = load_config(None, [*FAST, f"rl.teacher.source={ckpt}", "rl.teacher.mode=trainer", *student])
+        with pytest.raises(ConfigError) as caught:
+            check_teacher(config, run_tokenizer(config))
+        message = str(caught.value)
+        assert message.startswith(f"rl.teacher.source: {ckpt} holds a LoRA run's adapters (rank 4, alpha 8.0)"), message
+        assert "--merge-lora" in message and "checkpoint.init_from" not in message and "model.lora" not in message
+    # and a value of the wrong type recorded there is named by its file and key
+    (ckpt / "trainer_state.json").write_text(json.dumps({"config": {"model": {"lora": {"rank": 4, "alpha": "x"}}}}))
+    with pytest.raises(ConfigError, match=r"^rl\.teacher\.source: .*trainer_state\.json: config\.model\.lora\.alpha: "
+                                          r"expected a number, got 'x'"):
+        check_teacher(config, run_tokenizer(config))

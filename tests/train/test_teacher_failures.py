@@ -2,7 +2,7 @@
 
 - killed (SIGKILL) after step 1: the run stops in one line naming the step, the exit and the
   server's log, with step 1's checkpoint written and named (the trainer state at the end of step 1,
-  not step 2's), as a stop signal would (train/trainer.py Trainer._teacher_stop);
+  not step 2's), as a stop signal would (train/trainer.py Trainer._service_stop);
 - answering HTTP 500, a body that is not JSON, or JSON that is not a completion: one line naming
   what it answered (TeacherFailed, a TrainingStopped);
 - failing while it samples its held-out accuracy: the same, on every rank; in the trainer the
