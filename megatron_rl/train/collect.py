@@ -1,6 +1,6 @@
 """What a step trains on, from the synchronous loop: generate, score, keep, refill.
 
-Both collectors (this one, and `async_rollout.AsyncCollector` for rl.max_staleness >= 1) give
+Both collectors (this one, and `async_collector.AsyncCollector` for rl.max_staleness >= 1) give
 the trainer the same calls, so its loop does not branch on the mode:
 
     collector.start(next_step, resumed_state)   # after the first weight push

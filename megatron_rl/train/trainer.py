@@ -41,7 +41,7 @@ from megatron_rl.rollout.pool import RolloutFailed
 from megatron_rl.runtime import start_runtime
 from megatron_rl.runtime.launch_env import read_launch_env
 from megatron_rl.train.agent_failures import check_agent_failures, describe_source
-from megatron_rl.train.async_rollout import AsyncCollector
+from megatron_rl.train.async_collector import AsyncCollector
 from megatron_rl.train.collect import SyncCollector
 from megatron_rl.train.evaluate import evaluate
 from megatron_rl.train.generation import Generation

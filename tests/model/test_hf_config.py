@@ -219,7 +219,7 @@ def test_a_block_size_of_the_wrong_kind_is_refused():
 
 
 def test_engine_context_is_what_vllm_derives_from_config_json():
-    from megatron_rl.model.hf_config import engine_context
+    from megatron_rl.model.context_length import engine_context
 
     # YaRN: max_position_embeddings is the scaled context already (DeepSeek-V3: 4096 x 40)
     assert engine_context(preset("deepseek-v3")) == (163840, "max_position_embeddings")

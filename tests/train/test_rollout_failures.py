@@ -34,7 +34,7 @@ from megatron_rl.rollout.engines.server_process import ServerProcess
 from megatron_rl.rollout.engines.vllm_server import VllmServerEngine
 from megatron_rl.rollout.pool import EnginePool, RolloutFailed
 from megatron_rl.rollout.protocol import EngineUnavailable, SamplingParams
-from megatron_rl.train.async_rollout import AsyncCollector
+from megatron_rl.train.async_collector import AsyncCollector
 from megatron_rl.train.generation import Generation
 
 TESTS = Path(__file__).parents[1]
