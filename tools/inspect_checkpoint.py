@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from megatron_rl.checkpoint.store import MANIFEST, STATE, verify, verify_files
-    from megatron_rl.checkpoint.manager import flatten_config
+    from megatron_rl.checkpoint.config_change import flatten_config
     from megatron_rl.errors import ConfigError
     from megatron_rl.checkpoint.format import resolve_checkpoint
 

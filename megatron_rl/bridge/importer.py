@@ -16,6 +16,12 @@ rows and columns of the weight and the scales of the blocks they touch. The scal
 used; a 1-byte weight without its scale, or without a quantization_config, is refused by name.
 The shape and NaN/infinity checks apply to the weight, its scale and the dequantized values.
 
+Weights are read from the model's own directory only: an index entry, or a *.safetensors file,
+that leads outside it (`..`, an absolute path, a symbolic link) is refused by name. With a record
+of the files' checksums (a LoRA checkpoint's base: bridge/checked_read.py), each file is read
+front to back once, its CRC-32 taken on the bytes that are loaded (`load_hf_weights(...,
+recorded)`), so a file rewritten after it was checked cannot be loaded.
+
 Multi-token-prediction layers (DeepSeek-V3's `num_nextn_predict_layers`, stored after the
 decoder layers as `model.layers.{num_hidden_layers + i}.*`) are not built: their tensors are
 skipped with one message instead of being refused as unused.
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -36,6 +43,8 @@ from megatron_rl.bridge.fp8_export import SCALE_SUFFIX, dequantize_blockwise
 from megatron_rl.bridge.layouts import merge, piece_rows
 from megatron_rl.bridge.mappings import expand
 from megatron_rl.bridge.placement import Placement, placements
+from megatron_rl.bridge.safetensors_stream import TORCH_DTYPES
+from megatron_rl.bridge.checked_read import CheckedFile, Recorded, outside
 from megatron_rl.errors import ConfigError
 from megatron_rl.model.hf_config import ArchitectureSpec
 
@@ -65,6 +74,9 @@ class CheckpointUnreadable(CheckpointMismatch):
 
 
 REDOWNLOAD = "download the model again (or copy the file again from an intact copy)"
+INDEX = "model.safetensors.index.json"
+OWN_DIRECTORY = ("a model's weights are read from its own directory only: copy the files into it (a Hugging Face "
+                 "cache's snapshot links to blobs outside it: download with --local-dir instead)")
 
 
 def open_safetensors(file: Path):
@@ -79,21 +91,35 @@ def open_safetensors(file: Path):
                                    f"or corrupt: {REDOWNLOAD}") from None
 
 
-def checkpoint_index(hf_dir: str | Path) -> dict[str, Path]:
-    """HF tensor name -> safetensors file holding it."""
+def checkpoint_index(hf_dir: str | Path, recorded: Recorded | None = None) -> dict[str, Path]:
+    """HF tensor name -> safetensors file holding it, every one inside `hf_dir` (an index entry
+    or a file leading outside is refused naming the index, the tensor and the entry). Every
+    reader of a HF directory's weights finds them here. `recorded`: the index is read checked."""
     hf_dir = Path(hf_dir)
-    index = hf_dir / "model.safetensors.index.json"
+    index = hf_dir / INDEX
     if index.is_file():
+        text = index.read_bytes() if recorded is None else bytes(CheckedFile(recorded, index).whole())
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            weight_map = json.loads(text)["weight_map"]
+            entries = list(weight_map.items())
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # ValueError: bad JSON, not UTF-8
             raise CheckpointUnreadable(f"{index} is not a safetensors index ({exc!r}): {REDOWNLOAD}") from None
-        return {name: hf_dir / file for name, file in weight_map.items()}
+        located = {}
+        for name, file in entries:
+            problem = outside(hf_dir, file)
+            if problem:
+                raise CheckpointUnreadable(f"{index}: tensor {name} is mapped to {file!r}, which {problem}; "
+                                           f"{OWN_DIRECTORY}")
+            located[name] = hf_dir / file
+        return located
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
         raise CheckpointMismatch(f"{hf_dir} holds no *.safetensors files")
     located = {}
     for file in files:
+        problem = outside(hf_dir, file.name)
+        if problem:
+            raise CheckpointUnreadable(f"{hf_dir}: weight file {file.name} {problem}; {OWN_DIRECTORY}")
         with open_safetensors(file) as handle:
             located.update({name: file for name in handle.keys()})
     return located
@@ -119,14 +145,15 @@ def non_finite(tensor: torch.Tensor) -> bool:
     return not bool(torch.isfinite(low) and torch.isfinite(high))
 
 
-def load_hf_weights(module, arch: ArchitectureSpec, hf_dir: str | Path) -> None:
-    """Every parameter of this rank's (built) model from the HF checkpoint. Collective."""
-    with HfWeights(module, arch, hf_dir) as weights, torch.no_grad():
+def load_hf_weights(module, arch: ArchitectureSpec, hf_dir: str | Path, recorded: Recorded | None = None) -> None:
+    """Every parameter of this rank's (built) model from the HF checkpoint. Collective.
+    `recorded`: the files' sizes and CRC-32s, compared on the bytes loaded (module docstring)."""
+    with HfWeights(module, arch, hf_dir, recorded) as weights, torch.no_grad():
         error = None
-        for placement in weights.placements:
+        for placement in weights.in_file_order():
             try:
                 placement.param.copy_(weights.read(placement))
-            except CheckpointUnreadable as exc:
+            except ConfigError as exc:  # CheckpointUnreadable, or a file that differs from the record
                 error = str(exc)
                 break
         # The values are only seen while reading, each rank its own slices: agree before returning.
@@ -145,17 +172,24 @@ class HfWeights:
     parameter's dtype and shape, and works as well on a model built on the meta device (the
     streamed conversion, bridge/streamed.py, reads each parameter only while writing it). A
     value that is NaN or infinite raises CheckpointUnreadable naming the file, on that rank only.
+
+    `recorded`: the values are read from each file front to back once, its CRC-32 compared with
+    the record (bridge/checked_read.py), the tensors this rank needs kept until the
+    placements that use them are read; read the placements in_file_order() (a file that differs
+    raises ConfigError naming it, on that rank only). Without: from safe_open's mapping of the files.
     """
 
-    def __init__(self, module, arch: ArchitectureSpec, hf_dir: str | Path):
-        self.module, self.arch, self.hf_dir = module, arch, hf_dir
+    def __init__(self, module, arch: ArchitectureSpec, hf_dir: str | Path, recorded: Recorded | None = None):
+        self.module, self.arch, self.hf_dir, self.recorded = module, arch, hf_dir, recorded
         self.placements: list[Placement] = []
         self._plans: dict[str, tuple] = {}  # global name -> (hf names, layout, slices, scales)
         self._handles: dict[Path, object] = {}
         self._stack = ExitStack()
+        self._checked: dict[Path, dict[str, _Loaded]] = {}  # recorded: a file's tensors read and checked
+        self._users: dict[Path, int] = {}  # recorded: the placements not yet read that need the file
 
     def __enter__(self) -> "HfWeights":
-        self._located = checkpoint_index(self.hf_dir)
+        self._located = checkpoint_index(self.hf_dir, self.recorded)
         try:
             self._plan()
         except BaseException:
@@ -201,10 +235,41 @@ class HfWeights:
         # Every rank learns every rank's verdict, so all raise together instead of some waiting.
         _check_all_ranks(located, needed, error, self.hf_dir, arch)
 
+    def _needs(self, placement: Placement) -> list[str]:
+        """The HF tensors `placement` is read from: its pieces and their scales."""
+        hf_names, _, _, scales = self._plans[placement.global_name]
+        return [*hf_names, *filter(None, scales)]
+
+    def _files(self, placement: Placement) -> list[Path]:
+        return sorted({self._located[name] for name in self._needs(placement)})
+
+    def in_file_order(self) -> list[Placement]:
+        """The placements ordered by the files they read, so that with a record each file is read
+        once and its tensors are let go once the last placement that needs them is read."""
+        ordered = sorted(self.placements, key=self._files)
+        self._users = {}
+        for placement in ordered:
+            for file in self._files(placement):
+                self._users[file] = self._users.get(file, 0) + 1
+        return ordered
+
+    def _checked_slice(self, name: str):
+        file = self._located[name]
+        if file not in self._checked:
+            wanted = {n for placement in self.placements for n in self._needs(placement) if self._located[n] == file}
+            self._checked[file] = read_checked_tensors(file, wanted, self.recorded, self._tensor_slice)
+        return self._checked[file][name]
+
     def read(self, placement: Placement) -> torch.Tensor:
         hf_names, layout, slices, scales = self._plans[placement.global_name]
-        pieces = [_read(name, index, scale, self.arch, self._tensor_slice)
+        source = self._tensor_slice if self.recorded is None else self._checked_slice
+        pieces = [_read(name, index, scale, self.arch, source)
                   for name, index, scale in zip(hf_names, slices, scales)]
+        if self.recorded is not None:
+            for file in self._files(placement):
+                self._users[file] = self._users.get(file, 1) - 1
+                if self._users[file] <= 0:
+                    self._checked.pop(file, None)
         error = _non_finite_piece(hf_names, pieces, self._located, scales)
         if error:
             raise CheckpointUnreadable(error)
@@ -212,6 +277,60 @@ class HfWeights:
         if layout == "vocab":
             value = _pad_rows(value, placement.param.shape[0])
         return value.to(placement.param.dtype)
+
+
+class _Loaded:
+    """A tensor read whole, served as safe_open serves a slice: get_dtype, get_shape, [index]."""
+
+    def __init__(self, tensor: torch.Tensor, dtype: str):
+        self.tensor, self.dtype = tensor, dtype
+
+    def get_dtype(self) -> str:
+        return self.dtype
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.tensor[index]
+
+
+def read_checked_tensors(file: Path, names: set[str], recorded: Recorded, planned) -> dict[str, _Loaded]:
+    """The tensors `names` of safetensors `file`, read front to back once with the file's size and
+    CRC-32 compared with `recorded` (ConfigError naming the file when they differ). `planned(name)`:
+    the slice the load was planned with; a tensor whose dtype or shape is not the planned one was
+    changed between planning and reading, and is refused."""
+    checked = CheckedFile(recorded, file)
+    try:
+        size = struct.unpack("<Q", checked.read_at(0, 8))[0]
+        if 8 + size > checked.entry["bytes"]:
+            raise ValueError(f"a header of {size} bytes")
+        header = json.loads(bytes(checked.read_at(8, size)))
+        found = {}
+        for name in sorted(names, key=lambda n: header[n]["data_offsets"][0]):
+            entry = header[name]
+            start, end = entry["data_offsets"]
+            if not 0 <= start <= end <= checked.entry["bytes"] - 8 - size:
+                raise ValueError(f"tensor {name} at bytes {start}..{end}")
+            want = planned(name)
+            if entry["dtype"] != want.get_dtype() or list(entry["shape"]) != list(want.get_shape()):
+                raise recorded.refuse(f"{checked.relative} changed while it was loaded (tensor {name}: "
+                                      f"{entry['dtype']} {entry['shape']}, planned as {want.get_dtype()} "
+                                      f"{list(want.get_shape())})")
+            data = checked.read_at(8 + size + start, end - start)
+            tensor = (torch.frombuffer(data, dtype=TORCH_DTYPES[entry["dtype"]]) if data else
+                      torch.empty(0, dtype=TORCH_DTYPES[entry["dtype"]]))
+            found[name] = _Loaded(tensor.reshape(entry["shape"]), entry["dtype"])
+        checked.finish()
+    except (ValueError, KeyError, TypeError, RuntimeError, struct.error) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        checked.finish()  # a file that is not the recorded one is named as such
+        raise CheckpointUnreadable(f"{file} cannot be read as safetensors ({exc!r}); the file is truncated "
+                                   f"or corrupt: {REDOWNLOAD}") from None
+    finally:
+        checked.close()
+    return found
 
 
 def _non_finite_piece(hf_names, pieces, located: dict, scales) -> str | None:

@@ -35,8 +35,10 @@ import torch
 # MB) into the page cache ran at 0.4-0.9 GB/s and the same bytes in 1 MiB calls at 3-4 GB/s.
 WRITE_BYTES = 1 << 20
 DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-          torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64",
-          torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+          torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.float8_e8m0fnu: "F8_E8M0",
+          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint64: "U64",
+          torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8", torch.bool: "BOOL"}
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}  # reading: the header's name -> torch's
 
 
 @dataclass

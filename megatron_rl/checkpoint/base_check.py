@@ -8,11 +8,15 @@ adapters and the run state; its megatron_rl.json names the base:
     "base": {"path": "../base" or an absolute path, "kind": "megatron" | "hf",
              "files": {relative path: {"bytes": N, "crc32": "..."}}}
 
-A relative path is the checkpoint's (the run's own base, OUTPUT_DIR/checkpoints/base/). Before a
-checkpoint's base is loaded (resume, init_from, conversion) every recorded file is compared with
-it, sizes first, then CRC-32; a difference is refused naming the file: the adapters were trained
-on that base and mean something else on another. megatron_rl.json is untrusted input: an entry
-of the wrong shape is refused before any file is read.
+A relative path is the checkpoint's (the run's own base, OUTPUT_DIR/checkpoints/base/). When a
+checkpoint's base is loaded (resume, init_from) every recorded file is compared with it: sizes
+and the small files' CRC-32 first, the weight files' CRC-32 on the bytes the load reads
+(bridge/checked_read.py: a file rewritten between a check and the load cannot be loaded);
+a conversion compares every CRC-32 first. A difference is refused naming the file: the adapters
+were trained on that base and mean something else on another. megatron_rl.json is untrusted
+input: an entry of the wrong shape, or naming a file outside the base, is refused before any
+file is read. A run checks that its base is still there before each checkpoint it writes
+(checkpoint/manager.py).
 """
 
 from __future__ import annotations
@@ -42,32 +46,48 @@ def portable(reference: dict, checkpoint: Path, root: Path) -> dict:
     return dict(reference, path=str(locate(reference, checkpoint).resolve()))
 
 
-def base_problem(reference: dict, checkpoint: Path, checksums: bool = True) -> str | None:
+def base_problem(reference: dict, checkpoint: Path, checksums: bool = True,
+                 checked_on_load: tuple[str, ...] = ()) -> str | None:
     """None if the base `checkpoint` refers to is there as the run read it, else what differs
-    (naming the file). `checksums=False`: sizes only (fast: a preflight)."""
+    (naming the file). `checksums=False`: sizes only (fast: a preflight). `checked_on_load`: the
+    endings of the files whose CRC-32 the load itself compares, on the bytes it reads
+    (load_referenced_base): their sizes only here."""
+    from megatron_rl.bridge.checked_read import outside
     from megatron_rl.checkpoint.store import file_crc32
 
-    malformed = _malformed(reference)
+    malformed = malformed_reference(reference)
     if malformed:
         return f"its megatron_rl.json names the base wrongly ({malformed}); the file was edited or damaged"
     base = locate(reference, checkpoint)
     if not base.is_dir():
         return f"the base model {base} it refers to does not exist (moved or deleted?)"
+    changed = f"the base model {base} it refers to has changed"
     for relative, entry in sorted(reference["files"].items()):
         file = base / relative
+        escape = outside(base, relative)
+        if escape:
+            return f"{changed}: {relative} {escape}"
         if not file.is_file():
-            return f"the base model {base} it refers to has changed: {relative} is missing"
+            return f"{changed}: {relative} is missing"
         if file.stat().st_size != entry["bytes"]:
-            return (f"the base model {base} it refers to has changed: {relative} has {file.stat().st_size} bytes, "
-                    f"{entry['bytes']} when the run read it")
-        found = file_crc32(file) if checksums else entry["crc32"]
+            return f"{changed}: {relative} has {file.stat().st_size} bytes, {entry['bytes']} when the run read it"
+        found = file_crc32(file) if checksums and not relative.endswith(checked_on_load) else entry["crc32"]
         if found != entry["crc32"]:
-            return (f"the base model {base} it refers to has changed: {relative} has CRC-32 {found}, "
-                    f"{entry['crc32']} when the run read it")
+            return f"{changed}: {relative} has CRC-32 {found}, {entry['crc32']} when the run read it"
     return None
 
 
-def _malformed(reference) -> str | None:
+def base_record(reference: dict, checkpoint: Path):
+    """The base's files as the run recorded them, for a load that compares them on the bytes it
+    reads (bridge/checked_read.py); a difference is refused as base_problem's are."""
+    from megatron_rl.bridge.checked_read import Recorded
+
+    base = locate(reference, checkpoint)
+    return Recorded(base, reference["files"],
+                    lambda problem: refused(checkpoint, f"the base model {base} it refers to has changed: {problem}"))
+
+
+def malformed_reference(reference) -> str | None:
     """What is wrong with the shape of a "base" entry (a checkpoint is untrusted input), or None."""
     if not isinstance(reference, dict) or not isinstance(reference.get("path"), str) or not reference["path"]:
         return '"base" must be an object with a "path"'
@@ -90,9 +110,10 @@ def refused(checkpoint: Path, problem: str) -> ConfigError:
         "(checkpoint.resume=none, or another output_dir)")
 
 
-def check_base(reference: dict, checkpoint: Path, checksums: bool = True) -> Path:
-    """The base directory, or ConfigError naming what changed."""
-    problem = base_problem(reference, checkpoint, checksums)
+def check_base(reference: dict, checkpoint: Path, checksums: bool = True,
+               checked_on_load: tuple[str, ...] = ()) -> Path:
+    """The base directory, or ConfigError naming what changed (base_problem)."""
+    problem = base_problem(reference, checkpoint, checksums, checked_on_load)
     if problem:
         raise refused(checkpoint, problem)
     return locate(reference, checkpoint)

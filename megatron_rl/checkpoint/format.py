@@ -24,13 +24,15 @@ A checkpoint can be named in any of these forms (`resolve_checkpoint`):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
 from pathlib import Path
 from typing import NoReturn
 
-from megatron_rl.checkpoint.base_check import check_base, locate, refers_to_base
+from megatron_rl.checkpoint.base_check import base_record, check_base, locate, refers_to_base
+from megatron_rl.bridge.checked_read import CHECKED_ON_LOAD, Recorded, checked_torch_dist
 from megatron_rl.checkpoint.streaming_save import streaming_save_strategy
 from megatron_rl.config import RunConfig
 from megatron_rl.data.tokenizer import write_char_tokenizer
@@ -38,7 +40,7 @@ from megatron_rl.errors import ConfigError
 
 FORMAT = "megatron_rl.torch_dist.v1"
 METADATA = "megatron_rl.json"
-MANIFEST = "MANIFEST.json"  # every file's size and CRC-32 (megatron_rl.checkpoint.store.write_manifest)
+MANIFEST = "MANIFEST.json"  # every file's size and CRC-32 (megatron_rl.checkpoint.manifest.write_manifest)
 LATEST = "latest"  # in a checkpoints directory: the name of the newest step directory
 USE_ANOTHER = "re-convert it, or use another checkpoint (e.g. an earlier step_* directory of the run)"
 REDOWNLOAD_OR_CONVERT = "download or convert the model again"  # a damaged Hugging Face directory
@@ -215,14 +217,15 @@ def with_vocab_of(config: RunConfig, ckpt: Path) -> RunConfig:
     return dataclasses.replace(config, model=dataclasses.replace(config.model, padded_vocab_size=rows))
 
 
-def load_initial_weights(policy, source: str | Path, checked: bool = False) -> None:
+def load_initial_weights(policy, source: str | Path, recorded: Recorded | None = None) -> None:
     """checkpoint.init_from into a built Policy: a megatron-rl checkpoint in any form
     `resolve_checkpoint` takes (saved at any layout; build the policy from
-    `pin_checkpoint_vocab(config)`) or a Hugging Face model directory. Collective. `checked`:
-    its files were compared with their checksums already (load_referenced_base)."""
+    `pin_checkpoint_vocab(config)`) or a Hugging Face model directory. Collective. `recorded`:
+    a LoRA checkpoint's base (load_referenced_base): the weight files are compared with the
+    record on the bytes loaded (bridge/checked_read.py), not with a manifest before."""
     if names_megatron_checkpoint(source):
         ckpt = resolve_checkpoint(source)
-        if not checked:
+        if recorded is None:
             _check_intact_once(ckpt)
         from megatron_rl.checkpoint.lora_record import check_run_lora
 
@@ -231,25 +234,27 @@ def load_initial_weights(policy, source: str | Path, checked: bool = False) -> N
         check_weight_files(weights)
         over_base = _base_loaded_first(policy, ckpt, weights)  # a LoRA checkpoint's base, if it refers to one
         try:  # refreshes the optimizer's main weights too
-            policy.load_model(str(weights), **({"without_frozen": True} if over_base else {}))
+            with checked_torch_dist(weights, recorded) if recorded else contextlib.nullcontext():
+                policy.load_model(str(weights), **({"without_frozen": True} if over_base else {}))
         except BaseException as exc:
             raise_load_failure(weights, exc)
     else:
         from megatron_rl.bridge import load_hf_weights
 
-        if not checked:  # a `convert megatron-to-hf` output has a manifest
+        if recorded is None:  # a `convert megatron-to-hf` output has a manifest
             _check_intact_once(Path(source), REDOWNLOAD_OR_CONVERT)
-        load_hf_weights(policy.module, policy.arch, source)
+        load_hf_weights(policy.module, policy.arch, source, recorded)
         policy.optimizer.reload_model_params()
 
 
 def load_referenced_base(policy, reference: dict, checkpoint: Path) -> None:
-    """Collective: the base `checkpoint` refers to, checked (global rank 0 reads it, every rank
-    gets the verdict), into `policy`. The checkpoint's own tensors go over it afterwards."""
-    on_rank0_shared(check_base, reference, checkpoint)
-    # The check above compared every file's CRC-32 with the one recorded when the run first read
-    # (and verified) the base: the same files, so its manifest is not read a second time.
-    load_initial_weights(policy, locate(reference, checkpoint), checked=True)
+    """Collective: the base `checkpoint` refers to, into `policy`, compared with the record of
+    it the run made when it first read (and verified) it: every file's size, and the CRC-32 of
+    the small ones, before (global rank 0 reads them, every rank gets the verdict); the weight
+    files' CRC-32 on the very bytes the load reads (so a file rewritten after a check cannot be
+    loaded), on the ranks that read them. The checkpoint's own tensors go over it afterwards."""
+    on_rank0_shared(check_base, reference, checkpoint, True, CHECKED_ON_LOAD)
+    load_initial_weights(policy, locate(reference, checkpoint), recorded=base_record(reference, checkpoint))
 
 
 def _base_loaded_first(policy, ckpt: Path, weights: Path) -> bool:
@@ -282,17 +287,44 @@ def read_metadata(ckpt: str | Path) -> dict:
         raise ConfigError(f"{ckpt} is not a checkpoint written by megatron-rl ({METADATA} is missing)")
     try:
         metadata = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON, or not UTF-8
         raise ConfigError(f"{path} is unreadable ({exc}); {USE_ANOTHER}") from None
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
         found = metadata.get("format") if isinstance(metadata, dict) else metadata
         raise ConfigError(f"{path}: format {found!r} is not {FORMAT!r}")
+    _check_fields(path, metadata)
     _check_weights_dir(Path(ckpt), metadata.get("weights_dir", "."))
     return metadata
 
 
+def _check_fields(path: Path, metadata: dict) -> None:
+    """The fields its readers take from megatron_rl.json (a checkpoint is untrusted input), by
+    type and bound, each refusal naming the file and the key (weights_dir: _check_weights_dir)."""
+    from typing import get_args
+
+    from megatron_rl.checkpoint.base_check import malformed_reference
+    from megatron_rl.checkpoint.lora_record import checked_lora
+    from megatron_rl.config.model import MAX_VOCAB_ROWS, Precision
+
+    rows = metadata.get("padded_vocab_size")
+    if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= MAX_VOCAB_ROWS:
+        raise ConfigError(f"{path}: padded_vocab_size must be an integer from 1 to {MAX_VOCAB_ROWS} (the "
+                          f"embedding's rows), not {rows!r}; {USE_ANOTHER}")
+    if metadata.get("precision") not in get_args(Precision):
+        raise ConfigError(f"{path}: precision must be one of {', '.join(map(repr, get_args(Precision)))}, not "
+                          f"{metadata.get('precision')!r}; {USE_ANOTHER}")
+    if metadata.get("lora") is not None:
+        checked_lora(metadata["lora"], path, "lora")
+    problem = malformed_reference(metadata["base"]) if refers_to_base(metadata) else None
+    if problem:
+        raise ConfigError(f"{path}: base names the base model wrongly ({problem}); the file was edited or "
+                          f"damaged; {USE_ANOTHER}")
+
+
 def _check_weights_dir(ckpt: Path, relative) -> None:
-    if not isinstance(relative, str) or Path(relative).is_absolute() or ".." in Path(relative).parts:
+    from megatron_rl.bridge.checked_read import outside
+
+    if outside(ckpt, relative):
         raise ConfigError(f"{ckpt / METADATA}: weights_dir must be a path inside {ckpt}, got {relative!r}")
     if not (ckpt / relative).is_dir():
         raise ConfigError(f"{ckpt / METADATA}: weights_dir {relative!r} does not exist in {ckpt}: the "
@@ -313,11 +345,16 @@ def check_weight_files(weights: Path) -> None:
     except Exception as exc:
         raise ConfigError(f"{weights / '.metadata'} is missing or unreadable ({_first_line(exc)}); "
                           f"{USE_ANOTHER}") from None
+    from megatron_rl.bridge.checked_read import outside
+
     storage = index.storage_data
     needed: dict[str, int] = {}
     for item in storage.values():
         needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
     for name, size in sorted(needed.items()):
+        problem = outside(weights, name)
+        if problem:  # torch's reader would open it: a checkpoint's weights are its own files
+            raise ConfigError(f"{weights / '.metadata'}: a stored tensor's file {name!r} {problem}; {USE_ANOTHER}")
         file = weights / name
         if not file.is_file():
             raise ConfigError(f"{file} is missing from the checkpoint; {USE_ANOTHER}")

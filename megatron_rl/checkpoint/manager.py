@@ -25,26 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.algorithms.from_config import recipe_for
-from megatron_rl.config import RunConfig, parse_config, to_dict
-
+from megatron_rl.checkpoint.config_change import check_same_run
+from megatron_rl.config import RunConfig, to_dict
 from megatron_rl.errors import ConfigError, TrainingStopped
 
 RUN_RECORD = "run.json"
 HF_EXPORT = "hf_model"
-# Keys that may differ between the run that wrote a checkpoint and the run resuming from it:
-# the layout (checkpoints reshard), where and how it logs and checkpoints, performance knobs.
-MAY_DIFFER = ("parallel.", "logging.", "checkpoint.", "output_dir", "device", "micro_batch_tokens",
-              "logprob_chunk_tokens")
-# Keys a resume cannot apply, with why: checkpoint.allow_config_change refuses a change to them
-# rather than ignore it. Every other key takes effect from the resumed step on (the optimizer's
-# settings too: model/policy.py takes its schedule's settings from the config, its position from
-# the checkpoint).
-FIXED_AT_START = {
-    "warm_start.": "the warm start ran before the first RL step of the run that wrote this checkpoint; a resume "
-                   "does not repeat it",
-    "seed": "the prompt order and every random state continue from the checkpoint; a new seed would change only "
-            "the engines' sampling seeds",
-}
 # What an earlier run leaves in its output directory (moved aside together by resume=none).
 RUN_ARTIFACTS = ("checkpoints", "metrics.jsonl", "run_state.json", RUN_RECORD, "learning_curve.png", HF_EXPORT,
                  "wandb", "wandb_run_id")
@@ -67,7 +53,7 @@ def check_run_directory(config: RunConfig) -> None:
         problem = ckpt.verify(Path(setting), checksums=False)
         if problem:
             raise ConfigError(f"checkpoint.resume: {setting}: {problem}")
-        _check_same_run(config, Path(setting))
+        check_same_run(config, Path(setting))
         check_unpickled_files(Path(setting))
         check_base_present(Path(setting))
         return
@@ -78,7 +64,7 @@ def check_run_directory(config: RunConfig) -> None:
     usable = [path for path, problem in verdicts if problem is None]
     if not usable:
         raise ConfigError(unusable_message(root, [f"{path}: {problem}" for path, problem in verdicts]))
-    _check_same_run(config, usable[0])
+    check_same_run(config, usable[0])
     check_unpickled_files(usable[0])  # a file that would run code on resume: refused, not skipped
     check_base_present(usable[0])
 
@@ -141,69 +127,6 @@ def unusable_message(root: Path, problems: list[str]) -> str:
             "To start over in this directory, run with checkpoint.resume=none: the old checkpoints and "
             "metrics are moved into previous-<time>/ (nothing is deleted). Or resume from a checkpoint "
             "elsewhere with checkpoint.resume=PATH.")
-
-
-def config_differences(recorded: dict, current: dict) -> list[str]:
-    """'key: recorded -> current' for every key that differs and may not (keys missing from the
-    recorded config count as their defaults)."""
-    return [f"{key}: {before!r} -> {after!r}" for key, before, after in _changed_keys(recorded, current)]
-
-
-def _changed_keys(recorded: dict, current: dict) -> list[tuple[str, Any, Any]]:
-    old = _as_parsed(recorded)
-    new = flatten_config(current)
-    return [(key, old.get(key), new.get(key)) for key in sorted(set(old) | set(new))
-            if old.get(key) != new.get(key) and not key.startswith(MAY_DIFFER)]
-
-
-def _fixed_at_start(changed: list[tuple[str, Any, Any]]) -> list[str]:
-    """The changes among `changed` that a resume cannot apply, each with why."""
-    return [f"{key}: {before!r} -> {after!r} ({why})" for key, before, after in changed
-            for prefix, why in FIXED_AT_START.items() if key.startswith(prefix)]
-
-
-def _as_parsed(recorded: dict) -> dict[str, Any]:
-    """The recorded config as this version reads it, so a renamed spelling of the same setting
-    (rl.routing_replay: true, now "training") is no difference; a config this version cannot
-    parse any more is compared as written."""
-    try:
-        return flatten_config(to_dict(parse_config(recorded, "recorded config")))
-    except ConfigError:
-        return dict(flatten_config(to_dict(RunConfig())), **flatten_config(recorded))
-
-
-def _check_same_run(config: RunConfig, checkpoint: Path) -> None:
-    from megatron_rl.checkpoint.store import STATE
-
-    recorded = json.loads((checkpoint / STATE).read_text()).get("config")
-    if recorded is None:
-        return
-    if config.checkpoint.allow_config_change:
-        fixed = _fixed_at_start(_changed_keys(recorded, to_dict(config)))
-        if fixed:
-            listing = "\n  ".join(fixed)
-            raise ConfigError(f"checkpoint.allow_config_change: resuming {checkpoint} cannot apply these changes:\n  "
-                              f"{listing}\nResume with the recorded values, or start over with the new ones "
-                              "(checkpoint.resume=none moves the old run aside, or another output_dir).")
-        return
-    differences = config_differences(recorded, to_dict(config))
-    if differences:
-        listing = "\n  ".join(differences)
-        raise ConfigError(f"{checkpoint} was written by a run with another config; resuming it with this one "
-                          f"would mix two experiments:\n  {listing}\nUse the original config, another output_dir, "
-                          "checkpoint.resume=none to start over here (the old run is moved aside), or "
-                          "checkpoint.allow_config_change=true if the change is intended.")
-
-
-def flatten_config(tree: dict, prefix: str = "") -> dict[str, Any]:
-    """{"rl.steps": 150, ...} from a nested config dict."""
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            flat.update(flatten_config(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,6 +289,38 @@ class CheckpointManager:
         base = base_ref.write_base(self.policy, self.root, self.config, self.model_dir)
         return base_ref.describe_written(base, relative_to=self.root / "step_000000")
 
+    def _keep_base(self, step: int) -> None:
+        """Collective, before each checkpoint that refers to the base: the base is still there,
+        every file with the size the run read (cheap: no file is read; the CRC-32s are compared
+        when a resume loads it). If not, the run's own base (checkpoints/base: written from the
+        frozen weights, which the run still holds) is written again and the checkpoints refer to
+        that; any other base (checkpoint.init_from's) stops the run here, before it writes a
+        checkpoint that no resume could load, its checkpoints so far kept."""
+        if self.base is None:
+            return
+        import torch.distributed as dist
+
+        from megatron_rl.checkpoint.base_check import base_problem
+        from megatron_rl.checkpoint.store import checkpoint_name
+
+        problem = [base_problem(self.base, self.root / checkpoint_name(step), checksums=False) if self.is_driver
+                   else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(problem, src=0)
+        if problem[0] is None:
+            return
+        if not Path(self.base["path"]).is_absolute():  # the run's own (checkpoint/base_check.py)
+            self.base = self._write_own_base()
+            self._say(f"checkpoints: {problem[0]}: the base was written again from the run's frozen weights, into "
+                      f"{self.root / Path(self.base['path']).name}; checkpoint {checkpoint_name(step)} and the later "
+                      "ones refer to it (the earlier ones refer to the one that changed)")
+            return
+        raise TrainingStopped(
+            f"step {step}: this run's checkpoints refer to their base model instead of holding it "
+            f"(checkpoint.base_weights=referenced), and {problem[0]}. The run stops before writing checkpoint "
+            f"{checkpoint_name(step)}, which no resume could load; the checkpoints so far are kept. Put the base "
+            f"back at {self.base['path']} as it was, then run the same command to resume")
+
     def _load_initial_weights(self) -> None:
         source = self.config.checkpoint.init_from
         if source is None:
@@ -409,6 +364,7 @@ class CheckpointManager:
     def _begin(self, step: int, trainer_state: dict, async_save: bool):
         from megatron_rl.checkpoint import store as ckpt
 
+        self._keep_base(step)  # the checkpoint about to be written refers to it
         extra = {"reference": self.reference.tensors} if self.reference is not None else {}
         return ckpt.begin_save(self.root, step, self.policy, trainer_state, keep_last=self.config.checkpoint.keep_last,
                                keyed_like_weights=extra, metadata=self._metadata(), hf_files=self._model_files(),

@@ -31,34 +31,30 @@ finalizes the save on all ranks together and publishes it.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import multiprocessing
 import os
-import random
 import shutil
-import signal
 import sys
 import threading
 import time
 import uuid
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_rl.checkpoint.manifest import MANIFEST, _write_json, file_crc32, read_manifest, verify_files, write_manifest  # noqa: F401  (store's callers use them from here too)
+from megatron_rl.checkpoint.write_results import start_write_results_queue  # noqa: F401  (also used from here)
+from megatron_rl.checkpoint.rng_state import capture_rng, restore_rng  # noqa: F401  (also used from here)
 from megatron_rl.checkpoint.unpickling import read_rng_state
 from megatron_rl.errors import TrainingStopped
 
-MANIFEST = "MANIFEST.json"
 STATE = "trainer_state.json"
 LATEST = "latest"
 STATE_VERSION = 2  # 1: optimizer saved dp_reshardable, reference weights as per-rank files
-_CHUNK = 16 << 20
 
 
 @dataclass
@@ -292,37 +288,6 @@ def save_failed(final: Path, problem: str) -> TrainingStopped:
                            f"command to resume")
 
 
-def start_write_results_queue() -> None:
-    """Megatron-Core's file writers report to a queue served by a multiprocessing Manager process
-    that it spawns on first use. Two problems for a trainer: spawning it took ~2.5 s, which made
-    the first asynchronous save late; and a spawned process keeps the default signal handling,
-    while SLURM's preemption warning (USR1) and SIGTERM reach every process of the job: the
-    Manager died of the USR1 while the stop checkpoint was being written, and that save failed.
-    So the trainer starts it at start-up, forked (milliseconds), ignoring the stop signals (the
-    trainer handles them) and set to die with its parent. Idempotent; per process."""
-    import megatron.core  # noqa: F401  (the strategies module alone hits an import cycle)
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if filesystem_async._results_queue is not None:
-        return
-    from multiprocessing.managers import SyncManager
-
-    manager = SyncManager(ctx=multiprocessing.get_context("fork"))
-    manager.start(initializer=_serve_write_results)
-    # The queue's proxy holds the manager, which shuts its process down when the trainer exits.
-    filesystem_async._results_queue = manager.Queue()
-
-
-def _serve_write_results() -> None:
-    """Initializer of the results-queue process (see start_write_results_queue)."""
-    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(number, signal.SIG_IGN)
-    try:  # killed with the trainer even when the trainer cannot shut it down (SIGKILL)
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _preloaded_args(request) -> list:
     args = list(request.async_fn_args)
     if request.preload_fn is not None:
@@ -381,14 +346,6 @@ def _publish(staging: Path, final: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def file_crc32(path: Path) -> str:
-    value = 0
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            value = zlib.crc32(chunk, value)
-    return f"{value:08x}"
-
-
 def verify(path: Path, checksums: bool = True, share: tuple[int, int] = (0, 1)) -> str | None:
     """None if the checkpoint is complete and intact, else what is wrong with it (naming the
     file). `checksums=False`: sizes only (fast). `share=(i, n)`: check only every n-th file from
@@ -398,42 +355,31 @@ def verify(path: Path, checksums: bool = True, share: tuple[int, int] = (0, 1)) 
         return problem
     try:
         state = json.loads((path / STATE).read_text())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         return f"{STATE} is unreadable ({exc})"
+    if not isinstance(state, dict):
+        return f"{STATE} is not the JSON object a run writes (a {type(state).__name__})"
     if state.get("version") != STATE_VERSION:
         return (f"written by an older megatron-rl (checkpoint format {state.get('version', 1)}, this one reads "
                 f"{STATE_VERSION}); convert it with that version or start over")
-    return None
+    return _state_problem(state)
 
 
-def verify_files(path: Path, checksums: bool = True, share: tuple[int, int] = (0, 1),
-                 full_paths: bool = False) -> str | None:
-    """The manifest part of verify(): every file MANIFEST.json lists is there, with its size and
-    CRC-32. Also what a converted checkpoint (no trainer state) is checked with. `full_paths`:
-    name files by their whole path, not relative to `path`."""
-    manifest_path = path / MANIFEST
-    if not path.is_dir():
-        return "not a directory"
-    if not manifest_path.is_file():
-        return f"no {MANIFEST} (the save did not finish)"
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:  # ValueError: bad JSON, not UTF-8
-        return f"{MANIFEST} is unreadable ({exc})"
-    for index, (relative, entry) in enumerate(sorted(files.items())):
-        file = path / relative
-        name = file if full_paths else relative
-        size = entry["bytes"] if isinstance(entry, dict) else entry
-        if not file.is_file():
-            return f"missing file {name}"
-        if file.stat().st_size != size:
-            return f"file {name} has {file.stat().st_size} bytes, the manifest says {size}"
-        mine = index % share[1] == share[0] or file.stat().st_size < (1 << 20)
-        if checksums and mine and isinstance(entry, dict) and "crc32" in entry:
-            found = file_crc32(file)
-            if found != entry["crc32"]:
-                return f"file {name} is corrupt (CRC-32 {found}, the manifest says {entry['crc32']})"
+# The trainer state's keys that a resume reads first, with the least value of a count (None: an
+# object). Only "step" is required: a state saved by other code than the trainer's has no others.
+_STATE_KINDS = {"step": 0, "world_size": 1, "policy": None, "sampler": None, "config": None}
+
+
+def _state_problem(state: dict) -> str | None:
+    """What is wrong with a trainer state's keys a resume reads (by type and bound), or None."""
+    for key, least in _STATE_KINDS.items():
+        value = state.get(key)
+        if value is None and key != "step":
+            continue
+        if least is None and not isinstance(value, dict):
+            return f"{STATE}: {key!r} must be an object, not {json.dumps(value)[:40]}"
+        if least is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            return f"{STATE}: {key!r} must be an integer >= {least}, not {json.dumps(value)[:40]}"
     return None
 
 
@@ -507,73 +453,7 @@ def load_checkpoint(path: Path, policy, keyed_like_weights: tuple[str, ...] = ()
     return state, extra
 
 
-def capture_rng() -> dict[str, Any]:
-    """Tensors and plain values only, so that resuming reads it with weights_only=True."""
-    name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": random.getstate(),  # (version, tuple of ints, None or float)
-        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-        from megatron.core import tensor_parallel
-
-        state["megatron_cuda_tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    numpy_state = state["numpy"]
-    if isinstance(numpy_state, dict):
-        numpy_state = (numpy_state["name"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["position"],
-                       numpy_state["has_gauss"], numpy_state["cached_gaussian"])
-    np.random.set_state(numpy_state)  # a tuple: written before the plain format (unpickling.py)
-    torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
-        from megatron.core import tensor_parallel
-
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_cuda_tracker"])
-
-
 # ---------------------------------------------------------------------------------------------
-
-
-def write_manifest(directory: Path, known: dict[str, dict] | None = None, **fields: Any) -> dict[str, dict]:
-    """MANIFEST.json in `directory`: every file in it with its size and CRC-32, plus `fields` (a
-    training checkpoint's step). Written last, once every other file is complete: the manifest
-    is what says the directory is whole. Training checkpoints and the outputs of
-    `megatron-rl convert` (both directions) carry it; verify()/verify_files() read it. Returns
-    the files listed."""
-    files = _inventory(directory, known=known)
-    _write_json(directory / MANIFEST, {**fields, "checksum": "crc32", "files": files})
-    return files
-
-
-def _inventory(directory: Path, known: dict[str, dict] | None = None) -> dict[str, dict]:
-    """{relative path: {"bytes", "crc32"}} of every file but the manifest; `known`: checksums
-    computed already (by the ranks that wrote those files)."""
-    known = known or {}
-    files = {}
-    for path in sorted(directory.rglob("*")):
-        if not path.is_file() or path.name == MANIFEST:
-            continue
-        relative = str(path.relative_to(directory))
-        entry = known.get(relative)
-        if entry is None or entry["bytes"] != path.stat().st_size:
-            entry = {"bytes": path.stat().st_size, "crc32": file_crc32(path)}
-        files[relative] = entry
-    return files
-
-
-def _write_json(path: Path, value: Any) -> None:
-    with open(path, "w") as handle:
-        json.dump(value, handle, indent=1, sort_keys=True)
-        handle.flush()
-        os.fsync(handle.fileno())
 
 
 def _replace_file(path: Path, text: str) -> None:

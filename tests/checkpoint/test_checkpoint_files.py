@@ -12,8 +12,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megatron_rl.checkpoint.store import LATEST, MANIFEST, STATE, STATE_VERSION, _inventory, _prune, find_resumable, verify
-from megatron_rl.checkpoint.manager import check_run_directory, config_differences
+from megatron_rl.checkpoint.manifest import _inventory
+from megatron_rl.checkpoint.store import LATEST, MANIFEST, STATE, STATE_VERSION, _prune, find_resumable, verify
+from megatron_rl.checkpoint.config_change import config_differences
+from megatron_rl.checkpoint.manager import check_run_directory
 from megatron_rl.config import load_config, to_dict
 from megatron_rl.errors import ConfigError
 from megatron_rl.observability.metrics_log import WALL_CLOCK, MetricsLog, read_metrics, truncate_metrics
@@ -52,6 +54,81 @@ def test_bytes_flipped_in_place_are_named_and_previous_checkpoint_used(tmp_path,
     found, skipped = find_resumable(tmp_path)
     assert found == tmp_path / "step_000002"
     assert "weights/shard.distcp is corrupt (CRC-32" in skipped[0], skipped
+
+
+@pytest.mark.parametrize("entry, named", [
+    ("../../../../../../etc/passwd", "'../../../../../../etc/passwd' lies outside"),
+    ("/etc/passwd", "'/etc/passwd' lies outside"),
+    ("escape", "'escape' leads outside"),  # a symbolic link in the checkpoint to a file beyond it
+    ("weights/../weights/shard.distcp", "lies outside"),
+    ("./trainer_state.json", "'./trainer_state.json' names a file listed before"),
+    ("repeated", "entry 'trainer_state.json' is listed twice"),  # the same key twice in the JSON
+    ("sizeless", "'trainer_state.json' needs its \"bytes\""),
+    ("not a mapping", '"files" must map each file name to its size and CRC-32, not a list'),
+])
+def test_a_manifest_entry_outside_its_checkpoint_is_refused_at_the_first_read(tmp_path, entry, named):
+    """MANIFEST.json is untrusted input: an entry naming a file outside the checkpoint (which
+    verify_files used to read), twice, or without a size is refused naming the manifest file and
+    the entry, by every reader: verify (resume), check_intact (init_from, conversions, verify-hf)
+    and a LoRA run's base reference (init_from copied the entries into it, and its resume then
+    blamed an edit of megatron_rl.json)."""
+    from megatron_rl.checkpoint import base_ref
+    from megatron_rl.checkpoint.format import check_intact
+
+    path = fake_checkpoint(tmp_path / "checkpoints", 3)
+    manifest = path / MANIFEST
+    files = json.loads(manifest.read_text())["files"]
+    (tmp_path / "secret").write_text("not the checkpoint's")
+    (path / "escape").symlink_to(tmp_path / "secret")
+    size = {"bytes": 1, "crc32": "00000000"}
+    if entry == "repeated":
+        text = manifest.read_text().replace('"trainer_state.json"',
+                                            '"trainer_state.json": {"bytes": 1}, "trainer_state.json"')
+    elif entry == "sizeless":
+        text = json.dumps({"files": dict(files, **{"trainer_state.json": {"crc32": "00000000"}})})
+    elif entry == "not a mapping":
+        text = json.dumps({"files": sorted(files.items())})
+    else:
+        text = json.dumps({"files": dict(files, **{entry: size})})
+    manifest.write_text(text)
+    problem = verify(path)
+    assert problem is not None and str(manifest) in problem and named in problem, problem
+    assert "edited or damaged" in problem, problem
+    found, skipped = find_resumable(tmp_path / "checkpoints")
+    assert found is None and named in skipped[0], skipped
+    with pytest.raises(ConfigError, match="edited or damaged") as refused:
+        check_intact(path)
+    assert str(manifest) in str(refused.value) and named in str(refused.value)
+    (path / "megatron_rl.json").write_text(json.dumps({"format": "megatron_rl.torch_dist.v1", "weights_dir": "weights",
+                                                      "padded_vocab_size": 128, "precision": "fp32"}))
+    with pytest.raises(ConfigError, match="edited or damaged") as refused:
+        base_ref.describe_source(path)  # a LoRA run's checkpoint.init_from: its base reference
+    assert str(manifest.resolve()) in str(refused.value) and named in str(refused.value)
+
+
+@pytest.mark.parametrize("where", ["../outside.distcp", "link.distcp"])
+def test_a_torch_dist_index_naming_a_file_outside_the_weights_is_refused(tmp_path, where):
+    """The torch_dist index (.metadata) names the file of every stored tensor, and torch's reader
+    opens it: a name leading out of the weights directory (`..`, a symbolic link) is refused by
+    the check every torch_dist loader runs first (format.check_weight_files), naming the index
+    and the file."""
+    import pickle
+
+    from megatron_rl.checkpoint.format import check_weight_files
+
+    weights = fake_checkpoint(tmp_path, 1) / "weights"
+    index = pickle.loads((weights / ".metadata").read_bytes())
+    (stored,) = {item.relative_path for item in index.storage_data.values()}
+    (weights / stored).rename(tmp_path / "outside.distcp")
+    (weights / "link.distcp").symlink_to(tmp_path / "outside.distcp")
+    for item in index.storage_data.values():
+        item.relative_path = where
+    (weights / ".metadata").write_bytes(pickle.dumps(index))
+    with pytest.raises(ConfigError) as refused:
+        check_weight_files(weights)
+    message = str(refused.value)
+    assert f"{weights / '.metadata'}: a stored tensor's file {where!r} " in message, message
+    assert ("leads outside" if where.startswith("link") else "lies outside") in message, message
 
 
 def test_checkpoint_of_an_older_format_is_named(tmp_path):

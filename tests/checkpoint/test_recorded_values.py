@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.checkpoint import format as ckpt_format
-from megatron_rl.checkpoint.store import MANIFEST, STATE, STATE_VERSION, _inventory, verify
+from megatron_rl.checkpoint.manifest import _inventory
+from megatron_rl.checkpoint.store import MANIFEST, STATE, STATE_VERSION, verify
 from megatron_rl.config import load_config
 from megatron_rl.errors import ConfigError
 from megatron_rl.rollout.engine_model import write_engine_model_dir

@@ -288,7 +288,7 @@ def referenced_checkpoint_checks(lora, config, out: Path, batches) -> dict:
         victim.write_bytes(bytes(data))
     dist.barrier()
     # A base file rewritten between the check and the load (same size, other values): the check
-    # passes, and the load, which reads the new bytes, refuses them (checkpoint/checked_read.py).
+    # passes, and the load, which reads the new bytes, refuses them (bridge/checked_read.py).
     result["swapped_base_refused"] = swapped_after_the_check(saved, other, victim, _flip_middle_byte)
     result["swapped_hf_base_refused"] = swapped_after_the_check(hf_saved, other, out / "base" / "model.safetensors",
                                                                 _embedding_plus_one)
