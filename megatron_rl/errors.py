@@ -38,3 +38,17 @@ def not_a_file(path) -> str | None:
     if stat.S_ISDIR(mode):
         return "is a directory, not a file"
     return "is not a regular file (a FIFO, device or socket)"
+
+
+def nested_deeper(value, limit: int) -> bool:
+    """Whether `value` (parsed JSON) nests arrays / objects more than `limit` levels deep, walked
+    iteratively: a hostile body must be refused by name before anything recurses into it
+    (copying, pickling, printing it hit Python's recursion limit)."""
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False

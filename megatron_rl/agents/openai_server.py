@@ -28,6 +28,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
+from megatron_rl.errors import nested_deeper
+
 _ROUTE = re.compile(r"^/t/(?P<token>[A-Za-z0-9_-]{1,128})/v1/(?P<what>chat/completions|models)/?$")
 MAX_BODY = 64 * 1024 * 1024  # a request body larger than this is refused (a runaway history)
 # Levels of nested arrays and objects a request may have (400 beyond): a chat request has about 5,
@@ -92,7 +94,7 @@ class ChatCompletionsServer:
                 if not isinstance(body, dict):
                     raise EndpointError(400, "the request body must be a JSON object")
                 # Counting brackets first keeps the walk off every ordinary request.
-                if raw.count(b"[") + raw.count(b"{") > MAX_NESTING and _nested_deeper(body, MAX_NESTING):
+                if raw.count(b"[") + raw.count(b"{") > MAX_NESTING and nested_deeper(body, MAX_NESTING):
                     raise nested
                 return body
 
@@ -119,18 +121,6 @@ class ChatCompletionsServer:
     def close(self) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
-
-
-def _nested_deeper(value, limit: int) -> bool:
-    """Whether `value` nests lists / dicts more than `limit` levels deep (iteratively)."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > limit:
-            return True
-        children = item.values() if isinstance(item, dict) else item
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return False
 
 
 def _error(message: str, kind: str) -> dict:

@@ -40,7 +40,7 @@ from megatron_rl.data.config import RESERVED_NAMES, DataConfig
 # Imports `datasets` only when a dataset is read through it.
 from megatron_rl.data.hf_datasets import SUFFIX_BUILDERS, load_hf_prompts
 from megatron_rl.data.records import PromptDataset, PromptRecord, get_field, prompt_text, record_from_row
-from megatron_rl.errors import ConfigError, not_a_file
+from megatron_rl.errors import ConfigError, nested_deeper, not_a_file
 from megatron_rl.rewards.synthetic import TaskConfig, make_task
 
 __all__ = [
@@ -77,18 +77,6 @@ def _decode_line(raw: bytes, path: Path, number: int, offset: int) -> str:
 MAX_JSON_DEPTH = 100
 
 
-def _too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Whether `value` nests arrays / objects more than `limit` levels deep (iteratively)."""
-    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
-    while stack:
-        item, depth = stack.pop()
-        if depth > limit:
-            return True
-        children = item.values() if isinstance(item, dict) else item
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return False
-
-
 def _too_deep_error(path: Path, number: int) -> ConfigError:
     return ConfigError(f"{path} line {number}: nested more than {MAX_JSON_DEPTH} levels deep (arrays and objects); "
                        "a prompt row is an object of text, chat messages and metadata")
@@ -118,7 +106,7 @@ def _jsonl_rows(path: Path, max_line_bytes: int) -> Iterator[tuple[str, Any]]:
             except RecursionError:  # deeper than the parser recurses
                 raise _too_deep_error(path, number) from None
             # Counting brackets first keeps the walk off every ordinary row.
-            if line.count("[") + line.count("{") > MAX_JSON_DEPTH and _too_deep(row):
+            if line.count("[") + line.count("{") > MAX_JSON_DEPTH and nested_deeper(row, MAX_JSON_DEPTH):
                 raise _too_deep_error(path, number)
             yield f"{path} line {number}", row
 
