@@ -18,7 +18,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from megatron_rl.errors import ConfigError
+from megatron_rl.errors import ConfigError, not_a_file
 
 # Files of OUTPUT_DIR a run appends to or replaces, with what they hold (for the message).
 RUN_FILES = {"metrics.jsonl": "every step's metrics", "run_state.json": "the last step done",
@@ -88,8 +88,9 @@ def file_problem(path: Path) -> str | None:
     not exist: its directory is probed by directory_problem)."""
     if not path.exists():
         return None
-    if path.is_dir():
-        return f"{path} is a directory"
+    problem = not_a_file(path)  # a FIFO would block the open below (and every write of the run) forever
+    if problem is not None:
+        return f"{path} {problem}"
     try:
         with open(path, "a"):
             pass

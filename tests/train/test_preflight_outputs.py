@@ -121,6 +121,12 @@ def test_checkpoints_and_files_the_run_cannot_write_are_refused_by_name_before_a
     (out / "checkpoints").write_text("")
     assert refusal(out).startswith(f"cannot write {out / 'checkpoints'} (the run's checkpoints): "
                                    f"{out / 'checkpoints'} is not a directory")
+    # a FIFO where metrics.jsonl belongs: opening it to append blocked preflight forever
+    (out / "checkpoints").unlink()
+    (out / "metrics.jsonl").unlink()
+    os.mkfifo(out / "metrics.jsonl")
+    assert refusal(out).startswith(f"cannot write {out / 'metrics.jsonl'} (every step's metrics): "
+                                   f"{out / 'metrics.jsonl'} is not a regular file (a FIFO, device or socket)")
 
 
 def test_a_lora_rank_above_the_narrowest_adapted_layer_is_refused_by_name():
