@@ -161,7 +161,8 @@ class RolloutClient:
         return count
 
     def _transport(self, method: str, *args):
-        """A transport call, collective: its errors are raised on every rank together."""
+        """A transport call; an engine's error becomes RolloutFailed, the run's one-line stop (an
+        error that reaches one rank only still leaves the others in the transport's collective)."""
         try:
             return getattr(self.transport, method)(*args)
         except EngineError as exc:
