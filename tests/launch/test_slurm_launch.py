@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import time
 from collections import Counter
@@ -155,14 +156,38 @@ def test_launch_local_dry_run_and_layout_check(tmp_path):
 
 
 def submit(cluster, out: Path, nodes: int, *overrides: str, extra: tuple[str, ...] = (),
-           children: bool = False) -> tuple[str, Path]:
+           children: bool = False, env: dict | None = None) -> tuple[str, Path]:
+    """`env`: variables added to the submitting environment (sbatch passes them to the job)."""
     result = cli("launch", "slurm", "--nodes", str(nodes), "--output-dir", str(out), "--job-name", out.name,
-                 *extra, *SHORT, *overrides, env=cluster.env, children=children)
+                 *extra, *SHORT, *overrides, env={**cluster.env, **(env or {})}, children=children)
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     job_id = re.search(r"submitted job (\d+)", result.stdout).group(1)
     log = out / "logs" / f"slurm-{job_id}.out"
     assert str(log) in result.stdout
     return job_id, log
+
+
+def free_port_block(count: int) -> int:
+    """A port p such that p .. p + count - 1 are all free on this host now."""
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first = probe.getsockname()[1]
+        if first + count > 65535:
+            continue
+        held = []
+        try:
+            for port in range(first, first + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise RuntimeError(f"no block of {count} free ports found")
 
 
 def wait_until(predicate, timeout: float, what: str, cluster, log: Path, job_id: str):
@@ -298,7 +323,11 @@ def test_disaggregated_job_pushes_every_step_to_both_servers(slurm_cluster, tmp_
     servers start from the config, the trainer finds them from the URLs the job passes it, and
     the collective transport (gloo here) delivers every push to both of them."""
     out = tmp_path / "disaggregated"
-    job_id, log = submit(slurm_cluster, out, 1, *DISAGGREGATED, extra=("--rollout-nodes", "2"), children=True)
+    # The servers listen on MASTER_PORT + 1 and + 2. The port the job derives from its id can be one
+    # the suite's other servers were given by the OS (the job then refuses, naming the port):
+    # here the job takes a block that is free now, through the documented override.
+    job_id, log = submit(slurm_cluster, out, 1, *DISAGGREGATED, extra=("--rollout-nodes", "2"), children=True,
+                         env={"MEGATRON_RL_MASTER_PORT": str(free_port_block(3))})
     wait_until(lambda: finished(slurm_cluster, job_id, out), 300, "the job to end", slurm_cluster, log, job_id)
     text = log.read_text(errors="replace")
     assert slurm_cluster.job_state(job_id) == "COMPLETED", text[-4000:]

@@ -16,7 +16,7 @@ FLOORS = [
     {"launch"},
     {"tools"},
     {"plan"},
-    {"train"},
+    {"train", "evaluation"},
     {"agents"},
     {"rollout"},
     {"checkpoint"},

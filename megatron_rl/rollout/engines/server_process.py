@@ -13,7 +13,8 @@ from pathlib import Path
 import psutil
 
 from megatron_rl.rollout.engines.http import JsonClient
-from megatron_rl.rollout.protocol import EngineError, EngineTimeout, EngineUnavailable, check_grouping
+from megatron_rl.rollout.protocol import (EngineError, EngineTimeout, EngineUnauthorized, EngineUnavailable,
+                                          check_grouping)
 from megatron_rl.runtime.cpu.vllm_shm import ServerSegments
 
 
@@ -54,9 +55,21 @@ class ServerProcess:
                 )
             try:
                 client.get("/health", retries=0)
-                return
             except EngineError:
                 time.sleep(1.0)
+                continue
+            # /health is open to anyone: a server that is not ours (one that held the port before
+            # ours could bind it) answers it too. Only ours accepts this job's token.
+            try:
+                client.get("/v1/models", retries=0)
+            except EngineUnauthorized as exc:
+                raise EngineUnavailable(
+                    f"{self.name}: another server already listens at {self.url} (it refused this job's rollout "
+                    f"token); free that port or choose another one") from exc
+            except EngineError:
+                time.sleep(1.0)
+                continue
+            return
         raise EngineTimeout(f"{self.name}: not ready after {timeout_s:.0f}s; see {self.log_path}:\n{self.log_tail()}")
 
     def alive(self) -> bool:
