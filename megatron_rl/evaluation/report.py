@@ -201,14 +201,23 @@ def render_markdown(report: Mapping, examples: int = 3) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_pass_at_k(report: Mapping, png_path: str | Path) -> Path:
-    """pass@k against k (log x) per set, one line per checkpoint with its interval as a band."""
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never a window
     import matplotlib.pyplot as plt
-    import matplotlib.ticker
+    import matplotlib.ticker  # noqa: F401  (plt does not import it as an attribute)
 
+    return plt
+
+
+def pass_at_k_figure(report: Mapping):
+    """pass@k against k (log x), one panel per set (its axis labelled with the set's name), one
+    line per checkpoint (labelled with its label) with its interval as a band; the caller saves
+    and closes it."""
+    import matplotlib
+
+    plt = _pyplot()
     set_names = [s["figures"]["set"] for s in report["checkpoints"][0]["sets"]]
     columns = min(3, len(set_names))
     rows = -(-len(set_names) // columns)
@@ -223,6 +232,7 @@ def plot_pass_at_k(report: Mapping, png_path: str | Path) -> Path:
             axis.plot(ks, [f["value"] for _, f in points], "o-", markersize=3, color=f"C{color}", label=c["label"])
             axis.fill_between(ks, [f["low"] for _, f in points], [f["high"] for _, f in points],
                               color=f"C{color}", alpha=0.2, linewidth=0)
+        axis.set_label(name)
         axis.set_xscale("log", base=2)
         # the asked ks as plain numbers, not 2^i (ks need not be powers of two)
         axis.set_xticks(report["checkpoints"][0]["sets"][index]["figures"]["ks"])
@@ -236,11 +246,17 @@ def plot_pass_at_k(report: Mapping, png_path: str | Path) -> Path:
         axis.legend(fontsize="small", loc="lower right")
     figure.subplots_adjust(left=0.09, right=0.98, bottom=0.14 / rows, top=1 - 0.09 / rows,
                            wspace=0.3, hspace=0.45)
+    return figure
+
+
+def plot_pass_at_k(report: Mapping, png_path: str | Path) -> Path:
+    """Draws ``pass_at_k_figure`` to `png_path`."""
+    figure = pass_at_k_figure(report)
     png_path = Path(png_path)
     try:
         figure.savefig(png_path)
     finally:
-        plt.close(figure)
+        _pyplot().close(figure)
     return png_path
 
 
