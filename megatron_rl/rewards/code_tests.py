@@ -2,8 +2,17 @@
 
 A record carries its tests in its metadata, `tests: [{"stdin": "...", "stdout": "..."}, ...]`:
 the program reads its standard input and prints; it passes a test when its output equals the
-expected one (trailing whitespace of each line and trailing blank lines ignored). The program is
-the response's last ```python (or bare ```) fenced block, or the whole response when it has none.
+expected one (trailing whitespace of each line and trailing blank lines ignored). A test
+`{"exit_code": 0}` (stdin optional, no stdout) passes when the program ends by itself with that
+status, whatever it prints: tests written as asserts. The program is the response's last
+```python (or bare ```) fenced block, or the whole response when it has none.
+
+HumanEval-format records (metadata `entry_point` and `test`, the fields HumanEval.jsonl has;
+evaluation/humaneval.py reads such sets) are programs composed as HumanEval scores them: the
+prompt (imports, helpers, the signature and docstring), then the response as written (a
+completion continuing the function's body) or, when its last fenced block defines the entry
+point, that block (a whole function, which replaces the prompt's), then the row's `test` and
+`check(entry_point)`; their tests default to one `{"exit_code": 0}` (every assert held).
 
 Each test is its own sandbox call (sandbox/runner.py: fresh namespaces, no network, the limits
 below), so a program that hangs, floods, forks or allocates fails that test and nothing else;
@@ -82,15 +91,29 @@ def sandbox_for(wall_seconds: float, cpu_seconds: int, memory_mb: int, isolation
                    isolation=isolation, warm=1)
 
 
+def completion_program(prompt: str, response: str, entry_point: str, test: str) -> str:
+    """HumanEval's program for a response (module docstring): prompt + completion (or the fenced
+    function that redefines `entry_point`) + the row's tests + check(entry_point)."""
+    blocks = FENCE.findall(response)
+    if blocks and re.search(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", blocks[-1], re.MULTILINE):
+        body = f"{prompt}\n{blocks[-1]}"
+    else:
+        body = prompt + response
+    return f"{body}\n\n{test}\n\ncheck({entry_point})\n"
+
+
 def check_tests(tests: Any) -> list[dict]:
     if not isinstance(tests, list) or not tests:
         raise ValueError(f"the 'code_tests' reward needs records whose 'tests' metadata is a non-empty list of "
-                         f"{{'stdin': ..., 'stdout': ...}}, got {type(tests).__name__}")
+                         f"{{'stdin': ..., 'stdout': ...}} or {{'exit_code': 0}}, got {type(tests).__name__}")
     for index, test in enumerate(tests):
-        if not isinstance(test, dict) or not isinstance(test.get("stdout"), str) \
-                or not isinstance(test.get("stdin", ""), str):
-            raise ValueError(f"the 'code_tests' reward: test {index} must be a dict with a string 'stdout' (and "
-                             f"optionally 'stdin'), got {test!r}")
+        exit_kind = isinstance(test, dict) and "exit_code" in test
+        if not isinstance(test, dict) or not isinstance(test.get("stdin", ""), str) or (
+                exit_kind and ("stdout" in test or isinstance(test["exit_code"], bool)
+                               or not isinstance(test["exit_code"], int))) or (
+                not exit_kind and not isinstance(test.get("stdout"), str)):
+            raise ValueError(f"the 'code_tests' reward: test {index} must be a dict with a string 'stdout' or an "
+                             f"integer 'exit_code' (not both; optionally a string 'stdin'), got {test!r}")
     return tests
 
 
@@ -119,11 +142,14 @@ _VERDICTS = _Verdicts()
 
 def passes(sandbox: Sandbox, program: str, test: dict, cache_entries: int, settings: tuple) -> bool:
     """Whether `program` passes one test: a sandbox call, or the cached verdict of an identical one."""
-    key = (program, test.get("stdin", ""), test["stdout"], settings)
+    key = (program, test.get("stdin", ""), test.get("stdout"), test.get("exit_code"), settings)
     if cache_entries and (known := _VERDICTS.get(key)) is not None:
         return known
     result = sandbox.run_python(program, stdin=test.get("stdin", ""))
-    passed = result.ok and same_output(result.stdout, test["stdout"])
+    if "exit_code" in test:  # ended by itself (not a limit or a signal) with that status
+        passed = result.status in ("ok", "error") and result.exit_code == test["exit_code"]
+    else:
+        passed = result.ok and same_output(result.stdout, test["stdout"])
     if cache_entries:
         _VERDICTS.put(key, passed, cache_entries)
     return passed
@@ -132,10 +158,22 @@ def passes(sandbox: Sandbox, program: str, test: dict, cache_entries: int, setti
 def code_tests_reward(prompt: str, response: str, answer: str | None, *, tests: Any = None,
                       wall_seconds: float = 5.0, cpu_seconds: int = 5, memory_mb: int = 512,
                       mode: str = "fraction", isolation: str = "namespaces", harness: str | None = None,
-                      cache_entries: int = 0, **metadata: Any) -> float:
-    tests = check_tests(tests)
-    program = build_program(response, check_harness(harness, "the 'code_tests' reward's harness (a param or the "
-                                                             "record's 'harness' metadata)"))
+                      cache_entries: int = 0, entry_point: str | None = None, test: str | None = None,
+                      **metadata: Any) -> float:
+    if entry_point is not None or test is not None:  # a HumanEval-format record
+        if not isinstance(entry_point, str) or not entry_point.isidentifier() or not isinstance(test, str):
+            raise ValueError(f"the 'code_tests' reward: a HumanEval-format record needs 'entry_point' (the "
+                             f"function's name) and 'test' (code defining check(candidate)) as strings, got "
+                             f"entry_point={entry_point!r} and test of type {type(test).__name__}")
+        if harness is not None:
+            raise ValueError("the 'code_tests' reward: a HumanEval-format record (entry_point, test) composes its "
+                             "own program; a harness cannot apply to it")
+        tests = check_tests([{"exit_code": 0}] if tests is None else tests)
+        program = completion_program(prompt, response, entry_point, test)
+    else:
+        tests = check_tests(tests)
+        program = build_program(response, check_harness(harness, "the 'code_tests' reward's harness (a param or "
+                                                                 "the record's 'harness' metadata)"))
     settings = (float(wall_seconds), int(cpu_seconds), int(memory_mb), isolation)
     sandbox = sandbox_for(*settings)
     passed = 0

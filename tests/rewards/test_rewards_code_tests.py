@@ -127,3 +127,38 @@ def test_cached_verdicts_answer_an_identical_program_without_a_call():
     assert code_tests_reward("", "x+x", None, tests=tests, harness=HARNESS, cache_entries=8) == 1.0
     assert code_tests_reward("", "x*2", None, tests=tests, harness=HARNESS) == 1.0
     assert sandbox_calls() - before == 3
+
+
+# --------------------------------------------------------------------------- exit status, HumanEval records
+
+ADD_PROMPT = 'def add(a, b):\n    """The sum of a and b."""\n'
+ADD_TEST = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n"
+
+
+def test_an_exit_code_test_passes_on_the_status_whatever_is_printed():
+    assert code_tests_reward("", "print('noise')\nassert 1 + 1 == 2", None, tests=[{"exit_code": 0}]) == 1.0
+    assert code_tests_reward("", "assert 1 + 1 == 3", None, tests=[{"exit_code": 0}]) == 0.0
+    assert code_tests_reward("", "import sys\nsys.exit(3)", None, tests=[{"exit_code": 3}]) == 1.0
+    # a limit is not an exit status: a program killed at the wall time fails every exit test
+    assert code_tests_reward("", "while True: pass", None, tests=[{"exit_code": 0}], wall_seconds=0.5,
+                             cpu_seconds=1) == 0.0
+    for bad in ({"exit_code": 0, "stdout": ""}, {"exit_code": "0"}, {"exit_code": True}):
+        with pytest.raises(ValueError, match="test 0 must be a dict with a string 'stdout' or an integer 'exit_code'"):
+            code_tests_reward("", "pass", None, tests=[bad])
+
+
+def test_a_humaneval_record_runs_prompt_completion_test_and_check():
+    """The composition HumanEval scores with: a completion continues the prompt's function; a
+    fenced whole function replaces it; a wrong body fails check(); prints do not matter."""
+    record = {"entry_point": "add", "test": ADD_TEST}
+    assert code_tests_reward(ADD_PROMPT, "    return a + b\n", None, **record) == 1.0
+    assert code_tests_reward(ADD_PROMPT, "    print('x')\n    return a - b\n", None, **record) == 0.0
+    fenced = "Here it is:\n```python\ndef add(a, b):\n    return b + a\n```\n"
+    assert code_tests_reward(ADD_PROMPT, fenced, None, **record) == 1.0
+    # a fenced block that does not define the entry point is a completion (here: not even Python)
+    assert code_tests_reward(ADD_PROMPT, "```python\nx = 1\n```", None, **record) == 0.0
+    # both fields, or neither
+    with pytest.raises(ValueError, match="needs 'entry_point' .* and 'test'"):
+        code_tests_reward(ADD_PROMPT, "    return a + b\n", None, entry_point="add")
+    with pytest.raises(ValueError, match="a harness cannot apply"):
+        code_tests_reward(ADD_PROMPT, "    return a + b\n", None, harness=HARNESS, **record)
