@@ -10,7 +10,8 @@ example), computed from a SetOutcome (evaluation/records.py) alone:
   draws (seed = the prompt's seed + i), so each block is one k-sample vote and the mean over blocks
   estimates the k-sample vote's accuracy with less variance than the first block alone, without
   depending on the order beyond the blocks' fixed cut (and maj@n is the plain vote of all n).
-  A ``None`` answer never votes; a block where nothing votes scores 0. Ties count fractionally:
+  A ``None`` answer never votes; a block where nothing votes scores 0; a set where no sample has
+  an answer (code judged by tests) reports no maj@k. Ties count fractionally:
   the answers with the most votes share the block's point, each weighted by how correct it is,
   so a block scores mean over tied answers a of correct(a), where correct(a) is the share of the
   block's samples answering a that are correct (1 or 0 whenever the reward depends on the answer
@@ -115,18 +116,27 @@ def check_ks(outcome: SetOutcome, ks: Sequence[int] | None) -> list[int]:
     return sorted(set(ks))
 
 
-def per_prompt_table(outcome: SetOutcome, ks: Sequence[int]) -> dict[str, np.ndarray]:
+def has_answers(outcome: SetOutcome) -> bool:
+    """Whether any sample of the set has an extracted answer, i.e. whether maj@k has votes."""
+    return any(s.answer is not None for p in outcome.prompts for s in p.samples)
+
+
+def per_prompt_table(outcome: SetOutcome, ks: Sequence[int], votes: bool | None = None) -> dict[str, np.ndarray]:
     """Per figure name, the per-prompt numbers a figure is computed from: a (prompts,) vector
     whose mean is the figure (pass@k, avg@n, maj@k, greedy), or a (prompts, n) matrix pooled over
-    all samples (the ``length_*`` figures and ``truncated_share``). `ks` as ``check_ks`` returns."""
+    all samples (the ``length_*`` figures and ``truncated_share``). `ks` as ``check_ks`` returns;
+    `votes`: whether to include maj@k (None: when the set ``has_answers``)."""
     prompts = outcome.prompts
     table: dict[str, np.ndarray] = {}
     correct = [sum(s.correct for s in p.samples) for p in prompts]
     for k in ks:
         table[f"pass@{k}"] = np.array([pass_at_k(outcome.n, c, k) for c in correct])
     table[f"avg@{outcome.n}"] = np.array([np.mean([s.reward for s in p.samples]) for p in prompts])
-    for k in ks:
-        table[f"maj@{k}"] = np.array([maj_at_k(p.samples, k) for p in prompts])
+    # A set without a single extracted answer (code tasks judged by tests) has no vote to count:
+    # maj@k would read 0 there, a figure about the extractor, not the model.
+    if has_answers(outcome) if votes is None else votes:
+        for k in ks:
+            table[f"maj@{k}"] = np.array([maj_at_k(p.samples, k) for p in prompts])
     if prompts[0].greedy is not None:
         table["greedy"] = np.array([float(p.greedy.correct) for p in prompts])
     lengths = np.array([[s.length for s in p.samples] for p in prompts], dtype=np.float64)
@@ -172,7 +182,8 @@ def set_figures(outcome: SetOutcome, ks: Sequence[int] | None = None, *, resampl
     """Every figure of one set with its bootstrap interval over prompts. Returns
     ``{"set", "prompts", "n", "ks", "bootstrap": {"resamples", "seed", "confidence"},
     "figures": {name: {"value", "low", "high"}}}`` with names ``pass@<k>``, ``avg@<n>``,
-    ``maj@<k>`` (for every k in `ks`; None: ``default_ks(n)``), ``greedy`` (only when the prompts
+    ``maj@<k>`` (for every k in `ks`; None: ``default_ks(n)``; none when no sample of the set has
+    an extracted answer), ``greedy`` (only when the prompts
     carry a greedy response), ``length_mean``, ``length_p50``, ``length_p95``, ``truncated_share``.
     Deterministic for a given `seed`."""
     ks = check_ks(outcome, ks)
@@ -199,8 +210,11 @@ def compare(a: SetOutcome, b: SetOutcome, ks: Sequence[int] | None = None, *, re
                          "prompts; compare needs the same prompts in the same order")
     ks = check_ks(a, ks)
     check_ks(b, ks)
-    table_a, table_b = per_prompt_table(a, ks), per_prompt_table(b, ks)
-    if table_a.keys() != table_b.keys():
+    # maj@k where either checkpoint has answers to vote on: one that never gives an extractable
+    # answer scores 0 there, and the comparison must show it
+    votes = has_answers(a) or has_answers(b)
+    table_a, table_b = per_prompt_table(a, ks, votes), per_prompt_table(b, ks, votes)
+    if ("greedy" in table_a) != ("greedy" in table_b):
         raise ValueError(f"evaluation set {a.name!r}: greedy responses on one checkpoint only")
     draws = _bootstrap_draws(len(a.prompts), resamples, seed)
     figures = {}

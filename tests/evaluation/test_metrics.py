@@ -129,6 +129,20 @@ def test_every_figure_of_a_small_set_worked_by_hand():
         assert f["low"] <= f["value"] <= f["high"]
 
 
+def test_a_set_without_extracted_answers_reports_no_majority_vote_unless_compared_with_one_that_has():
+    """Code judged by tests has no answer to vote on: maj@k would read 0 there, so it is left out;
+    against a checkpoint that does give answers, its 0 is what the comparison shows."""
+    tested = bernoulli_set(random.Random(4), [0.5] * 6, n=4)
+    for prompt in tested.prompts:
+        for s in prompt.samples:
+            s.answer = None
+    figures = set_figures(tested, [1, 4], resamples=20)["figures"]
+    assert not [name for name in figures if name.startswith("maj@")] and figures["pass@1"]["value"] > 0
+    answered = bernoulli_set(random.Random(4), [0.5] * 6, n=4)
+    difference = compare(tested, answered, [1, 4], resamples=20)["figures"]["maj@4"]
+    assert difference["a"] == 0.0 and difference["b"] == set_figures(answered, [1, 4])["figures"]["maj@4"]["value"]
+
+
 def test_asked_ks_are_checked_against_n_and_the_set_against_its_contract():
     outcome = bernoulli_set(random.Random(0), [0.5] * 3, n=8)
     with pytest.raises(ConfigError, match=r"'math': k must be in 1\.\.n=8 .*\[1, 16\]"):
@@ -208,6 +222,10 @@ def test_compare_refuses_different_prompts_or_sets():
     c = bernoulli_set(random.Random(1), [0.5] * 4, n=4, name="gsm8k")
     with pytest.raises(ValueError, match="cannot compare set 'math' .* with set 'gsm8k'"):
         compare(a, c)
+    greedy = bernoulli_set(random.Random(1), [0.5] * 4, n=4, greedy=True)
+    for first, second in ((a, greedy), (greedy, a)):
+        with pytest.raises(ValueError, match="'math': greedy responses on one checkpoint only"):
+            compare(first, second)
 
 
 def test_flat_metrics_name_every_figure_under_eval_and_the_set():
