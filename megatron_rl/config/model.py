@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron_rl.errors import ConfigError
@@ -25,6 +25,22 @@ MAX_LORA_ALPHA = 1e6
 # padded_vocab_size rows when it is set: each row is allocated. A vocabulary beyond 2^25 rows is a
 # typo (config.json's vocab_size is read up to 2^24).
 MAX_VOCAB_ROWS = 1 << 25
+# Megatron-Core 0.16.1's CUDA-graph scopes (CudaGraphScope) for transformer layers. These capture
+# no expert computation, so dropless routing stands:
+DROPLESS_GRAPH_SCOPES: tuple[str, ...] = ("attn", "moe_router", "moe_preprocess")
+# ... and these need static shapes that only token dropping gives (or capture a whole layer/step):
+DROP_AND_PAD_GRAPH_SCOPES: dict[str, str] = {
+    "moe": "Megatron-Core graphs a whole MoE layer only with drop-and-pad experts (moe_expert_capacity_factor "
+           "+ moe_pad_expert_input_to_capacity), which drops the tokens over capacity",
+    "full_iteration": "a whole-step graph captures the experts too, which needs drop-and-pad expert shapes",
+    "full": "a whole-layer graph captures the experts too, which needs drop-and-pad expert shapes",
+}
+# The throughput levers at their defaults (off): model/throughput_levers.py; the planner builds
+# its probe model with these, since no lever changes a parameter.
+LEVERS_OFF: dict[str, object] = {
+    "gradient_accumulation_fusion": False, "moe_grouped_gemm_backend": "cublas", "moe_router_fusion": False,
+    "moe_permute_fusion": False, "cuda_graph_scope": [], "moe_router_padding_for_fp8": False,
+}
 
 
 @dataclass
@@ -101,6 +117,53 @@ class ModelConfig:
     # micro-batch (the per-expert host work that bounds a 128-expert layer on one GPU). Needs the
     # Transformer Engine layer spec (its kernels are CUDA-only). False = Megatron's torch path.
     moe_permute_fusion: bool = False
+    # ---- Throughput levers: each off until a GPU measurement shows it wins (model/throughput_levers.py
+    # checks them before the model is built and maps them onto Megatron-Core's TransformerConfig).
+    # Transformer Engine writes each weight gradient straight into Megatron DDP's fp32 main_grad
+    # buffer (TE's fuse_wgrad_accumulation) instead of a per-weight temporary that DDP then adds:
+    # one GEMM epilogue and no 128-experts' worth of wgrad buffers per layer. The update stays
+    # exact: the policy always trains under Megatron DDP, whose main_grad views are the buffers the
+    # step zeroes (zero_grad_buffer, also resetting grad_added_to_main_grad), DP-reduces by sum
+    # (calculate_per_token_loss: the loss is already normalized over the whole step), checks for
+    # non-finite values, clips and hands to the optimizer; each micro-batch's wgrad is added once,
+    # in fp32 before rounding (a bf16 model's wgrad is not first rounded to bf16: equal or closer to
+    # the float64 sum). A tied embedding's two uses are kept (Megatron marks it zero_out_wgrad), and
+    # the KL reference, teacher and conversion models run no backward. Needs the TE layer spec on
+    # CUDA and APEX's fused_weight_gradient_mlp_cuda (Megatron-Core's own output layer takes the
+    # same flag and refuses to build without it); not with lora (its adapters are local-spec
+    # linears with a backward of their own).
+    gradient_accumulation_fusion: bool = False
+    # TE's grouped GEMM for the experts. cutlass: one SM90 CUTLASS kernel per grouped op instead of
+    # one cuBLAS GEMM per expert over 4 streams (NVTE_USE_CUTLASS_GROUPED_GEMM=1, set in-process when
+    # the model is built; TE reads it at every grouped GEMM, so the key decides, not the shell).
+    # TE 2.11 takes it only on compute capability 9.0 and only where A, B and the output share a
+    # BF16/FP16 dtype, with no bias/GELU epilogue and one K for all experts with K % 128 == 0: forward
+    # and dgrad qualify at Qwen3-30B shapes; the weight gradient never does (K = tokens per expert
+    # varies; a fused wgrad writes fp32 main_grad) and falls back to cuBLAS, logged by
+    # NVTE_CUTLASS_GROUPED_GEMM_WARN_FALLBACK=1 (one line per wgrad grouped GEMM). FP8 operands always
+    # fall back, so cutlass with an fp8_recipe is refused (it would change nothing), as are GPUs other
+    # than 9.0 (cuBLAS there, silently) and hidden or expert widths per rank not multiples of 128.
+    moe_grouped_gemm_backend: Literal["cublas", "cutlass"] = "cublas"
+    # TE's fused top-k/softmax-or-sigmoid router kernel (TE >= 2.7; TE layer spec, MoE). It skips the
+    # router's replay hook, through which routing replay, the routing-drift record and the DeepSeek
+    # group-limited rule (model/moe_router.py) run: refused with rl.routing_replay other than off,
+    # with an old-logprob pass (rl.updates_per_rollout > 1, or off-policy masks), and for
+    # group-limited routers. Same top-k as the unfused path otherwise.
+    moe_router_fusion: bool = False
+    # CUDA graphs, by Megatron-Core scope (cuda_graph_impl transformer_engine): empty = none.
+    # attn, moe_router and moe_preprocess drop no token, so the logprobs stay the engine's; moe,
+    # mlp, full_iteration and whole-layer graphs need static drop-and-pad expert shapes (capacity
+    # factor + pad to capacity), and dropping tokens changes the logprobs the rollout engine
+    # computed: refused by name. Every scope replays one captured shape, and this trainer's
+    # micro-batches are padding-free packs of varying token and sequence counts (and TE's graphs
+    # are captured by a training-loop helper this trainer does not run): refused until
+    # micro-batches have a static shape.
+    cuda_graph_scope: list[str] = field(default_factory=list)
+    # FP8: the router pads each expert's token count to the FP8 alignment (16, 32 for mxfp8) with
+    # zero-probability routes instead of TE padding rows inside the experts (Megatron-Core's
+    # moe_router_padding_for_quantization): padded tokens add 0 x output, the logprobs are
+    # unchanged. Needs fp8_recipe, an MoE model and the alltoall dispatcher.
+    moe_router_padding_for_fp8: bool = False
     # The rollout engines serve FP8 weights: weight sync hands them every linear weight as
     # float8_e4m3fn with one scale per 128x128 block (the HF FP8 checkpoint format of DeepSeek-V3
     # and Qwen3-FP8; bridge/fp8_export.py), the engine's config.json says so, and embeddings,
@@ -151,6 +214,7 @@ class ModelConfig:
         if self.moe_router_bias_update_rate < 0:
             raise ConfigError(f"{where}.moe_router_bias_update_rate must be >= 0, got {self.moe_router_bias_update_rate}")
         self._validate_fp8(where)
+        self._validate_throughput_levers(where)
         if self.lora is not None:
             self.lora.validate(f"{where}.lora")
             if self.layer_spec == "transformer_engine":
@@ -159,6 +223,43 @@ class ModelConfig:
             if self.fp8_recipe is not None or self.fp8_param:
                 raise ConfigError(f"{where}.lora with FP8 training (fp8_recipe / fp8_param) is not built: the "
                                   "adapters sit on the local layer spec's linears; train LoRA in bf16 or fp32")
+
+    def _validate_throughput_levers(self, where: str) -> None:
+        """The levers' settings that are wrong on any machine (GPU, TE and model checks come at
+        build time: model/throughput_levers.py)."""
+        for scope in self.cuda_graph_scope:
+            if scope in DROP_AND_PAD_GRAPH_SCOPES:
+                raise ConfigError(
+                    f"{where}.cuda_graph_scope={scope!r} is not allowed: {DROP_AND_PAD_GRAPH_SCOPES[scope]}; an RL "
+                    "trainer must compute the logprobs the rollout engine computed, which drops no token. Graphable "
+                    f"without dropping: {', '.join(DROPLESS_GRAPH_SCOPES)}")
+            if scope not in DROPLESS_GRAPH_SCOPES:
+                raise ConfigError(f"{where}.cuda_graph_scope: {scope!r} is not one of "
+                                  f"{', '.join(DROPLESS_GRAPH_SCOPES)} (empty: no CUDA graphs)")
+        if self.cuda_graph_scope:
+            # Megatron-Core replays a graph only for the shape it captured; packs vary per micro-batch.
+            raise ConfigError(
+                f"{where}.cuda_graph_scope={self.cuda_graph_scope} cannot apply to this trainer: CUDA graphs replay "
+                "one captured shape, and its micro-batches are padding-free packs whose token and sequence counts "
+                "vary (Transformer Engine's graphs also need a capture step in the training loop that it does not "
+                "run); leave cuda_graph_scope empty")
+        if self.moe_router_padding_for_fp8 and self.fp8_recipe is None:
+            raise ConfigError(f"{where}.moe_router_padding_for_fp8=true pads expert token counts to the FP8 alignment: "
+                              "it needs fp8_recipe (set one, or leave it false)")
+        if self.moe_router_padding_for_fp8 and self.moe_token_dispatcher == "allgather":
+            raise ConfigError(f"{where}.moe_router_padding_for_fp8=true needs moe_token_dispatcher: alltoall "
+                              "(Megatron-Core's allgather dispatcher cannot pad the routing map)")
+        if self.moe_grouped_gemm_backend == "cutlass" and self.fp8_recipe is not None:
+            raise ConfigError(
+                f"{where}.moe_grouped_gemm_backend=cutlass with fp8_recipe={self.fp8_recipe!r}: Transformer Engine's "
+                "CUTLASS grouped GEMM takes BF16/FP16 operands only, so every FP8 expert GEMM would fall back to "
+                "cuBLAS; use moe_grouped_gemm_backend: cublas with FP8")
+        if self.lora is not None:
+            levers = [name for name, off in LEVERS_OFF.items() if getattr(self, name) != off]
+            if levers:
+                raise ConfigError(
+                    f"{where}.{levers[0]} with lora: the adapters are built on the local layer spec's linears, and "
+                    "this lever is Transformer Engine's (the TE layer spec); leave it at its default with lora")
 
     def _validate_fp8(self, where: str) -> None:
         """FP8 settings that are wrong on any machine (the GPU and TE checks come at build time)."""

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from megatron_rl.config import ModelConfig, RunConfig
 
 from megatron_rl.errors import ConfigError
-from megatron_rl.model import fp8
+from megatron_rl.model import fp8, throughput_levers
 from megatron_rl.model.hf_config import ArchitectureSpec
 from megatron_rl.model.layout_checks import check_divisibility  # noqa: F401  (re-exported)
 
@@ -109,6 +109,9 @@ def transformer_config(
     if config.model.fp8_recipe is not None:
         hardware = hardware or fp8.detect_hardware(device)
         fp8.check_fp8(config, arch, hardware, use_te=use_te, grouped_gemm=grouped_gemm)
+    if throughput_levers.levers_on(config.model):
+        hardware = hardware or fp8.detect_hardware(device)
+        throughput_levers.check_levers(config, arch, hardware, use_te=use_te, grouped_gemm=grouped_gemm)
     bf16 = config.model.precision == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
     moe: dict = {}
@@ -171,7 +174,6 @@ def transformer_config(
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
         num_layers_in_first_pipeline_stage=parallel.pp_first_stage_layers,
@@ -193,6 +195,7 @@ def transformer_config(
         **moe,
         **attention,
         **fp8.transformer_config_fields(config.model),
+        **throughput_levers.transformer_config_fields(config.model, arch),
     )
 
 
@@ -432,6 +435,7 @@ def build_model(config: RunConfig, device: torch.device, *, initialize: bool = T
     if arch.is_moe:
         _define_router_gemm_without_te()
     tconfig = transformer_config(arch, config, device, use_te)
+    throughput_levers.select_grouped_gemm_backend(config.model, grouped_gemm=use_te and tconfig.moe_grouped_gemm)
     tconfig.perform_initialization = initialize and not meta
     with torch.device("meta") if meta else contextlib.nullcontext():
         module = build_gpt_model(arch, tconfig, config.model, use_te)

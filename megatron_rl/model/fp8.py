@@ -70,6 +70,9 @@ class Hardware:
     te_version: str | None = None  # None: Transformer Engine is not installed
     # TE's own verdict per recipe name, (supported, reason), where TE could be asked.
     te_support: dict[str, tuple[bool, str]] = field(default_factory=dict)
+    # APEX's fused_weight_gradient_mlp_cuda imports: Megatron-Core's own linears need it for
+    # model.gradient_accumulation_fusion (model/throughput_levers.py).
+    wgrad_accumulation_kernel: bool = False
 
     def describe(self) -> str:
         if self.device_type != "cuda":
@@ -103,6 +106,7 @@ def detect_hardware(device: torch.device) -> Hardware:
         cuda=torch.version.cuda,
         te_version=te_version,
         te_support=_ask_transformer_engine() if te_version else {},
+        wgrad_accumulation_kernel=importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
     )
 
 

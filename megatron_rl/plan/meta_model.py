@@ -203,10 +203,13 @@ def probe_parameters(arch, config, tp: int, ep: int, etp: int) -> ProbeParameter
 def _without_fp8(config):
     """FP8 recipes change no parameter shape or count (weights stay in params_dtype unless
     model.fp8_param, accounted for by the planner); the probe is built without them so that the
-    planning machine's missing FP8 hardware does not matter."""
+    planning machine's missing FP8 hardware does not matter. The throughput levers (LEVERS_OFF)
+    change no parameter either and need Transformer Engine: off in the probe too."""
+    from megatron_rl.config.model import LEVERS_OFF
+
     model = dataclasses.replace(config.model, fp8_recipe=None, fp8_param=False, fp8_bf16_first_layers=0,
                                 fp8_bf16_last_layers=0, export_fp8=False, layer_spec="local",
-                                moe_grouped_gemm=None)
+                                moe_grouped_gemm=None, **LEVERS_OFF)
     return dataclasses.replace(config, model=model, device="cpu")
 
 
