@@ -43,6 +43,11 @@ class RolloutConfig:
     max_model_len: int = 1024
     gpu_memory_utilization: float = 0.5
     cpu_kv_cache_gib: float = 1.0
+    # vLLM's sleep mode around training (colocated engine, GPU only): after each step's generation
+    # the engine releases its GPU memory while the policy trains, and takes it back for the next
+    # push. 0: off. 1: weights offloaded to host memory, KV cache freed. 2: weights discarded too
+    # (the push restores them; less host memory, nothing copied back).
+    sleep_level: int = 0
     # How weights travel after each step (rollout/weights/transport.py). stream: by reference into a
     # colocated engine. files: safetensors on a filesystem the servers share. collective: a
     # broadcast from each pipeline stage's leader to every rank of every server (vLLM), gloo on
@@ -118,6 +123,7 @@ class RolloutConfig:
             raise ConfigError(f"{where}.weight_transport=stream needs mode=colocated; servers take files or collective")
         if self.weight_transport in ("files", "collective", "nccl") and self.mode == "colocated":
             raise ConfigError(f"{where}.weight_transport={self.weight_transport} is for servers; colocated engines use stream")
+        self._validate_sleep(where)
         if self.weight_transport in ("collective", "nccl") and self.engine == "sglang":
             raise ConfigError(f"{where}.weight_transport={self.weight_transport}: SGLang servers take weights through "
                               f"files (weight_transport: files, with staging_dir on a filesystem they share)")
@@ -153,6 +159,17 @@ class RolloutConfig:
         self._validate_agents(where)
         if self.overgeneration_groups is not None and self.overgeneration_groups < 0:
             raise ConfigError(f"{where}.overgeneration_groups must be >= 0 (or null), got {self.overgeneration_groups}")
+
+    def _validate_sleep(self, where: str) -> None:
+        """rollout.sleep_level; that the engines run on a GPU is preflight's (factory.check_engine_capabilities)."""
+        if self.sleep_level not in (0, 1, 2):
+            raise ConfigError(f"{where}.sleep_level must be 0 (off), 1 or 2, got {self.sleep_level!r}")
+        if self.sleep_level and self.mode != "colocated":
+            raise ConfigError(f"{where}.sleep_level={self.sleep_level} is for the colocated engine, which shares the "
+                              f"trainer's GPUs; servers (mode={self.mode}) keep their own memory: set sleep_level: 0")
+        if self.sleep_level == 2 and self.lora_push == "adapters":
+            raise ConfigError(f"{where}.sleep_level=2 discards the engine's base weights at every step, but with "
+                              f"lora_push=adapters they are pushed once; use sleep_level: 1 or lora_push: merged")
 
     def _validate_agents(self, where: str) -> None:
         if self.environment is not None and (not isinstance(self.environment, str) or ":" not in self.environment):

@@ -2,6 +2,7 @@
 
     rollout = RolloutClient(config, model_dir, master_addr=..., local_rank=..., seed=...)
     groups = rollout.generate(prompts, SamplingParams(...))      # the same samples on every rank
+    rollout.sleep()                                              # every rank, before training
     rollout.sync_weights(policy.module, policy.arch)             # every rank, after each update
     rollout.shutdown()
 
@@ -12,6 +13,8 @@ HF-named stream (on the ranks the transport needs it; blockwise FP8 when model.e
 engines paused, the transport's push, prefix caches dropped, engines resumed. A LoRA run with
 rollout.lora_push=adapters pushes the base weights that way once, then only the adapters
 (rollout/weights/adapters.py). `last_push_bytes` is the bytes the last push carried, on the driver.
+With rollout.sleep_level (colocated vLLM on GPU) the engine sleeps while the policy trains, and the
+sync wakes it: its weights' memory before the push, its KV cache after it (protocol.Sleeps).
 
 Engines that fail stop every rank at the same point: the driver's error (every server dead, a
 refused request) is broadcast with the samples or with the push's dead list, and a colocated
@@ -33,7 +36,7 @@ from megatron_rl.bridge import fp8_rollout_stream
 from megatron_rl.config import RunConfig
 from megatron_rl.rollout.factory import build_engines, build_transport, torch_dtype
 from megatron_rl.rollout.pool import EnginePool, RolloutFailed, rollout_failed
-from megatron_rl.rollout.protocol import EngineError, RolloutEngine, Sample, SamplingParams
+from megatron_rl.rollout.protocol import WAKE_KV_CACHE, WAKE_WEIGHTS, EngineError, RolloutEngine, Sample, SamplingParams
 from megatron_rl.rollout.weights.adapters import AdapterPush
 from megatron_rl.rollout.weights.stream import ByteCount, hf_weight_stream, pushed_bytes
 
@@ -48,6 +51,7 @@ class RolloutClient:
         self.transport = None
         self.adapters: AdapterPush | None = None  # rollout.lora_push=adapters
         self.last_push_bytes = 0
+        self.asleep = False  # rollout.sleep_level: the engines sleep between generation and the push
 
     @property
     def started(self) -> bool:
@@ -96,6 +100,35 @@ class RolloutClient:
             raise holder[0]
         return holder[0]
 
+    # ---- sleep mode ---------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Every rank, once the step's generation is done and before training: with
+        rollout.sleep_level the engines release their memory while the policy trains (level 1
+        offloads the weights to host memory, level 2 discards them; both free the KV cache). The
+        next sync_weights wakes them. Colocated only (the config refuses servers)."""
+        level = self.config.rollout.sleep_level
+        if level and self.started and not self.asleep:
+            self._on_every_rank("sleep", "sleep", level)
+            self.asleep = True
+
+    def _on_every_rank(self, action: str, method: str, *args) -> None:
+        """`method(*args)` on this rank's colocated engine shares, every rank together: a failure on
+        any rank is RolloutFailed on all of them (vLLM's tensor parallel group spans the ranks)."""
+        error = None
+        try:
+            for engine in self.engines:
+                getattr(engine, method)(*args)
+        except Exception as exc:  # noqa: BLE001 - every rank raises it, none waits for the others
+            error = rollout_failed(action, exc, in_process=True)
+        failures = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, str(error) if error is not None else None)
+        if error is not None:
+            raise error
+        failed = next((rank for rank, failure in enumerate(failures) if failure is not None), None)
+        if failed is not None:
+            raise RolloutFailed(f"{failures[failed]} (on rank {failed})")
+
     # ---- weights ------------------------------------------------------------------------------
 
     @property
@@ -135,6 +168,8 @@ class RolloutClient:
             if dead[0][1] is not None:
                 raise dead[0][1]
             self._transport("drop", dead[0][0])
+        if self.asleep:  # its weights' memory back (level 2: empty until this push fills it)
+            self._on_every_rank("wake up", "wake_up", WAKE_WEIGHTS)
         count, sent = 0, 0
         if stream is not None:
             count = self._transport("push", stream)
@@ -145,6 +180,9 @@ class RolloutClient:
             count += self.engines[0].update_adapters(tensors, adapters.adapter_config(tensors))
             sent += sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
         self.last_push_bytes = sent
+        if self.asleep:  # the KV cache only now: the push ran without it beside the weights
+            self._on_every_rank("wake up", "wake_up", WAKE_KV_CACHE)
+            self.asleep = False
         resumed = None
         if self.drives:
             try:

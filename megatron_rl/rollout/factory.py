@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megatron_rl.config import RunConfig
 
 from megatron_rl.errors import ConfigError
-from megatron_rl.rollout.protocol import RolloutEngine
+from megatron_rl.rollout.protocol import CollectiveWeights, FileWeights, RolloutEngine, Sleeps, supports
 from megatron_rl.rollout.weights.transport import CollectiveTransport, FilesTransport, InProcessTransport, WeightTransport
 
 
@@ -48,6 +48,62 @@ def weight_transport(config: RunConfig) -> str:
     if config.rollout.mode == "colocated":
         return "stream"
     return "collective" if config.rollout.engine == "vllm" else "files"
+
+
+def engine_class(config: RunConfig) -> type:
+    """The class of the engines `build_engines` makes for this configuration (imports no engine)."""
+    if config.rollout.mode == "colocated":
+        from megatron_rl.rollout.engines.vllm_colocated import VllmColocatedEngine
+
+        return VllmColocatedEngine
+    if config.rollout.engine == "sglang":
+        from megatron_rl.rollout.engines.sglang import SglangServerEngine
+
+        return SglangServerEngine
+    from megatron_rl.rollout.engines.vllm_server import VllmServerEngine
+
+    return VllmServerEngine
+
+
+# What each transport asks of an engine beyond the core protocol (protocol.py's capabilities).
+TRANSPORT_NEEDS = {"stream": None, "files": (FileWeights, "loads weight files (load_weight_files)"),
+                   "collective": (CollectiveWeights, "joins a collective weight group (weight_receivers, "
+                                                     "join_weight_group, receive_weights)")}
+TRANSPORT_NEEDS["nccl"] = TRANSPORT_NEEDS["collective"]
+
+
+def check_engine_capabilities(config: RunConfig, engine: type | None = None) -> None:
+    """Before any engine starts (preflight; the client again on the engines it built): the engine
+    class (`engine`, default the configured one) has every capability the configuration asks for,
+    and sleep mode runs only where vLLM has one. Refused by key and class name otherwise."""
+    rollout = config.rollout
+    kind = weight_transport(config)
+    needed = [(f"rollout.weight_transport={kind}", TRANSPORT_NEEDS[kind])]
+    if rollout.sleep_level:
+        needed.append((f"rollout.sleep_level={rollout.sleep_level}", (Sleeps, "sleeps (sleep, wake_up)")))
+    needed = [(key, need) for key, need in needed if need is not None]
+    if needed and engine is None:  # imported only when asked (the colocated engine's module: 0.7 s)
+        engine = engine_class(config)
+    for key, need in needed:
+        if not supports(engine, need[0]):
+            raise ConfigError(f"{key} needs an engine that {need[1]}; {engine.__name__} (rollout.engine="
+                              f"{rollout.engine}, mode={rollout.mode}) does not")
+    if rollout.sleep_level:
+        where = sleep_unavailable(config)
+        if where is not None:
+            raise ConfigError(f"rollout.sleep_level={rollout.sleep_level} needs vLLM's sleep mode, which runs on a GPU "
+                              f"only; here {where} (vLLM's CPU platform refuses enable_sleep_mode, and a CPU "
+                              f"engine's memory is host memory anyway): set rollout.sleep_level: 0")
+
+
+def sleep_unavailable(config: RunConfig) -> str | None:
+    """Why the colocated engine would run where vLLM has no sleep mode (a CPU), or None; the engine
+    runs on a GPU when torch sees one (VllmColocatedEngine)."""
+    if config.device == "cpu":
+        return "device: cpu"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible"
+    return None
 
 
 def build_transport(config: RunConfig, master_addr: str) -> WeightTransport:
@@ -112,6 +168,7 @@ def build_engines(config: RunConfig, model_dir: Path, *, local_rank: int, seed: 
             cpu_kv_cache_gib=rollout.cpu_kv_cache_gib, gpu_memory_utilization=rollout.gpu_memory_utilization,
             load_format="dummy", local_rank=local_rank,
             engine_args={"enable_return_routed_experts": True} if native_routes(config) else None, lora=lora,
+            sleep_mode=rollout.sleep_level > 0,
         )]
     if dist.get_rank() != 0:
         return None

@@ -1,4 +1,5 @@
-"""The one interface the trainer's rollout client sees for every rollout engine.
+"""The interfaces the trainer's rollout client sees for every rollout engine: one core protocol,
+and small capabilities only some engines have.
 
     engine.generate(prompts, SamplingParams(n=8, max_tokens=512, seed=step_seed), timeout_s=600)
         -> one list per prompt, n Samples each, in prompt order and sample order
@@ -9,17 +10,23 @@ Data-parallel rollout (rollout/pool.py) survives engines dying: a dead engine (`
 named in a warning and its unfinished prompts are generated again, with the same seeds, on the
 live ones.
 
-Engines differ in where they run (inside the trainer processes, behind HTTP) and in which weight
-transports they can receive (rollout/weights/transport.py); the trainer never branches on which one it
-holds. What a transport calls on an engine:
+Every engine (`RolloutEngine`) generates, takes a whole push in process (`update_weights`), says
+what it serves (`fingerprint`), drops its prefix cache, pauses and resumes, answers a health check
+and shuts down; the trainer never branches on which engine it holds. Engines differ in where they
+run (inside the trainer processes, behind HTTP) and so in what else they can do, each a capability
+the caller asks for (`supports(engine, FileWeights)`) instead of a method an engine implements only
+to refuse it:
 
-    update_weights(stream)            in-process: (hf_name, tensor) pairs by reference (colocated)
-    load_weight_files(directory)      files: an HF-style safetensors directory on a shared filesystem
-    weight_receivers()                collective: the engine's world size (ranks that receive)
-    join_weight_group(spec, offset)   collective: every engine rank joins the stage groups
-    receive_weights()                 collective: receive one push and load it
+    FileWeights         load_weight_files(directory)   files: an HF-style safetensors directory on a
+                                                       shared filesystem (vLLM and SGLang servers)
+    CollectiveWeights   weight_receivers()             collective: the engine's world size (ranks)
+                        join_weight_group(spec, offset)  every engine rank joins the stage groups
+                        receive_weights()              receive one push and load it (vLLM servers)
+    Sleeps              sleep(level); wake_up(tags)    vLLM's sleep mode around training: memory
+                                                       released and restored (colocated vLLM, GPU)
 
-An engine that cannot take a transport raises EngineError saying which ones it takes. Errors an
+A configuration that asks for a capability its engine lacks (a transport, rollout.sleep_level) is
+refused by name before the engine starts (rollout/factory.py, check_engine_capabilities). Errors an
 engine raises are `EngineError` subclasses and name the engine, so a dead server among eight is
 identifiable.
 """
@@ -165,6 +172,8 @@ class Sample:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
+    """What every engine does."""
+
     name: str
 
     def generate(
@@ -173,22 +182,11 @@ class RolloutEngine(Protocol):
         """n samples per prompt, grouped by prompt, in prompt order then sample order."""
 
     def update_weights(self, weights: WeightStream) -> int:
-        """Load a full set of HF-named weights; returns the number of tensors loaded.
+        """Load a full set of HF-named weights; returns the number of tensors loaded. In process
+        colocated; a server engine stages them as files first (a push to one engine by hand).
 
         Afterwards every cached prefix is dropped, so no request reuses KV computed with the old
         weights."""
-
-    def load_weight_files(self, directory: str) -> int:
-        """Load the full model from a safetensors directory (model.safetensors.index.json + files)."""
-
-    def weight_receivers(self) -> int:
-        """How many ranks of this engine join a collective weight group."""
-
-    def join_weight_group(self, spec_json: str, rank_offset: int) -> None:
-        """Every rank joins each stage's group as rank_offset + its rank; blocks until all joined."""
-
-    def receive_weights(self) -> int:
-        """Receive one collective push and load it; returns the number of tensors loaded."""
 
     def fingerprint(self) -> dict | None:
         """What the last push delivered and whether the served weights moved since
@@ -210,6 +208,55 @@ class RolloutEngine(Protocol):
 
     def shutdown(self) -> None:
         """Release the engine (idempotent)."""
+
+
+@runtime_checkable
+class FileWeights(Protocol):
+    """The files transport: the engine loads a push an HF-style directory holds."""
+
+    def load_weight_files(self, directory: str) -> int:
+        """Load the full model from a safetensors directory (model.safetensors.index.json + files)."""
+
+
+@runtime_checkable
+class CollectiveWeights(Protocol):
+    """The collective transport (gloo on CPU, NCCL on GPU): every engine rank joins the stage
+    leaders' groups and receives their broadcasts (rollout/worker/receiver.py)."""
+
+    def weight_receivers(self) -> int:
+        """How many ranks of this engine join a collective weight group."""
+
+    def join_weight_group(self, spec_json: str, rank_offset: int) -> None:
+        """Every rank joins each stage's group as rank_offset + its rank; blocks until all joined."""
+
+    def receive_weights(self) -> int:
+        """Receive one collective push and load it; returns the number of tensors loaded."""
+
+
+# wake_up's tags (vLLM's): the weights' memory, the KV cache's; None wakes both.
+WAKE_WEIGHTS = ("weights",)
+WAKE_KV_CACHE = ("kv_cache",)
+
+
+@runtime_checkable
+class Sleeps(Protocol):
+    """vLLM's sleep mode (rollout.sleep_level): the engine releases its device memory while the
+    policy trains and takes it back before the next push."""
+
+    def sleep(self, level: int) -> None:
+        """Release memory: level 1 offloads the weights to host memory and discards the KV cache;
+        level 2 discards the weights too (the next push restores them). Generation is refused
+        until the engine is awake again."""
+
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        """Take memory back: `WAKE_WEIGHTS` (before a push), `WAKE_KV_CACHE` (after it), None both.
+        The engine generates again once every part is awake."""
+
+
+def supports(engine: object, capability: type) -> bool:
+    """Whether `engine` (an engine or its class: preflight asks before any engine starts) has
+    `capability` (FileWeights, CollectiveWeights, Sleeps): every one of its methods."""
+    return isinstance(engine, capability) if not isinstance(engine, type) else issubclass(engine, capability)
 
 
 def check_grouping(name: str, prompts: list[list[int]], params: SamplingParams, groups: list[list[Sample]]) -> None:

@@ -43,6 +43,7 @@ from megatron_rl.runtime.launch_env import read_launch_env
 from megatron_rl.train.agent_failures import check_agent_failures, describe_source
 from megatron_rl.train.async_collector import AsyncCollector
 from megatron_rl.train.collect import SyncCollector
+from megatron_rl.train.eval_sets import TrainingEvals, load_eval_sets
 from megatron_rl.train.evaluate import evaluate
 from megatron_rl.train.generation import Generation
 from megatron_rl.train.experience import PackedStep, expand_segments, group_advantages, pack_step
@@ -84,12 +85,13 @@ def train(config: RunConfig) -> TrainResult:
             refusal = str(exc)
     try:
         datasets = preflight(config) if refusal is None else None
+        eval_sets = load_eval_sets(config, datasets) if refusal is None else None  # rl.eval's, read and checked
         runtime = start_runtime(config)
         try:
             refusal = runtime.from_driver(refusal)
             if refusal is not None:
                 raise ConfigError(refusal)
-            return Trainer(config, runtime, datasets).run()
+            return Trainer(config, runtime, datasets, eval_sets).run()
         finally:
             runtime.shutdown()
     finally:
@@ -98,8 +100,9 @@ def train(config: RunConfig) -> TrainResult:
 
 
 class Trainer:
-    def __init__(self, config: RunConfig, runtime, datasets):
-        """`datasets`: the (train, held-out) prompt datasets preflight() read."""
+    def __init__(self, config: RunConfig, runtime, datasets, eval_sets=None):
+        """`datasets`: the (train, held-out) prompt datasets preflight() read; `eval_sets`: rl.eval's
+        sets as load_eval_sets() read them."""
         self.config, self.runtime = config, runtime
         self.out = Path(config.output_dir)
         self.recipe = recipe_for(config.rl, config.response_budget)
@@ -118,6 +121,7 @@ class Trainer:
         self.routing = RoutingReplay.attach(config.rl.routing_replay, self.policy, runtime)
         self.tokenizer = self._prepare_engine_model()
         self.scorer = GroupScorer(config.rewards, self.tokenizer, runtime)
+        self.evals = TrainingEvals(config, eval_sets or [], self.tokenizer, runtime)  # rl.eval: pass@k of prompt sets
         self.resumed = self.checkpoints.load(self.policy, chosen)
         if self.resumed is not None:
             self.sampler.load_state_dict(self.resumed.state["sampler"])
@@ -157,7 +161,8 @@ class Trainer:
                     if config.warm_start.steps:
                         warm_start(self.policy, self.tokenizer, self.train_set, config, self.runtime, self.log)
                     self.sync_weights()
-                    self.log.step(0, {**self.evaluate(), **self._teacher_heldout(),
+                    self.log.step(0, {**self.evaluate(), **self.evals.run(0, self.generation, self.scorer),
+                                      **self._teacher_heldout(),
                                       "rollout/weights_bytes": self.rollout.last_push_bytes})
                     start = 1
                 else:
@@ -182,6 +187,7 @@ class Trainer:
                     self.trained = step
                     if step == config.rl.steps or (config.rl.eval_every and step % config.rl.eval_every == 0):
                         metrics.update(self.evaluate())
+                    metrics.update(self.evals.run(step, self.generation, self.scorer))  # rl.eval's steps
                 except (TeacherFailed, RolloutFailed) as exc:  # on every rank at once
                     if self.trained == step:  # its weights' push or evaluation failed: the step is kept
                         state = self._trainer_state()
@@ -216,6 +222,7 @@ class Trainer:
     def rl_step(self, step: int) -> dict:
         rl, timings = self.config.rl, {}
         rollout = self.collector.take(step, timings)
+        self.rollout.sleep()  # rollout.sleep_level: the engine's memory is the policy's until the push
         metrics = dict(rollout.metrics)
         check_agent_failures(step, rollout.agent_failures, describe_source(self.config.rollout),
                              notify=self.log.message)
@@ -359,4 +366,5 @@ class Trainer:
         self.generation.close()
         self.log.close()
         self.scorer.close()
+        self.evals.close()
         self.rollout.shutdown()

@@ -25,7 +25,8 @@ from _support.processes import free_port
 from _support.world import world  # noqa: F401  (the one-rank world the transports need)
 from megatron_rl.config import load_config
 from megatron_rl.errors import ConfigError
-from megatron_rl.rollout.protocol import EngineError, EngineTimeout, EngineUnavailable, RolloutEngine, SamplingParams
+from megatron_rl.rollout.protocol import (CollectiveWeights, EngineError, EngineTimeout, EngineUnavailable, FileWeights,
+                                         RolloutEngine, SamplingParams, supports)
 from megatron_rl.rollout.engines.sglang import SglangServerEngine, SglangServerProcess
 from megatron_rl.rollout.factory import check_sampling_logprobs
 
@@ -340,8 +341,7 @@ def test_a_run_configured_for_sglang_takes_weights_through_the_files_transport_o
     for kind in ("distributed", "tensor"):  # the engine's own transports before issue 43: gone, and never config values
         with pytest.raises(ConfigError, match=f"rollout.weight_transport.*{kind}"):
             load_config(None, [*sglang, f"rollout.weight_transport={kind}"])
-    with pytest.raises(EngineError, match="sglang-0: SGLang servers take the trainer's weights through files"):
-        engine.weight_receivers()
+    assert supports(engine, FileWeights) and not supports(engine, CollectiveWeights)  # protocol.py's capabilities
 
 
 def test_pause_and_resume_hit_their_endpoints(fake, tmp_path):

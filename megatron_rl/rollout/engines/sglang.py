@@ -20,9 +20,9 @@ Weights arrive as files, the one transport a run configures for SGLang (`rollout
 files`, the default for it): the trainer's files transport (rollout/weights/transport.py) writes
 each push once as an HF-style safetensors directory on a filesystem the trainer and the servers
 share, and every server reloads it in place (`/update_weights_from_disk`, `load_weight_files`);
-`update_weights` does the same for one engine by hand. The collective transports are refused for
-SGLang by the config check: their receiving side is our vLLM worker extension, and SGLang's
-workers run none of our code. Afterwards the radix (prefix) cache is flushed, so no request
+`update_weights` does the same for one engine by hand. The engine has no CollectiveWeights
+(protocol.py), and the config check refuses the collective transports for SGLang: their receiving
+side is our vLLM worker extension, and SGLang's workers run none of our code. Afterwards the radix (prefix) cache is flushed, so no request
 reuses KV computed with the old weights.
 """
 
@@ -285,18 +285,9 @@ class SglangServerEngine(ServerEngineBase):
     def reset_prefix_cache(self) -> None:
         self._flush_cache()
 
-    # The collective transports' receiving side is our vLLM worker extension (rollout/worker/
-    # receiver.py); SGLang's workers run none of our code. The config check refuses them for
-    # SGLang (config/rollout.py), so these only answer a caller that asks anyway.
-    def weight_receivers(self) -> int:
-        raise EngineError(f"{self.name}: SGLang servers take the trainer's weights through files "
-                          f"(rollout.weight_transport=files)")
-
-    def join_weight_group(self, spec_json: str, rank_offset: int) -> None:
-        self.weight_receivers()
-
-    def receive_weights(self) -> int:
-        return self.weight_receivers()
+    # No CollectiveWeights: the collective transports' receiving side is our vLLM worker extension
+    # (rollout/worker/receiver.py), and SGLang's workers run none of our code. The config check
+    # refuses them for SGLang by name (config/rollout.py; factory.check_engine_capabilities).
 
     def _check_success(self, path: str, result: Any) -> None:
         # Failures usually arrive as HTTP 400 (an EngineError from the client); a 200 with

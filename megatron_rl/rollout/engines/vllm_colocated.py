@@ -12,6 +12,12 @@ Weights travel by reference: every rank passes the full HF-named stream (see
 `megatron_rl.rollout.weights.stream`) to its own worker, which keeps its TP slice. With `lora`
 (rollout.lora_push=adapters, rollout/engines/vllm_lora.py) the engine runs vLLM's own LoRA: after
 the base weights, `update_adapters` loads each push's adapters and every request carries them.
+
+With `sleep_mode` (rollout.sleep_level > 0; GPU only) the engine releases its memory while the
+policy trains: `sleep(level)` after the step's generation, `wake_up(WAKE_WEIGHTS)` before the push,
+`wake_up(WAKE_KV_CACHE)` after it (protocol.Sleeps; the rollout client calls them). vLLM's CPU
+build has no sleep mode: it refuses enable_sleep_mode on its CPU platform, and its CPU worker
+ignores sleep(), so this engine refuses sleep_mode there by name (preflight does first).
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from megatron_rl.rollout.protocol import (
     EngineUnavailable,
     Sample,
     SamplingParams,
+    WAKE_KV_CACHE,
+    WAKE_WEIGHTS,
     WeightStream,
     check_grouping,
 )
@@ -64,13 +72,18 @@ class VllmColocatedEngine:
         name: str = "vllm-colocated",
         engine_args: dict | None = None,
         lora: dict | None = None,
+        sleep_mode: bool = False,
     ):
         """`load_format="dummy"` starts from random weights (no checkpoint on disk needed); the
         caller must then push weights before generating, as the trainer does at start-up.
         `engine_args`: further `vllm.LLM` arguments (e.g. enable_return_routed_experts on GPU).
-        `lora`: vLLM's LoRA arguments (vllm_lora.engine_lora_args) for adapter pushes."""
+        `lora`: vLLM's LoRA arguments (vllm_lora.engine_lora_args) for adapter pushes.
+        `sleep_mode`: vLLM's sleep mode (enable_sleep_mode), for `sleep` / `wake_up`; GPU only."""
         self.name = name
         on_cpu = not torch.cuda.is_available()
+        if sleep_mode and on_cpu:
+            raise EngineError(f"{self.name}: sleep mode (rollout.sleep_level > 0) needs a GPU: vLLM's CPU build has "
+                              f"none (its CPU worker ignores sleep); set rollout.sleep_level: 0")
         os.environ.update(vllm_environment(cache_dir, on_cpu=on_cpu, kv_cache_gib=cpu_kv_cache_gib))
         if on_cpu and os.environ.get("TORCH_COMPILE_DISABLE") == "1":
             # torch read TORCH_COMPILE_DISABLE when it was imported, long before this engine: set
@@ -94,6 +107,8 @@ class VllmColocatedEngine:
             if lora:
                 fix_cpu_moe_kernel_with_lora()
         engine_args.update(lora or {})
+        if sleep_mode:
+            engine_args["enable_sleep_mode"] = True
         self.lora_targets: list[str] = list((lora or {}).get("lora_target_modules", ()))
         self._lora_request = None  # the adapter every request carries (the last one pushed)
         self._lora_ids = 0
@@ -143,6 +158,9 @@ class VllmColocatedEngine:
                 **engine_args,
             )
         self.startup_s = time.perf_counter() - started
+        self.sleep_mode = sleep_mode
+        self._asleep: set[str] = set()  # the parts of its memory the engine released (sleep)
+        self._weights_discarded = False  # level 2: what it serves is undefined until the next push
         self._paused = False
         self._closed = False
         self.weights_loaded = load_format != "dummy"
@@ -201,6 +219,7 @@ class VllmColocatedEngine:
         if count == 0:
             raise EngineError(f"{self.name}: weight update received no tensors")
         self.weights_loaded = True
+        self._weights_discarded = False
         return count
 
     def update_adapters(self, tensors: dict[str, torch.Tensor], adapter_config: dict) -> int:
@@ -230,26 +249,51 @@ class VllmColocatedEngine:
         with suspended():
             self._llm.reset_prefix_cache()
 
-    # A colocated engine shares the trainer's processes: weights come by reference, never over
-    # files or a network group.
-    def load_weight_files(self, directory: str) -> int:
-        raise EngineError(f"{self.name}: a colocated engine takes weights in process (weight_transport=stream)")
+    # A colocated engine shares the trainer's processes: weights come by reference (update_weights),
+    # never over files or a network group, so it has neither FileWeights nor CollectiveWeights.
 
-    def weight_receivers(self) -> int:
-        return self.load_weight_files("")
-
-    def join_weight_group(self, spec_json: str, rank_offset: int) -> None:
-        self.load_weight_files("")
-
-    def receive_weights(self) -> int:
-        return self.load_weight_files("")
-
-    def fingerprint(self) -> dict:
+    def fingerprint(self) -> dict | None:
+        """None after a level-2 sleep until the next push: the weights were discarded on purpose, so
+        what the engine serves says nothing about what was pushed (the push's own check follows)."""
+        if self._weights_discarded:
+            return None
         return self._llm.collective_rpc("weights_fingerprint")[0]
 
+    # ---- sleep mode (protocol.Sleeps; GPU only) ------------------------------------------------
+
+    def sleep(self, level: int) -> None:
+        """Level 1: weights offloaded to host memory, KV cache discarded; level 2: both discarded
+        (the next push restores the weights). Generation is refused until every part is awake."""
+        self.health()
+        if not self.sleep_mode:
+            raise EngineError(f"{self.name}: started without sleep mode (rollout.sleep_level: 0); cannot sleep")
+        if level not in (1, 2):
+            raise EngineError(f"{self.name}: sleep level must be 1 or 2, got {level}")
+        if self._asleep:
+            raise EngineError(f"{self.name}: sleep called while asleep ({', '.join(sorted(self._asleep))})")
+        with suspended():
+            self._llm.sleep(level=level)  # frees the prefix cache with the KV cache
+        self._asleep = {*WAKE_WEIGHTS, *WAKE_KV_CACHE}
+        self._weights_discarded = level == 2
+
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        """`tags`: WAKE_WEIGHTS, WAKE_KV_CACHE, or None (both). Waking what is awake is a no-op."""
+        self.health()
+        parts = {*WAKE_WEIGHTS, *WAKE_KV_CACHE} if tags is None else set(tags)
+        unknown = parts - {*WAKE_WEIGHTS, *WAKE_KV_CACHE}
+        if unknown:
+            raise EngineError(f"{self.name}: wake_up tags must be among {WAKE_WEIGHTS + WAKE_KV_CACHE}, "
+                              f"got {sorted(unknown)}")
+        parts &= self._asleep
+        if not parts:
+            return
+        with suspended():
+            self._llm.wake_up(tags=sorted(parts))  # vLLM resumes scheduling once every part is back
+        self._asleep -= parts
+
     def pause(self) -> None:
-        # vLLM's sleep mode (which frees KV cache and weights for training) exists on GPU only;
-        # generation here is synchronous, so pausing means refusing generate until resume.
+        # Generation here is synchronous, so pausing means refusing generate until resume; releasing
+        # the engine's memory for training is sleep() (rollout.sleep_level, GPU only).
         self._paused = True
 
     def resume(self) -> None:
@@ -306,5 +350,8 @@ class VllmColocatedEngine:
         self.health()
         if self._paused:
             raise EngineError(f"{self.name}: generate called while paused; call resume() first")
+        if self._asleep:
+            raise EngineError(f"{self.name}: generate called while asleep ({', '.join(sorted(self._asleep))}); "
+                              f"call wake_up() first")
         if not self.weights_loaded:
             raise EngineError(f"{self.name}: started with dummy weights and none were pushed yet")
