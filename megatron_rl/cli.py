@@ -10,6 +10,9 @@
         [--seed S]   (Megatron's logits against transformers' for a HF model, at that layout)
     megatron-rl launch slurm --nodes N [--gpus-per-node G] [--partition P] ... [--dry-run] [key=value ...]
     megatron-rl launch local [--nproc-per-node N] [key=value ...]   (the same job under torchrun here)
+    megatron-rl eval --ckpt PATH [--ckpt PATH ...] --set NAME=PATH [--set ...] [--n N] [--k K,...]
+        [--temperature T] [--top-p P] [--out DIR] [key=value ...] [set.NAME.OPTION=VALUE ...]
+        (pass@k, avg@n, maj@k, greedy accuracy of checkpoints; several: their differences)
     megatron-rl plan --gpus N [--config FILE] [--hf-config DIR] [--gpus-per-node G] [--gpu-memory 80GiB]
         [--rollout-gpus M] [--json] [key=value ...]   (every layout that fits, per-GPU memory, weight push)
 
@@ -76,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="every layout as JSON")
     plan.add_argument("--recipe-header", metavar="COMMAND",
                       help="print the plan as a recipe's header comment, naming COMMAND (this command line)")
+    from megatron_rl.evaluation.command import add_parser as add_eval_parser
+
+    add_eval_parser(commands)
     launch = commands.add_parser("launch", help="start the training job on SLURM or with torchrun here")
     where = launch.add_subparsers(dest="where", required=True)
     slurm = where.add_parser("slurm", help="render an sbatch script from slurm/ and submit it")
@@ -144,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "launch":
             return _launch(args, overrides)
+        if args.command == "eval":  # its overrides hold per-set options too: it loads its configs itself
+            from megatron_rl.evaluation.command import run as run_eval
+
+            return run_eval(args)
         config = load_config(args.config, overrides)
         if args.command == "plan":
             from megatron_rl.plan.command import run as plan

@@ -51,6 +51,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping, got {type(loaded).__name__}")
         raw = loaded
+    return load_config_dict(raw, overrides, source)
+
+
+def load_config_dict(raw: dict[str, Any], overrides: list[str] | None = None, source: str = "defaults") -> RunConfig:
+    """load_config for a mapping already read (`source`: where it came from, for messages): e.g. a
+    run's recorded config under `megatron-rl eval`'s overrides."""
     overrides = list(overrides or [])
     try:
         return _validated(raw, overrides, source)

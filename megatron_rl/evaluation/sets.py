@@ -1,0 +1,314 @@
+"""The prompt sets of `megatron-rl eval`: what the command line names, checked and read before any
+model or engine exists.
+
+    --set gsm8k=data/gsm8k_test.jsonl --set hard=data/hard.parquet     NAME=PATH, repeatable
+    set.hard.reward=math  set.hard.n=16  set.hard.columns.level=difficulty   per-set options
+    --sets sets.yaml                                                    the same as a YAML mapping:
+
+        gsm8k: {path: data/gsm8k_test.jsonl, reward: math, n: 16, temperature: 0.6}
+        mbpp:  {path: data/mbpp, split: test, reward: code_tests, columns: {test_list: tests}}
+
+A PATH is what `data.train` takes: a .jsonl or .parquet file, a .json / .csv / .arrow file or a
+`datasets` save_to_disk directory (its `split`), read with the run's data section (prompt_key,
+answer_key, columns, other_columns, loader) unless the set says otherwise. Every option a set
+leaves out comes from the command's flags (--n, --k, --temperature, --top-p, --max-tokens,
+--prompts, --no-greedy) or, for the reward and the prompt format, from the checkpoint's run.
+
+A set in a format the generic reader does not know (HumanEval's prompt / test / entry_point rows)
+is read by its own loader in FORMAT_LOADERS, which also says which reward scores it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from megatron_rl.errors import ConfigError
+
+# Options whose value is text as written (a path, a name, a prompt), never YAML-parsed.
+TEXT_OPTIONS = ("path", "reward", "split", "prompt_key", "answer_key", "system_prompt", "loader", "other_columns",
+                "prompt_format")
+
+
+@dataclass
+class SetSpec:
+    """One set as the command line and --sets describe it; None: the command's default (or, for
+    reward, prompt_format and system_prompt, the checkpoint's run)."""
+
+    name: str
+    path: str
+    reward: str | None = None  # a reward name ("math", "code_tests", "synthetic", "module:fn", "file.py:fn")
+    reward_params: dict[str, Any] = field(default_factory=dict)
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    greedy: bool | None = None
+    max_tokens: int | None = None
+    prompts: int | None = None  # the first this many records only
+    threshold: float = 0.5  # reward >= threshold: correct
+    split: str | None = None  # a save_to_disk DatasetDict's split (default: data.heldout_split)
+    prompt_key: str | None = None
+    answer_key: str | None = None
+    columns: dict[str, str] | None = None
+    other_columns: str | None = None
+    loader: str | None = None
+    prompt_format: str | None = None
+    system_prompt: str | None = None
+
+    @classmethod
+    def options(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.name != "name"]
+
+
+@dataclass
+class SamplingDefaults:
+    """The command's flags every set takes unless it sets its own."""
+
+    n: int = 8
+    k: list[int] | None = None  # the ks of pass@k and maj@k, every set's (None: metrics.default_ks(n) per set)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = True
+    max_tokens: int | None = None  # None: the run's rl.max_response_tokens
+    prompts: int | None = None
+
+
+@dataclass
+class LoadedSet:
+    """A set read: its records and the reward terms that score it (None: the reward the set's
+    spec or the checkpoint's run names). What a FORMAT_LOADERS entry returns too."""
+
+    spec: SetSpec
+    records: list
+    rewards: Any = None  # a rewards.RewardConfig chosen by the set's format (e.g. HumanEval's tests)
+
+
+def _humaneval_set(spec: SetSpec, data) -> LoadedSet | None:
+    """HumanEval-format rows (prompt, test, entry_point; evaluation/humaneval.py), scored by
+    code_tests in the sandbox; None when the file is not in that format."""
+    from megatron_rl.evaluation.humaneval import humaneval_rewards, is_humaneval_set, load_humaneval
+
+    if not is_humaneval_set(spec.path, data.max_line_bytes):
+        return None
+    return LoadedSet(spec, list(load_humaneval(spec.path, data.max_line_bytes)), humaneval_rewards())
+
+
+# Loaders of set formats the generic reader does not know, tried in order: each takes
+# (spec, data_config) and returns a LoadedSet, or None when the file is not its format.
+FORMAT_LOADERS: tuple[Callable[[SetSpec, Any], LoadedSet | None], ...] = (_humaneval_set,)
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def parse_sets(set_args: list[str], sets_file: str | None, option_items: list[str],
+               defaults: SamplingDefaults) -> list[SetSpec]:
+    """The sets the command line names: `--set NAME=PATH` items, the `--sets` YAML file's, then
+    `set.NAME.OPTION=VALUE` items over either. Refuses (ConfigError, naming the set): a NAME or
+    PATH missing, two sets with one name, an unknown option, an option for no set, a value of the
+    wrong type, n < 1, a k outside 1..n, a temperature < 0, a top_p outside (0, 1]."""
+    raw: dict[str, dict[str, Any]] = {}
+    for item in set_args:
+        name, sep, path = item.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise ConfigError(f"--set {item!r} must look like NAME=PATH (e.g. --set gsm8k=data/gsm8k_test.jsonl)")
+        _add(raw, name, {"path": path}, f"--set {item}")
+    if sets_file is not None:
+        for name, options in _read_sets_file(sets_file).items():
+            _add(raw, name, options, f"--sets {sets_file}")
+    if not raw:
+        raise ConfigError("no prompt set to evaluate: name one with --set NAME=PATH (or --sets FILE)")
+    for item in option_items:
+        _apply_option(raw, item)
+    return [_spec(name, options, defaults) for name, options in raw.items()]
+
+
+def is_set_option(item: str) -> bool:
+    """A `set.NAME.OPTION=VALUE` item (the other key=value items are the run config's overrides)."""
+    return item.split("=", 1)[0].strip().startswith("set.")
+
+
+def _add(raw: dict, name: str, options: dict, where: str) -> None:
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+        raise ConfigError(f"{where}: set name {name!r} must be letters, digits, '_' or '-' (it names the set in "
+                          "set.NAME.OPTION=VALUE and in the report)")
+    if name in raw:
+        raise ConfigError(f"{where}: a set named {name!r} is given twice ({raw[name].get('path')} and "
+                          f"{options.get('path')}); give each set its own name")
+    raw[name] = dict(options)
+
+
+def _read_sets_file(path: str) -> dict[str, dict]:
+    from megatron_rl.config.loader import load_yaml
+    from megatron_rl.errors import not_a_file
+
+    if not Path(path).is_file():
+        raise ConfigError(f"--sets {path}: " + (not_a_file(Path(path)) or "does not exist or is not a file"))
+    loaded = load_yaml(Path(path).read_text(), f"--sets {path}")
+    if not isinstance(loaded, dict) or not all(isinstance(v, dict) for v in loaded.values()):
+        raise ConfigError(f"--sets {path}: the top level must map each set's name to its options, e.g. "
+                          "`gsm8k: {path: data/gsm8k_test.jsonl, reward: math}`")
+    for name, options in loaded.items():
+        if "path" not in options:
+            raise ConfigError(f"--sets {path}: set {name!r} has no path")
+    return {str(name): options for name, options in loaded.items()}
+
+
+def _apply_option(raw: dict, item: str) -> None:
+    key, sep, text = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) < 3:
+        raise ConfigError(f"{item!r}: a set option looks like set.NAME.OPTION=VALUE (e.g. set.gsm8k.n=16)")
+    name, option = parts[1], parts[2]
+    if name not in raw:
+        raise ConfigError(f"{item!r}: there is no set named {name!r} (sets: {', '.join(raw)}); name it with "
+                          f"--set {name}=PATH first")
+    known = SetSpec.options()
+    if option not in known:
+        raise ConfigError(f"{item!r}: set {name!r} has no option {option!r} (options: {', '.join(known)})")
+    nested = option in ("columns", "reward_params")
+    if nested != (len(parts) == 4) or len(parts) > 4:
+        form = f"set.{name}.{option}.FIELD=VALUE" if nested else f"set.{name}.{option}=VALUE"
+        raise ConfigError(f"{item!r}: write it as {form}")
+    if option in TEXT_OPTIONS:
+        value: Any = text
+    else:
+        from megatron_rl.config.loader import load_yaml
+
+        value = load_yaml(text, item)
+    if nested:
+        raw[name].setdefault(option, {})[parts[3]] = value
+    else:
+        raw[name][option] = value
+
+
+def _spec(name: str, options: dict, defaults: SamplingDefaults) -> SetSpec:
+    where = f"set {name!r}"
+    known = SetSpec.options()
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ConfigError(f"{where}: unknown option {unknown[0]!r} (options: {', '.join(known)})")
+    spec = SetSpec(name=name, **options)
+    for option, kind in (("n", int), ("max_tokens", int), ("prompts", int)):
+        value = getattr(spec, option)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{where}: {option} must be an integer >= 1, got {value!r}")
+    for option in ("temperature", "top_p", "threshold"):
+        value = getattr(spec, option)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(f"{where}: {option} must be a number, got {value!r}")
+    if spec.greedy is not None and not isinstance(spec.greedy, bool):
+        raise ConfigError(f"{where}: greedy must be true or false, got {spec.greedy!r}")
+    for option in ("columns", "reward_params"):
+        if getattr(spec, option) is not None and not isinstance(getattr(spec, option), dict):
+            raise ConfigError(f"{where}: {option} must be a mapping, got {getattr(spec, option)!r}")
+    spec.reward_params = spec.reward_params or {}
+    # The command's defaults where the set has none: the spec then holds what it will run with.
+    for option in ("n", "temperature", "top_p", "greedy", "max_tokens", "prompts"):
+        if getattr(spec, option) is None:
+            setattr(spec, option, getattr(defaults, option))
+    check_sampling(spec, defaults.k)
+    return spec
+
+
+def check_sampling(spec: SetSpec, ks: list[int] | None) -> None:
+    """n >= 1, every k (--k) in 1..n, temperature >= 0, top_p in (0, 1]: ConfigError naming the set."""
+    where = f"set {spec.name!r}"
+    if spec.n < 1:
+        raise ConfigError(f"{where}: n (samples per prompt) must be >= 1, got {spec.n}")
+    for k in ks or ():
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= spec.n:
+            raise ConfigError(f"{where}: --k {k} is more than n={spec.n}, the samples per prompt it draws from "
+                              f"(pass@k and maj@k use k of the n samples): ask for k <= {spec.n}, or more samples "
+                              f"(--n, or set.{spec.name}.n)" if isinstance(k, int) and k > spec.n else
+                              f"{where}: --k {k!r} must be an integer from 1 to n={spec.n}")
+    if not spec.temperature >= 0:
+        raise ConfigError(f"{where}: temperature must be >= 0 (0: greedy), got {spec.temperature}")
+    if not 0 < spec.top_p <= 1:
+        raise ConfigError(f"{where}: top_p must be in (0, 1], got {spec.top_p}")
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def set_data_config(spec: SetSpec, data) -> Any:
+    """The run's data section (`data`: a DataConfig) with the set's own fields: how the set's file
+    is read and its prompts shown to the model."""
+    changes = {"train": spec.path, "train_split": spec.split or data.heldout_split}
+    for option in ("prompt_key", "answer_key", "columns", "other_columns", "loader", "prompt_format",
+                   "system_prompt"):
+        if getattr(spec, option) is not None:
+            changes[option] = getattr(spec, option)
+    config = dataclasses.replace(data, **changes)
+    try:
+        return config.validate(f"set {spec.name!r}")
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace(f"set {spec.name!r}.", f"set.{spec.name}.")) from None
+
+
+def load_set(spec: SetSpec, data) -> LoadedSet:
+    """The set's records (the first spec.prompts of them), read as the run's data section says
+    with the set's own fields over it. ConfigError naming the set, the file and what to set."""
+    from megatron_rl.data.prompts import load_source
+
+    path = Path(spec.path)
+    if not path.exists():
+        raise ConfigError(f"set {spec.name!r}: {spec.path} does not exist; it must be a .jsonl / .parquet / .json / "
+                          ".csv / .arrow file or a directory written by `datasets` save_to_disk")
+    config = set_data_config(spec, data)
+    for loader in FORMAT_LOADERS:
+        loaded = loader(spec, config)
+        if loaded is not None:
+            return _first(loaded)
+    try:
+        records = list(load_source(config, "train"))
+    except ConfigError as exc:
+        raise ConfigError(_explained(spec, str(exc))) from None
+    return _first(LoadedSet(spec, records))
+
+
+def _first(loaded: LoadedSet) -> LoadedSet:
+    if loaded.spec.prompts is not None:
+        loaded.records = loaded.records[: loaded.spec.prompts]
+    return loaded
+
+
+def _explained(spec: SetSpec, message: str) -> str:
+    """A reader's error with the set's name and the option that fixes it."""
+    message = message.replace("data.train:", f"{spec.path}:").replace("data.train_split", f"set.{spec.name}.split")
+    name = spec.name
+    if "prompt key '" in message:
+        hint = (f"name the set's prompt field with set.{name}.prompt_key=FIELD (data.prompt_key for every set)")
+    elif "answer key '" in message:
+        hint = (f"name the set's answer field with set.{name}.answer_key=FIELD (data.answer_key for every set), "
+                f"or set.{name}.answer_key=null for a set without answers")
+    elif "data.columns key '" in message:
+        hint = f"map an existing field with set.{name}.columns.FIELD=KEYWORD (data.columns for every set)"
+    else:
+        hint = ""
+    return f"set {name!r}: {message}" + (f"; {hint}" if hint else "")
+
+
+def check_reward_columns(loaded: LoadedSet, reward_names: list[str]) -> None:
+    """The fields the set's reward functions read are in its records: a reference answer for
+    "math" and the synthetic verifiers, `tests` for "code_tests". ConfigError naming the set, the
+    file, the field and the option to set."""
+    spec, records = loaded.spec, loaded.records
+    if not records:
+        raise ConfigError(f"set {spec.name!r}: {spec.path} holds no prompts")
+    first = records[0]
+    for name in reward_names:
+        if name == "code_tests" and "tests" not in first.metadata:
+            fields = ", ".join(sorted(first.metadata)) or "none"
+            raise ConfigError(f"set {spec.name!r}: the reward code_tests reads each record's 'tests', and "
+                              f"{first.location or spec.path} has no such field (its other fields: {fields}); map "
+                              f"the field that holds the tests with set.{spec.name}.columns.FIELD=tests "
+                              "(data.columns for every set)")
+        if (name == "math" or name.startswith("synthetic")) and first.answer is None:
+            raise ConfigError(f"set {spec.name!r}: the reward {name} compares each response with the record's "
+                              f"answer, and {spec.path} is read without one (answer_key null); name the answer "
+                              f"field with set.{spec.name}.answer_key=FIELD")
