@@ -31,6 +31,9 @@ import re
 from pathlib import Path
 from typing import NoReturn
 
+# Which directory a checkpoint path names: no torch there (`megatron-rl eval` tells kinds apart before importing it).
+from megatron_rl.checkpoint.locate import (LATEST, METADATA, is_megatron_checkpoint, names_megatron_checkpoint,  # noqa: F401
+                                           resolve_checkpoint)
 from megatron_rl.checkpoint.base_check import base_record, check_base, locate, refers_to_base
 from megatron_rl.bridge.checked_read import CHECKED_ON_LOAD, Recorded, checked_torch_dist
 from megatron_rl.checkpoint.streaming_save import streaming_save_strategy
@@ -39,9 +42,7 @@ from megatron_rl.data.tokenizer import write_char_tokenizer
 from megatron_rl.errors import ConfigError
 
 FORMAT = "megatron_rl.torch_dist.v1"
-METADATA = "megatron_rl.json"
 MANIFEST = "MANIFEST.json"  # every file's size and CRC-32 (megatron_rl.checkpoint.manifest.write_manifest)
-LATEST = "latest"  # in a checkpoints directory: the name of the newest step directory
 USE_ANOTHER = "re-convert it, or use another checkpoint (e.g. an earlier step_* directory of the run)"
 REDOWNLOAD_OR_CONVERT = "download or convert the model again"  # a damaged Hugging Face directory
 
@@ -84,62 +85,6 @@ def save_megatron_checkpoint(module, raw_hf_config: dict, directory: Path, confi
         **(extra or {}),
     }
     (directory / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
-
-
-def is_megatron_checkpoint(path: str | Path) -> bool:
-    """A directory in the format above (else, for checkpoint.init_from: a Hugging Face model)."""
-    return (Path(path) / METADATA).is_file()
-
-
-def names_megatron_checkpoint(path: str | Path) -> bool:
-    """`path` is meant as a megatron-rl checkpoint in one of the forms `resolve_checkpoint` takes
-    (a checkpoint, a checkpoints directory, a run directory), not as a Hugging Face model."""
-    path = Path(path)
-    return is_megatron_checkpoint(path) or (path / LATEST).is_file() or (path / "checkpoints").is_dir()
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """The checkpoint directory (holding megatron_rl.json) that `path` names: itself, the step
-    that `path/latest` names, or the one `path/checkpoints/latest` names (a run directory)."""
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"checkpoint {path} does not exist")
-    if not path.is_dir():
-        raise ConfigError(f"checkpoint {path} is a file; pass the checkpoint directory (the one holding {METADATA})")
-    if is_megatron_checkpoint(path):
-        return path
-    if (path / "checkpoints").is_dir():
-        return _newest_step(path / "checkpoints", run=path)
-    if (path / LATEST).is_file() or any(path.glob("step_*")):
-        return _newest_step(path)
-    raise ConfigError(
-        f"{path} is not a megatron-rl checkpoint: it holds no {METADATA}, no {LATEST} file and no checkpoints/ "
-        "directory. Pass the output of `megatron-rl convert hf-to-megatron` or `megatron-rl sft`, a training "
-        "checkpoint (RUN/checkpoints/step_NNNNNN), RUN/checkpoints or the run directory RUN"
-    )
-
-
-def _newest_step(root: Path, run: Path | None = None) -> Path:
-    """The step directory `root/latest` names; `run`: the run directory `root` belongs to."""
-    latest = root / LATEST
-    if not latest.is_file():
-        steps = sorted(p.name for p in root.glob("step_*") if p.is_dir())
-        if run is not None and not steps:
-            raise ConfigError(f"run directory {run} has no checkpoints yet ({latest} does not exist)")
-        hint = f"; pass a step directory instead, e.g. {root / steps[-1]}" if steps else ""
-        raise ConfigError(f"{latest} does not exist, so the newest checkpoint is unknown{hint}")
-    name = latest.read_text().strip()
-    if not name or Path(name).name != name or name in (".", ".."):
-        raise ConfigError(f"{latest} should hold the name of a step directory, not {name!r}; "
-                          "pass a step directory (e.g. step_000030) instead")
-    step = root / name
-    if not step.is_dir():
-        raise ConfigError(f"{latest} names {name}, but {step} does not exist (deleted?); pass an existing "
-                          "step directory instead")
-    if not is_megatron_checkpoint(step):
-        raise ConfigError(f"{step} holds no {METADATA}: the save did not finish, or an older megatron-rl "
-                          "wrote it; pass another step directory")
-    return step
 
 
 def weights_path(ckpt: str | Path) -> Path:

@@ -34,6 +34,7 @@ ACCEPTED = ("a run directory (RUN: its latest checkpoint), a training checkpoint
             "Face model directory (config.json and *.safetensors)")
 # The sections a run's checkpoint brings with it: what the weights are and how the run asked and scored.
 RUN_SECTIONS = ("model", "data", "rewards", "rl")
+TRAINER_STATE = "trainer_state.json"  # checkpoint/store.py's STATE (that module imports torch)
 
 
 @dataclass
@@ -56,8 +57,8 @@ def identify(path: str, label: str) -> CheckpointSource:
     """The kind of checkpoint `path` is, from its files; ConfigError naming the path and the kinds
     accepted when it is none of them (or one that cannot be read: a run without checkpoints, a
     `latest` naming nothing)."""
-    from megatron_rl.checkpoint.format import (METADATA, is_megatron_checkpoint, names_megatron_checkpoint,
-                                               read_metadata, resolve_checkpoint)
+    from megatron_rl.checkpoint.locate import (METADATA, is_megatron_checkpoint, names_megatron_checkpoint,
+                                               resolve_checkpoint)
 
     where = Path(path)
     if not where.exists():
@@ -67,9 +68,12 @@ def identify(path: str, label: str) -> CheckpointSource:
     if names_megatron_checkpoint(where):
         try:
             resolved = resolve_checkpoint(where)
-            metadata = read_metadata(resolved)
         except ConfigError as exc:
             raise ConfigError(f"--ckpt {path}: {exc}") from None
+        metadata = _json_or_none(resolved / METADATA)  # read whole, and checked, when it is loaded
+        if metadata is None:
+            raise ConfigError(f"--ckpt {path}: {resolved / METADATA} is unreadable or not a JSON object; re-convert "
+                              "it, or pass another checkpoint")
         if "weights_dir" not in metadata:
             return CheckpointSource(label, path, "converted Megatron checkpoint", resolved, None, None, None)
         state = _trainer_state(resolved)
@@ -89,11 +93,9 @@ def identify(path: str, label: str) -> CheckpointSource:
 
 
 def _trainer_state(ckpt: Path) -> dict:
-    from megatron_rl.checkpoint.store import STATE
-
-    state = _json_or_none(ckpt / STATE)
+    state = _json_or_none(ckpt / TRAINER_STATE)
     if state is None:
-        raise ConfigError(f"{ckpt / STATE} is missing or unreadable: the checkpoint is incomplete; pass another "
+        raise ConfigError(f"{ckpt / TRAINER_STATE} is missing or unreadable: the checkpoint is incomplete; pass another "
                           "step directory of the run")
     return state
 

@@ -133,8 +133,8 @@ def prepare(args) -> EvalPlan:
     sources = [identify(path, label) for path, label in zip(args.ckpt, labels)]
     configs = [checkpoint_config(source, base, overrides, str(out)) for source in sources]
     check_same_model(sources, configs)
-    _check_engine(configs[0])
     sets = [_eval_set(load_set(spec, configs[0].data), sources, configs) for spec in specs]
+    _check_engine(configs[0])  # last: it imports torch (seconds), the checks above do not
     record = {"checkpoints": [dataclasses.asdict(s) | {"resolved": str(s.resolved)} for s in sources],
               "sets": [dataclasses.asdict(s.loaded.spec) | {"prompts_read": len(s.loaded.records),
                                                             "max_tokens": s.max_tokens,

@@ -1,0 +1,143 @@
+"""`megatron-rl eval` refuses bad input by name before any engine starts: a set whose column is
+missing (the set, the file, the field and the option to set), k > n (both), a checkpoint path that
+is not one (the path and the kinds accepted), n < 1, an unknown set option, an output directory
+that cannot be written, two sets with one name, a reward that needs a field the set lacks.
+
+Each case runs the CLI in this process with the engine stage replaced by one that fails the test
+if reached (`command.evaluate`), and must end in under 2 s with exit status 2 and one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_rl import cli
+from megatron_rl.evaluation import command
+
+PRESETS = Path(cli.__file__).parent / "model" / "presets"
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    """The engine stage (runtime, policy, rollout engine) fails the test if any case reaches it."""
+    def reached(plan):
+        raise AssertionError("the engine stage was reached: the bad input was not refused before it")
+
+    monkeypatch.setattr(command, "evaluate", reached)
+
+
+@pytest.fixture
+def hf_dir(tmp_path) -> Path:
+    """A stand-in Hugging Face directory (the tiny model's config.json and an empty weights file):
+    only its files are looked at before the engine stage, which these cases never reach."""
+    directory = tmp_path / "hf"
+    directory.mkdir()
+    shutil.copy(PRESETS / "tiny-qwen3-moe.json", directory / "config.json")
+    (directory / "model.safetensors").write_bytes(b"")
+    return directory
+
+
+@pytest.fixture
+def prompts(tmp_path) -> Path:
+    path = tmp_path / "add.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{a}+2=", "answer": str(a + 2), "task": "add"}) + "\n"
+                            for a in range(3)))
+    return path
+
+
+def refused(capsys, *argv: str) -> str:
+    tick = time.perf_counter()
+    status = cli.main(["eval", *argv])
+    elapsed = time.perf_counter() - tick
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert elapsed < 2.0, f"refused after {elapsed:.2f} s"
+    assert err.startswith("megatron-rl: configuration error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_a_set_whose_prompt_column_is_missing_is_named_with_the_option_to_set(no_engine, capsys, hf_dir, tmp_path):
+    path = tmp_path / "questions.jsonl"
+    path.write_text(json.dumps({"question": "1+2=", "answer": "3"}) + "\n")
+    err = refused(capsys, "--ckpt", str(hf_dir), "--set", f"hard={path}", "--out", str(tmp_path / "out"))
+    assert "set 'hard'" in err and f"{path} line 1" in err and "prompt key 'prompt'" in err and "'question'" in err
+    assert "set.hard.prompt_key=FIELD" in err
+
+
+def test_a_set_without_the_field_its_reward_reads_names_the_data_columns_key(no_engine, capsys, hf_dir, prompts,
+                                                                              tmp_path):
+    err = refused(capsys, "--ckpt", str(hf_dir), "--set", f"code={prompts}", "set.code.reward=code_tests",
+                  "--out", str(tmp_path / "out"))
+    assert "set 'code'" in err and "'tests'" in err and str(prompts) in err
+    assert "set.code.columns.FIELD=tests" in err and "data.columns" in err
+
+
+def test_k_above_n_names_both(no_engine, capsys, hf_dir, prompts, tmp_path):
+    err = refused(capsys, "--ckpt", str(hf_dir), "--set", f"add={prompts}", "--n", "4", "--k", "1,8",
+                  "--out", str(tmp_path / "out"))
+    assert "set 'add'" in err and "--k 8" in err and "n=4" in err
+
+
+def test_a_set_n_below_k_names_the_set_option(no_engine, capsys, hf_dir, prompts, tmp_path):
+    err = refused(capsys, "--ckpt", str(hf_dir), "--set", f"add={prompts}", "--k", "4", "set.add.n=2",
+                  "--out", str(tmp_path / "out"))
+    assert "--k 4" in err and "n=2" in err and "set.add.n" in err
+
+
+@pytest.mark.parametrize("flag", [["--n", "0"], ["set.add.n=0"]])
+def test_n_below_one(no_engine, capsys, hf_dir, prompts, tmp_path, flag):
+    err = refused(capsys, "--ckpt", str(hf_dir), "--set", f"add={prompts}", *flag, "--out", str(tmp_path / "out"))
+    assert ("--n must be >= 1, got 0" in err) or ("set 'add': n must be an integer >= 1, got 0" in err)
+
+
+def test_a_checkpoint_that_is_none_of_the_kinds_is_named_with_the_kinds(no_engine, capsys, prompts, tmp_path):
+    stray = tmp_path / "notes"
+    stray.mkdir()
+    (stray / "readme.txt").write_text("not weights")
+    err = refused(capsys, "--ckpt", str(stray), "--set", f"add={prompts}", "--out", str(tmp_path / "out"))
+    assert f"--ckpt {stray} is not a checkpoint" in err and "readme.txt" in err
+    for kind in ("a run directory", "a training checkpoint", "a converted Megatron checkpoint",
+                 "a Hugging Face model directory"):
+        assert kind in err
+
+
+def test_a_missing_second_checkpoint_is_refused_before_the_first_is_evaluated(no_engine, capsys, hf_dir, prompts,
+                                                                             tmp_path):
+    err = refused(capsys, "--ckpt", str(hf_dir), "--ckpt", str(tmp_path / "gone"), "--set", f"add={prompts}",
+                  "--out", str(tmp_path / "out"))
+    assert f"--ckpt {tmp_path / 'gone'} does not exist" in err
+
+
+def test_an_unknown_set_option_is_named_with_the_options(no_engine, capsys, hf_dir, prompts, tmp_path):
+    err = refused(capsys, "--ckpt", str(hf_dir), "--set", f"add={prompts}", "set.add.temprature=0.5",
+                  "--out", str(tmp_path / "out"))
+    assert "set 'add' has no option 'temprature'" in err and "temperature" in err
+
+
+def test_an_option_for_no_set(no_engine, capsys, hf_dir, prompts, tmp_path):
+    err = refused(capsys, "--ckpt", str(hf_dir), "--set", f"add={prompts}", "set.sub.n=4",
+                  "--out", str(tmp_path / "out"))
+    assert "there is no set named 'sub'" in err
+
+
+def test_two_sets_with_one_name(no_engine, capsys, hf_dir, prompts, tmp_path):
+    err = refused(capsys, "--ckpt", str(hf_dir), "--set", f"add={prompts}", "--set", f"add={tmp_path / 'other.jsonl'}",
+                  "--out", str(tmp_path / "out"))
+    assert "a set named 'add' is given twice" in err and str(prompts) in err
+
+
+def test_an_output_directory_that_cannot_be_written(no_engine, capsys, hf_dir, prompts, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    err = refused(capsys, "--ckpt", str(hf_dir), "--set", f"add={prompts}", "--out", str(blocker / "out"))
+    assert f"--out {blocker / 'out'}" in err and "is not a directory" in err
+
+
+def test_a_set_that_does_not_exist(no_engine, capsys, hf_dir, tmp_path):
+    err = refused(capsys, "--ckpt", str(hf_dir), "--set", f"add={tmp_path / 'missing.jsonl'}",
+                  "--out", str(tmp_path / "out"))
+    assert "set 'add'" in err and "missing.jsonl does not exist" in err
