@@ -4,6 +4,11 @@
 #   bash scripts/gpu_kit/run.sh RESULTS_DIR                  # on the GPU machine, with scripts/gpu_kit/packed
 #   bash scripts/gpu_kit/run.sh --dry-run RESULTS_DIR        # stages a-c on CPU; installs nothing
 #   bash scripts/gpu_kit/run.sh --install-only RESULTS_DIR   # only the install (checks a packed kit)
+#   bash scripts/gpu_kit/run.sh --perf RESULTS_DIR           # the install, then the MoE performance sweep
+#   bash scripts/gpu_kit/run.sh --perf --dry-run RESULTS_DIR # the sweep's pipeline on CPU; installs nothing
+#
+# --perf runs benchmarks/moe_perf.py instead of gpu_verify.py once TE's extension is built (it waits
+# for it), within the same budget: RESULTS_DIR/moe_perf.jsonl (a line per case) and moe_perf.md.
 #
 # On the GPU machine (Python 3.12, torch 2.11.0+cu130, nvcc 13, no network) it installs the packed
 # kit without network into a scratch folder ($GPU_KIT_WORK, default a new folder under /tmp), in two
@@ -22,13 +27,14 @@ TE_VERSION=2.11.0
 CORE_WHEEL="transformer_engine_cu13-$TE_VERSION-py3-none-manylinux_2_28_x86_64.whl"
 
 usage() {
-    echo "usage: bash scripts/gpu_kit/run.sh [--dry-run | --install-only] RESULTS_DIR [gpu_verify.py options]" >&2
+    echo "usage: bash scripts/gpu_kit/run.sh [--dry-run | --install-only | --perf [--dry-run]] RESULTS_DIR [options]" >&2
     exit 2
 }
 mode=run
 case "${1:-}" in
     --dry-run) mode=dry; shift ;;
     --install-only) mode=install; shift ;;
+    --perf) mode=perf; shift; [[ ${1:-} == --dry-run ]] && { mode=perf_dry; shift; } ;;
     "" | -*) usage ;;
 esac
 [[ $# -ge 1 ]] || usage
@@ -36,6 +42,9 @@ RESULTS="$1"
 shift
 if [[ $mode == dry ]]; then
     exec "$PYTHON" "$ROOT/benchmarks/gpu_verify.py" --dry-run --out "$RESULTS" "$@"
+fi
+if [[ $mode == perf_dry ]]; then
+    exec "$PYTHON" "$ROOT/benchmarks/moe_perf.py" --dry-run --out "$RESULTS" "$@"
 fi
 
 started=$SECONDS
@@ -86,13 +95,15 @@ setsid bash "$HERE/build_te_torch.sh" "$PYTHON" "${PIP[1]%/pip}" "$WORK/transfor
 build_pid=$!
 say "building transformer_engine_torch in the background (log: $LOGS/te_build.log)"
 
-# 3. The stages, within what is left of the budget.
-"$PYTHON" "$ROOT/benchmarks/gpu_verify.py" --out "$RESULTS" --deadline-s "$((BUDGET_S - (SECONDS - started)))" \
+# 3. The stages (--perf: the MoE sweep, which waits for the extension), within what is left of the budget.
+script="$ROOT/benchmarks/gpu_verify.py"
+[[ $mode == perf ]] && script="$ROOT/benchmarks/moe_perf.py"
+"$PYTHON" "$script" --out "$RESULTS" --deadline-s "$((BUDGET_S - (SECONDS - started)))" \
     --te-site "$WORK/te" --te-build-rc "$LOGS/te_build.rc" "$@"
 status=$?
 if kill -0 "$build_pid" 2> /dev/null; then
     kill -- "-$build_pid" 2> /dev/null  # the build's own process group (setsid), nothing else
     say "the extension build was still running and was stopped"
 fi
-say "done: $RESULTS/gpu_verify.md"
+say "done: $RESULTS/$(basename "$script" .py).md"
 exit $status
