@@ -229,6 +229,7 @@ def preflight(config):
     from megatron_rl.train.teacher import check_teacher
     from megatron_rl.train.warm_start import check_targets
 
+    check_engine_capabilities(config)  # a transport or sleep mode the engine lacks, named
     check_layout_and_paths(config)
     try:
         recipe_for(config.rl, config.response_budget)
@@ -237,7 +238,6 @@ def preflight(config):
     check_run_directory(config)
     check_writable(config)  # every directory and file the run writes, tried as it will write them
     check_engine_installed(config)
-    check_engine_capabilities(config)  # a transport or sleep mode the engine lacks, named
     if config.rl.teacher is not None:  # its source, vocabulary and context, before any model or engine
         check_teacher(config, run_tokenizer(config))
         check_teacher_context(config)  # the context its server gets here, as the engine will read it
