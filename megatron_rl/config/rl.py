@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from megatron_rl.algorithms.names import (LossAggMode, OffPolicyMethod, OutcomeAdvantageEstimator, RatioLevel,
                                           RecipeName, TisLevel, TisMode)
+from megatron_rl.config.evaluation import EvalConfig
 from megatron_rl.config.teacher import TeacherConfig, validate_distillation
 from megatron_rl.errors import ConfigError
 
@@ -223,6 +224,8 @@ class RLConfig:
     eval_every: int = 25  # RL steps between held-out evaluations (0: only before and after)
     eval_prompts: int | None = None  # None: the whole held-out set
     eval_temperature: float = 0.0  # greedy by default: accuracy of the policy's best answer
+    # Prompt sets with pass@k, avg@n, maj@k between steps (config/evaluation.py); no sets: off.
+    eval: EvalConfig = field(default_factory=EvalConfig)
     # On-policy distillation (config/teacher.py, docs/algorithms.md): a teacher scores every sampled
     # token, and a token's advantage is (1 - distill_coef) x the reward's advantage + distill_coef x
     # (log pi_teacher - log pi_student). distill_coef null: 1 (distillation alone) with a teacher.
@@ -280,6 +283,7 @@ class RLConfig:
                               f"got {self.eval_temperature}")
         self._validate_algorithm(where)
         validate_distillation(self.teacher, self.distill_coef, where)
+        self.eval.validate(f"{where}.eval")
         if self.teacher is not None and self.off_policy.opsm_delta is not None:
             # The sequence mask keys on the sample's reward advantage; with a teacher each token has
             # its own (the teacher's signal mixed in), and the two would disagree on what to drop.

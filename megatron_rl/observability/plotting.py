@@ -2,7 +2,8 @@
 
 Three panels stacked on one shared step axis (``learning_curve_figure``):
 
-1. ``reward``: train reward, train accuracy, held-out accuracy.
+1. ``reward``: train reward, train accuracy, held-out accuracy, and pass@1 of each rl.eval set
+   (``eval/<set>/pass@1``) where the run logged one.
 2. ``length``: mean response length of all samples (``response/length_mean``), of correct and of
    wrong ones (``length_bias/length/correct_mean`` / ``wrong_mean``: wrong answers growing longer
    is GRPO's length bias), and on a right axis the truncated fraction (``response/truncated_frac``).
@@ -64,6 +65,12 @@ def _series(records: Sequence[dict[str, Any]], key: str) -> list[tuple[float, fl
     return points
 
 
+def _eval_set_lines(records: Sequence[dict[str, Any]]) -> tuple:
+    """A (key, label, style) line per rl.eval set that logged pass@1, in name order."""
+    keys = sorted({key for r in records for key in r if key.startswith("eval/") and key.endswith("/pass@1")})
+    return tuple((key, f"{key[len('eval/'):-len('/pass@1')]} pass@1", "s--") for key in keys)
+
+
 def learning_curve_figure(records: Sequence[dict[str, Any]], title: str = ""):
     """The learning-curve figure of a run's metric records (``read_metrics``); the caller saves
     and closes it. Three panels sharing the x axis (module docstring)."""
@@ -71,7 +78,7 @@ def learning_curve_figure(records: Sequence[dict[str, Any]], title: str = ""):
     for axis, (name, y_label, left, right_label, right) in zip(axes, PANELS):
         axis.set_label(name)
         handles = []
-        for key, label, style in left:
+        for key, label, style in left + (_eval_set_lines(records) if name == "reward" else ()):
             points = _series(records, key)
             if points:
                 steps, values = zip(*points)

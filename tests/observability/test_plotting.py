@@ -111,3 +111,24 @@ def test_learning_summary_writes_the_png(tmp_path):
     assert learning_summary(tmp_path, last_step=5)[1] is None  # not evaluated at step 5
     assert learning_summary(tmp_path / "none", last_step=0) == (None, None, None)  # no metrics yet
     assert set(plt.get_fignums()) == open_before  # every figure it drew is closed
+
+
+def test_each_rl_eval_set_gets_a_pass_at_1_line_on_the_reward_panel(tmp_path):
+    """rl.eval's eval/<set>/pass@1 rows (steps 0 and 4 here) are lines of the reward panel, one per
+    set in name order; their other figures (pass@4, avg@n) are not drawn."""
+    log = MetricsLog(tmp_path, 4, wandb_mode="disabled", stream=io.StringIO())
+    for step in range(5):
+        row = {"reward/mean": 0.1 * step}
+        if step in (0, 4):
+            row.update({"eval/humaneval/pass@1": 0.1 + 0.1 * step, "eval/humaneval/pass@4": 0.5,
+                        "eval/arith/pass@1": 0.3, "eval/arith/avg@4": 0.3})
+        log.step(step, row)
+    log.close()
+    figure = learning_curve_figure(read_metrics(tmp_path / "metrics.jsonl"))
+    try:
+        axis, labels = panels(figure)["reward"]
+        assert labels == ["train reward (mean)", "arith pass@1", "humaneval pass@1"]
+        (line,) = [l for l in axis.get_lines() if l.get_label() == "humaneval pass@1"]
+        assert list(line.get_xdata()) == [0, 4] and list(line.get_ydata()) == [0.1, 0.5]
+    finally:
+        plt.close(figure)

@@ -1,0 +1,57 @@
+"""rl.eval's sets read and checked before the runtime starts (train/eval_sets.load_eval_sets), each
+refusal naming rl.eval.sets.NAME: a path that does not exist, `heldout` in a run without a
+held-out set, a set without the field its reward reads, a prompt too long for the engine's
+context next to the evaluation's response budget. A HumanEval-format set brings its own reward
+(code_tests in the sandbox); `heldout` is the run's held-out records, cut to rl.eval.prompts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_rl.config import load_config
+from megatron_rl.data import load_datasets
+from megatron_rl.errors import ConfigError
+from megatron_rl.train.eval_sets import load_eval_sets
+
+HUMANEVAL_ROW = {"task_id": "t/0", "prompt": "def f(x):\n", "test": "def check(c):\n    assert c(1) == 2\n",
+                 "entry_point": "f"}
+
+
+def loaded(*overrides: str):
+    config = load_config(None, ["data.num_heldout=16", *overrides])
+    return load_eval_sets(config, load_datasets(config.data))
+
+
+def test_heldout_and_a_humaneval_set_are_read_with_their_rewards(tmp_path):
+    path = tmp_path / "he.jsonl"
+    path.write_text(json.dumps(HUMANEVAL_ROW) + "\n")
+    heldout, humaneval = loaded("rl.eval.sets.heldout=heldout", f"rl.eval.sets.he={path}", "rl.eval.prompts=5")
+    assert (heldout.name, len(heldout.records), heldout.rewards) == ("heldout", 5, None)  # the run's rewards
+    assert humaneval.records[0].metadata["entry_point"] == "f"
+    assert [term.name for term in humaneval.rewards.terms] == ["code_tests"]
+
+
+def test_bad_sets_are_refused_naming_the_set(tmp_path):
+    with pytest.raises(ConfigError, match=r"rl\.eval\.sets\.x: .*nope\.jsonl does not exist"):
+        loaded("rl.eval.sets.x=nope.jsonl")
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    with pytest.raises(ConfigError, match=r"rl\.eval\.sets\.plain: the reward code_tests reads each record's 'tests'"):
+        loaded(f"rl.eval.sets.plain={plain}", "rewards.terms=[{name: code_tests}]")
+    long_prompt = tmp_path / "long.jsonl"
+    long_prompt.write_text(json.dumps({"prompt": "1+1=" * 300, "answer": "2"}) + "\n")
+    with pytest.raises(ConfigError, match=r"rl\.eval\.sets\.long: .*long\.jsonl line 1: the prompt is 1201 tokens, "
+                                          r"over the limit of 1014 \(rollout\.max_model_len=1024 - a response budget "
+                                          r"of 10\)"):
+        loaded(f"rl.eval.sets.long={long_prompt}", "rl.eval.max_tokens=10")
+
+
+def test_heldout_without_a_heldout_set_is_refused(tmp_path):
+    train = tmp_path / "train.jsonl"
+    train.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    config = load_config(None, [f"data.train={train}", "rl.eval.sets.heldout=heldout"])
+    with pytest.raises(ConfigError, match=r"rl\.eval\.sets\.heldout: 'heldout' names the run's held-out set, and "
+                                          r"this run has none"):
+        load_eval_sets(config, load_datasets(config.data))
