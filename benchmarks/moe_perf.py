@@ -42,17 +42,23 @@ sys.path.insert(0, str(REPO))
 import moe_perf_gemm  # noqa: E402
 import moe_perf_report  # noqa: E402
 
-# (name, overrides, runs on a CPU): added one by one, each case keeping the ones before it.
+# (name, overrides, runs on a CPU): added one by one; a case keeps the levers before it that were
+# measured with the baseline's loss (one refused on this machine, or failed, is left out after).
 # ONE_MICRO_BATCH stands for micro_batch_tokens = the step's tokens (16,384 on the GPU).
 ONE_MICRO_BATCH = "micro_batch_tokens={tokens_per_step}"
 LEVERS = [
     ("fused wgrad", ["model.gradient_accumulation_fusion=true"], False),
     ("CUTLASS", ["model.moe_grouped_gemm_backend=cutlass"], False),
     ("one micro-batch", [ONE_MICRO_BATCH], True),
-    ("router fusion", ["model.moe_router_fusion=true"], False),
+    # This step has no old-logprob pass; with the default two updates per rollout the key refuses
+    # the fused router (the routing-drift record needs the router's hook, which the kernel skips).
+    ("router fusion", ["model.moe_router_fusion=true", "rl.updates_per_rollout=1"], False),
     ("graphs", ["model.cuda_graph_scope=[attn,moe_router,moe_preprocess]"], False),
 ]
 FP8 = ("FP8 blockwise, padded", ["model.fp8_recipe=blockwise", "model.moe_router_padding_for_fp8=true"], False)
+# The FP8 case leaves these out of the best BF16 setting: TE's CUTLASS grouped GEMM takes no FP8
+# operands (the config refuses the pair).
+NOT_WITH_FP8 = ("CUTLASS",)
 EPS = (8, 1)  # EP8 first: three of the four goals are about it
 GPU_SHAPE = {"hidden": 2048, "heads": 32, "kv-heads": 4, "head-dim": 128, "experts": 128, "top-k": 8,
              "expert-width": 768, "vocab": 151936, "steps": 10, "warmup": 5, "tokens-per-step": 16384,
@@ -83,44 +89,54 @@ def check_lever_keys() -> None:
     """Every lever names a config key of this checkout (a typo or a missing key stops the sweep
     before anything runs, not case by case on the GPU)."""
     from megatron_rl.config import RunConfig
-    from megatron_rl.config.model import ModelConfig
 
-    known = {"model": {f.name for f in dataclasses.fields(ModelConfig)},
-             "": {f.name for f in dataclasses.fields(RunConfig)}}
+    def fields(cls) -> dict:
+        return {f.name: f.type for f in dataclasses.fields(cls)}
+
+    import megatron_rl.config as config
+
+    sections = {"": fields(RunConfig), "model": fields(config.ModelConfig), "rl": fields(config.RLConfig)}
     for _, overrides, _ in [*LEVERS, FP8]:
         for override in overrides:
             key = override.split("=", 1)[0]
             section, _, name = key.rpartition(".")
-            if name not in known[section]:
+            if name not in sections.get(section, {}):
                 raise SystemExit(f"moe_perf.py: lever {override!r} names {key}, which is not a config key here "
                                  f"(megatron_rl/config); fix LEVERS in {Path(__file__).name}")
 
 
-def lever_cases(ep: int) -> list[dict]:
-    """EP `ep`'s BF16 cases: the baseline, then each lever added to the ones before."""
-    cases, names, overrides = [{"phase": "B", "case": f"EP{ep} baseline", "ep": ep, "levers": [], "set": [],
-                                "gpu_only": []}], [], []
-    for name, sets, on_cpu in LEVERS:
-        names, overrides = names + [name], overrides + [(s, on_cpu, name) for s in sets]
-        cases.append({"phase": "B", "case": f"EP{ep} + {name}", "ep": ep, "levers": names, "set": overrides,
-                      "new_lever_on_cpu": on_cpu})
-    return cases
+def config_refusal(overrides: list[str]) -> str | None:
+    """The config's own refusal of these overrides (machine-independent, at load), or None."""
+    from megatron_rl.config import load_config
+    from megatron_rl.errors import ConfigError
+
+    try:
+        load_config(None, ["model.precision=bf16", *overrides])
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def make_case(ep: int, name: str, levers: list[tuple], **extra) -> dict:
+    """A phase-B case: its levers' names and overrides; `_levers` (the tuples) stays out of the JSONL."""
+    return {"phase": "B", "case": name, "ep": ep, "levers": [n for n, _, _ in levers],
+            "set": [o for _, sets, _ in levers for o in sets], "on_cpu": all(c for _, _, c in levers),
+            "_levers": list(levers), **extra}
 
 
 def fp8_case(ep: int, best: dict) -> dict:
-    name, sets, on_cpu = FP8
-    overrides = list(best["set"]) + [(s, on_cpu, name) for s in sets]
-    return {"phase": "B", "case": f"EP{ep} {name} at '{best['case']}'", "ep": ep, "levers": best["levers"] + [name],
-            "set": overrides, "new_lever_on_cpu": on_cpu, "fp8": True, "base": best["case"]}
+    kept = [lever for lever in best["_levers"] if lever[0] not in NOT_WITH_FP8]
+    left_out = [lever[0] for lever in best["_levers"] if lever[0] in NOT_WITH_FP8]
+    return make_case(ep, f"EP{ep} {FP8[0]} at '{best['case']}'", kept + [FP8], fp8=True, base=best["case"],
+                     without=left_out)
+
+
+def first(lever: tuple) -> str:
+    return lever[0]
 
 
 def tokens_per_step(args) -> int:
     return (DRY_SHAPE if args.dry_run else GPU_SHAPE)["tokens-per-step"]
-
-
-def applied_overrides(args, case: dict) -> list[str]:
-    """The case's overrides this run passes on: all on the GPU, those that apply on a CPU in the dry run."""
-    return [o.format(tokens_per_step=tokens_per_step(args)) for o, on_cpu, _ in case["set"] if on_cpu or not args.dry_run]
 
 
 def slice_args(args, case: dict, json_path: Path) -> list[str]:
@@ -128,9 +144,9 @@ def slice_args(args, case: dict, json_path: Path) -> list[str]:
     command = [sys.executable, str(HERE / "moe_slice.py"), "--ep", str(case["ep"]), "--json", str(json_path),
                "--device", "cpu" if args.dry_run else "cuda"]
     command += [part for key, value in shape.items() for part in (f"--{key}", str(value))]
-    for override in applied_overrides(args, case):
+    for override in case["set"]:
         command += ["--set", override]
-    if any(o.startswith("model.cuda_graph_scope=") for o in applied_overrides(args, case)):
+    if any(o.startswith("model.cuda_graph_scope=") for o in case["set"]):
         command.append("--no-routing-count")  # the routers run inside CUDA graphs: no Python hook there
     if args.peak_tflops:
         command += ["--peak-tflops", str(args.peak_tflops)]
@@ -195,13 +211,13 @@ class Sweep:
 
     def run_case(self, case: dict, baseline: dict | None = None) -> dict:
         """One case in its own process; its line (with the ratio and loss against `baseline`) once it ends."""
-        row = {k: v for k, v in case.items() if k != "set"}
-        row["set"] = [o.format(tokens_per_step=tokens_per_step(self.args)) for o, _, _ in case["set"]]
-        row["applied"] = applied_overrides(self.args, case)
-        if self.args.dry_run:
-            row["gpu_only"] = sorted({name for _, on_cpu, name in case["set"] if not on_cpu})
-            if not case.get("new_lever_on_cpu", True) and not case.get("profile"):
-                return self.record({**row, "status": "gpu-only: needs CUDA and Transformer Engine (not run on CPU)"})
+        row = {k: v for k, v in case.items() if k != "_levers"}
+        row["set"] = [o.format(tokens_per_step=tokens_per_step(self.args)) for o in case["set"]]
+        refused = config_refusal(row["set"])
+        if refused:
+            return self.record({**row, "status": f"refused by the config: {refused}"})
+        if self.args.dry_run and not case["on_cpu"]:
+            return self.record({**row, "status": "gpu-only: needs CUDA and Transformer Engine (not run on CPU)"})
         limit = self.deadline.limit(self.limits["case"], self.limits["min_case"])
         if limit is None:
             return self.record({**row, "status": f"not run: {max(0.0, self.deadline.left()):.1f} s left before the "
@@ -211,7 +227,8 @@ class Sweep:
         report_path.parent.mkdir(exist_ok=True)
         report_path.unlink(missing_ok=True)
         log = self.out / "logs" / f"{slug}.log"
-        code, seconds = run_process(slice_args(self.args, case, report_path), log, limit, self.env)
+        code, seconds = run_process(slice_args(self.args, {**case, "set": row["set"]}, report_path), log, limit,
+                                    self.env)
         row["seconds"] = seconds
         if code is None:
             return self.record({**row, "status": f"timed out: killed at its limit of {limit:g} s",
@@ -219,6 +236,8 @@ class Sweep:
         if code != 0 or not report_path.exists():
             return self.record({**row, "status": f"error: exit {code}", "log_tail": log_tail(log)})
         report = json.loads(report_path.read_text())
+        if "refused" in report:  # a check against this machine, before the model was built
+            return self.record({**row, "status": f"refused on this machine: {report['refused']}"})
         report.pop("model", None)
         row.update(report, status="measured")
         if baseline is not None:
@@ -228,14 +247,21 @@ class Sweep:
     def phase_b(self) -> None:
         ran = []  # (case, row)
         for ep in EPS:
-            cases = lever_cases(ep)
-            rows = [self.run_case(cases[0])]
-            rows += [self.run_case(case, baseline=rows[0]) for case in cases[1:]]
-            ran += list(zip(cases, rows))
-            best = moe_perf_report.best(rows)
+            baseline_case = make_case(ep, f"EP{ep} baseline", [])
+            baseline = self.run_case(baseline_case)
+            pairs, kept = [(baseline_case, baseline)], []
+            for lever in LEVERS:
+                case = make_case(ep, f"EP{ep} + {lever[0]}", kept + [lever],
+                                 without=[n for n, _, _ in LEVERS[:LEVERS.index(lever)] if n not in map(first, kept)])
+                row = self.run_case(case, baseline)
+                pairs.append((case, row))
+                if moe_perf_report.measured(row) and row.get("loss_within_noise", True):
+                    kept.append(lever)
+            ran += pairs
+            best = moe_perf_report.best([row for _, row in pairs])
             if best:
-                case = fp8_case(ep, cases[rows.index(best)])
-                ran.append((case, self.run_case(case, baseline=rows[0])))
+                case = fp8_case(ep, next(case for case, row in pairs if row is best))
+                ran.append((case, self.run_case(case, baseline)))
         best = moe_perf_report.best([row for _, row in ran])
         if best:
             case = next(case for case, row in ran if row is best)
@@ -280,8 +306,8 @@ def main() -> int:
     sweep = Sweep(args)
     blocked = sweep.wait_for_te()
     if blocked:
-        for case in moe_perf_gemm.cases() + lever_cases(EPS[0]) + lever_cases(EPS[1]):
-            sweep.record({**case, "set": [], "status": blocked})
+        for case in moe_perf_gemm.cases() + [make_case(ep, f"EP{ep} baseline", []) for ep in EPS]:
+            sweep.record({k: v for k, v in case.items() if k != "_levers"} | {"status": blocked})
         return 1
     if "A" in args.phases:
         sweep.phase_a()

@@ -99,8 +99,7 @@ def phase_b_table(rows: list[dict]) -> list[str]:
              "| --- " * 17 + "|"]
     for r in rows:
         layout, split = r.get("layout") or {}, r.get("split") or {}
-        status = r["status"] + (f" (on CPU without: {', '.join(r['gpu_only'])})" if measured(r) and r.get("gpu_only")
-                                else "")
+        status = r["status"] + (f" (without: {', '.join(r['without'])})" if measured(r) and r.get("without") else "")
         lines.append("| " + " | ".join([
             r["case"], number(layout.get("local_experts"), "{}"), number(layout.get("tokens_per_local_expert"), "{:,.0f}"),
             number(r.get("micro_batches_per_step"), "{:.1f}"), number(r.get("step_s"), "{:.3f}"),

@@ -119,7 +119,11 @@ def build_policy(args, hf: dict):
                  "optimizer.adam_beta2=0.95", *args.set]  # the levers last: a --set of the same key wins
     config = load_config(None, overrides)
     runtime = start_runtime(config)
-    policy = Policy(config, runtime)
+    try:
+        policy = Policy(config, runtime)
+    except Exception:
+        runtime.shutdown()
+        raise
     if args.balanced:
         policy.tconfig.moe_router_force_load_balancing = True  # every router reads this config object
         if args.device == "cpu":  # the forced logits draw from the CPU generator inside Megatron's RNG fork
@@ -263,7 +267,14 @@ def main() -> int:
         if missing:
             parser().error(f"{'; '.join(missing)}: run with --device cpu for a dry run")
         args.peak_tflops = fp8_moe.peak_tflops(torch.cuda.get_device_name(0), args.peak_tflops)
-    report = run(args)
+    from megatron_rl.errors import ConfigError
+
+    try:
+        report = run(args)
+    except ConfigError as exc:  # a lever this machine cannot run, refused by name before the model is built
+        Path(args.json).write_text(json.dumps({"refused": str(exc)}))
+        print(f"refused: {exc}")
+        return 0
     report["versions"] = fp8_moe.versions()
     report["gpu"] = torch.cuda.get_device_name(0) if args.device == "cuda" else None
     Path(args.json).write_text(json.dumps(report, indent=1))

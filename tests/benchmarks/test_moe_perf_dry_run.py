@@ -57,10 +57,17 @@ def test_every_case_has_its_line_in_order_and_gpu_only_levers_are_named(dry_run)
     lever_rows = {"EP8 baseline", "EP8 + one micro-batch", "EP1 baseline", "EP1 + one micro-batch"}
     (profile,) = measured - lever_rows
     assert measured - {profile} == lever_rows and profile[len("profile of '"):-1] in lever_rows
-    for name in ("EP8 + fused wgrad", "EP8 + CUTLASS", "EP8 + router fusion", "EP1 + graphs"):
-        assert cases[name]["status"] == "gpu-only: needs CUDA and Transformer Engine (not run on CPU)", name
-    assert cases["EP8 + one micro-batch"]["gpu_only"] == ["CUTLASS", "fused wgrad"]
-    assert cases["EP8 + one micro-batch"]["applied"] == ["micro_batch_tokens=512"]
+    for ep in (8, 1):
+        for lever in ("fused wgrad", "CUTLASS", "router fusion"):
+            assert cases[f"EP{ep} + {lever}"]["status"] == "gpu-only: needs CUDA and Transformer Engine (not run on CPU)"
+        # Refused by the config on any machine (before a process is started), named as the config names it.
+        assert cases[f"EP{ep} + graphs"]["status"].startswith("refused by the config: command line "
+                                                            "(model.cuda_graph_scope=[attn,moe_router,moe_preprocess])")
+    # A case keeps the levers before it that were measured: here only the one micro-batch.
+    assert cases["EP8 + one micro-batch"]["set"] == ["micro_batch_tokens=512"]
+    assert cases["EP8 + one micro-batch"]["without"] == ["fused wgrad", "CUTLASS"]
+    assert cases["EP1 + router fusion"]["set"] == ["micro_batch_tokens=512", "model.moe_router_fusion=true",
+                                                   "rl.updates_per_rollout=1"]
     fp8 = [r for r in b if r.get("fp8")]
     assert len(fp8) == 2 and all(r["status"].startswith("gpu-only") for r in fp8)
     assert all(r["set"][-2:] == ["model.fp8_recipe=blockwise", "model.moe_router_padding_for_fp8=true"] for r in fp8)
@@ -121,6 +128,20 @@ def test_a_case_cut_by_the_deadline_is_recorded_and_the_rest_not_run(tmp_path):
     assert cases["EP1 baseline"]["status"].endswith("s left before the 0.5 s deadline")
     assert not any(r["status"] == "measured" for r in rows) and len(rows) == 12  # no best case: no FP8, no profile
     assert "| EP8 baseline | - |" in md and md.count("not measured (CPU dry run") == 4
+
+
+def test_a_lever_this_machine_cannot_run_is_reported_as_refused(tmp_path):
+    """moe_slice.py writes the builder's refusal (a Transformer Engine lever on CPU) as its report."""
+    result = subprocess.run([forked_python(), str(REPO / "benchmarks" / "moe_slice.py"), "--device", "cpu",
+                             "--set", "model.moe_router_fusion=true", "--set", "rl.updates_per_rollout=1",
+                             "--json", str(tmp_path / "r.json"), "--layers", "1", "--hidden", "64", "--heads", "4",
+                             "--kv-heads", "2", "--head-dim", "16", "--experts", "8", "--top-k", "2",
+                             "--expert-width", "48", "--vocab", "256", "--steps", "2", "--warmup", "1",
+                             "--tokens-per-step", "256", "--micro-batch-tokens", "256", "--min-len", "16",
+                             "--max-len", "128"], env=child_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    refused = json.loads((tmp_path / "r.json").read_text())["refused"]
+    assert refused.startswith("model.moe_router_fusion=true is a Transformer Engine lever"), refused
 
 
 def test_goal_verdicts_and_the_deadline_arithmetic():
