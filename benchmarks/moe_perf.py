@@ -66,8 +66,10 @@ GPU_SHAPE = {"hidden": 2048, "heads": 32, "kv-heads": 4, "head-dim": 128, "exper
 DRY_SHAPE = {"layers": 2, "hidden": 64, "heads": 4, "kv-heads": 2, "head-dim": 16, "experts": 32, "top-k": 2,
              "expert-width": 48, "vocab": 256, "steps": 3, "warmup": 1, "tokens-per-step": 512,
              "micro-batch-tokens": 256, "min-len": 16, "max-len": 128}
-LIMITS = {"gpu": {"phase_a": 90.0, "case": 120.0, "min_case": 15.0, "te_build": 300.0},
-          "dry": {"phase_a": 120.0, "case": 240.0, "min_case": 0.1, "te_build": 0.0}}
+LIMITS = {"gpu": {"phase_a": 90.0, "case": 120.0, "min_case": 15.0},
+          "dry": {"phase_a": 120.0, "case": 240.0, "min_case": 0.1}}
+# The time kept for the profile of the best case: its case's own seconds times this (a profiled step more).
+PROFILE_RESERVE = 1.3
 
 
 class Deadline:
@@ -79,10 +81,11 @@ class Deadline:
     def left(self) -> float:
         return self.seconds - (self.clock() - self.started)
 
-    def limit(self, own: float, minimum: float) -> float | None:
-        """A process's time limit: its own, cut to what is left; None when less than `minimum` is left."""
+    def limit(self, own: float, minimum: float, reserve: float = 0.0) -> float | None:
+        """A process's time limit: its own, cut to what is left; None when less than `minimum` would be
+        left after keeping `reserve` seconds for later."""
         left = self.left()
-        return None if left < minimum else min(own, left)
+        return None if left - reserve < minimum else min(own, left - reserve)
 
 
 def check_lever_keys() -> None:
@@ -178,6 +181,8 @@ class Sweep:
         self.args, self.out = args, Path(args.out)
         self.limits = LIMITS["dry" if args.dry_run else "gpu"]
         self.deadline = Deadline(args.deadline_s)
+        self.reserve = 0.0  # seconds kept for the profile of the best case
+        self.refused: dict[str, str] = {}  # lever -> this machine's refusal (the same at every EP)
         self.jsonl = self.out / "moe_perf.jsonl"
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
         self.jsonl.write_text("")
@@ -218,10 +223,15 @@ class Sweep:
             return self.record({**row, "status": f"refused by the config: {refused}"})
         if self.args.dry_run and not case["on_cpu"]:
             return self.record({**row, "status": "gpu-only: needs CUDA and Transformer Engine (not run on CPU)"})
-        limit = self.deadline.limit(self.limits["case"], self.limits["min_case"])
+        new = row["levers"][-1] if row["levers"] else None
+        if new in self.refused:  # the builder's check of this machine, seen at the EP before: no process again
+            return self.record({**row, "status": f"refused on this machine (at an EP before): {self.refused[new]}"})
+        reserve = 0.0 if case.get("profile") else self.reserve
+        limit = self.deadline.limit(self.limits["case"], self.limits["min_case"], reserve)
         if limit is None:
+            kept = f", {reserve:.0f} s kept for the profile of the best case" if reserve else ""
             return self.record({**row, "status": f"not run: {max(0.0, self.deadline.left()):.1f} s left before the "
-                                                 f"{self.args.deadline_s:g} s deadline"})
+                                                 f"{self.args.deadline_s:g} s deadline{kept}"})
         slug = re.sub(r"[^A-Za-z0-9]+", "_", case["case"]).strip("_")
         report_path = self.out / "cases" / f"{slug}.json"
         report_path.parent.mkdir(exist_ok=True)
@@ -237,6 +247,8 @@ class Sweep:
             return self.record({**row, "status": f"error: exit {code}", "log_tail": log_tail(log)})
         report = json.loads(report_path.read_text())
         if "refused" in report:  # a check against this machine, before the model was built
+            if new and not case.get("fp8"):
+                self.refused[new] = report["refused"]
             return self.record({**row, "status": f"refused on this machine: {report['refused']}"})
         report.pop("model", None)
         row.update(report, status="measured")
@@ -262,6 +274,8 @@ class Sweep:
             if best:
                 case = fp8_case(ep, next(case for case, row in pairs if row is best))
                 ran.append((case, self.run_case(case, baseline)))
+            best = moe_perf_report.best([row for _, row in ran])
+            self.reserve = PROFILE_RESERVE * best["seconds"] if best else 0.0
         best = moe_perf_report.best([row for _, row in ran])
         if best:
             case = next(case for case, row in ran if row is best)

@@ -155,9 +155,10 @@ def test_goal_verdicts_and_the_deadline_arithmetic():
     assert report.goals([base, fp8, ep1], dry_run=False)[1]["figure"] == "1.10x"
     assert report.against({**base, "losses": [2.0, 1.01], "tokens_per_s": 150.0}, base) == \
         {"ratio_vs_baseline": 1.5, "loss_rel_diff_vs_baseline": pytest.approx(0.005), "loss_within_noise": False}
-    clock = iter([0.0, 10.0, 95.0]).__next__
+    clock = iter([0.0, 10.0, 10.0, 95.0]).__next__
     deadline = perf.Deadline(100.0, clock=clock)
-    assert deadline.limit(60.0, 1.0) == 60.0 and deadline.limit(60.0, 10.0) is None
+    assert deadline.limit(60.0, 1.0) == 60.0 and deadline.limit(60.0, 1.0, reserve=50.0) == 40.0
+    assert deadline.limit(60.0, 10.0) is None
     assert slice_.busy_seconds([(0.0, 1.0), (0.5, 2.0), (3.0, 3.5)]) == 2.5
     layout = slice_.ep_layout(128, 8, 8, 16384)
     assert (layout["local_experts"], layout["tokens_per_local_expert"]) == (16, 8192)
