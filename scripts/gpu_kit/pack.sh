@@ -13,6 +13,11 @@
 #   src/     transformer_engine_torch's source (PyPI has no wheel of it: it is built on the GPU)
 #   pip/     pip's wheel, which run.sh runs pip from (whatever pip the GPU machine has, if any)
 #   manifest.json, MANIFEST.md: every file's package, version, size and sha256
+# and, for the engine stage (docs/gpu_engine.md), scripts/gpu_kit/packed_vllm/ (git-ignored): vLLM
+# 0.26.0 and the 137 wheels of vllm_requirements.txt, unpacked, its libraries pruned to sm_90,
+# compressed and split by vllm_pack.py into part1/, part2/, ... of at most $GPU_KIT_VLLM_PART_MIB
+# MiB each (default 54: a part and the working tree must fit one command's 64 MiB), each with its
+# manifest.json (every file's size and sha256). GPU_KIT_VLLM=0 leaves them out.
 # Downloads and the unpruned library stay in the cache ($GPU_KIT_CACHE, default ~/.cache/megatron_rl/gpu_kit).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -116,3 +121,35 @@ if ((total > LIMIT_BYTES)); then
     exit 1
 fi
 say "$PACKED: $((total / 1024 / 1024)) MiB ($total bytes); manifest: $PACKED/MANIFEST.md"
+
+# 5. The vLLM parts (docs/gpu_engine.md). The wheel list is vllm_requirements.txt, derived by
+# resolve_vllm.py with a Python 3.12 pip; the platforms are the ones it resolved for (llguidance
+# needs manylinux_2_31, every other wheel fits manylinux_2_28).
+[[ ${GPU_KIT_VLLM:-1} == 0 ]] && exit 0
+PACKED_VLLM="${GPU_KIT_PACKED_VLLM:-$HERE/packed_vllm}"
+VLLM_REQUIREMENTS="$HERE/vllm_requirements.txt"
+VLLM_TARGET=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none)
+for minor in $(seq 5 31); do VLLM_TARGET+=(--platform "manylinux_2_${minor}_x86_64"); done
+VLLM_TARGET+=(--platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64 --platform any)
+mkdir -p "$CACHE/vllm/downloads"
+vllm_missing=0
+while read -r wheel; do
+    [[ -f "$CACHE/vllm/downloads/$wheel" ]] || vllm_missing=$((vllm_missing + 1))
+done < <(sed -n 's/.*# \(.*\.whl\)$/\1/p' "$VLLM_REQUIREMENTS")
+if ((vllm_missing)); then
+    say "downloading $vllm_missing of vLLM's wheels (vllm_requirements.txt, checked against its hashes)"
+    pip_download --require-hashes "${VLLM_TARGET[@]}" -d "$CACHE/vllm/downloads" -r "$VLLM_REQUIREMENTS"
+fi
+nice -n 19 "$PYTHON" "$HERE/vllm_pack.py" build "$VLLM_REQUIREMENTS" "$CACHE/vllm/downloads" "$CACHE/vllm/work" \
+    "$PACKED_VLLM" --part-limit-mib "${GPU_KIT_VLLM_PART_MIB:-54}"
+# What one command carries: the working tree (tracked and untracked files git does not ignore) and one part.
+tree_bytes=$(cd "$HERE/../.." && git ls-files -z --cached --others --exclude-standard \
+    | xargs -0 stat -c %s 2> /dev/null | awk '{s += $1} END {print s + 0}')
+for part in "$PACKED_VLLM"/part*/; do
+    part_bytes=$(du -sb "$part" | cut -f1)
+    if ((part_bytes + tree_bytes > 64 * 1024 * 1024)); then
+        echo "pack: error: $part ($part_bytes bytes) and the working tree ($tree_bytes bytes) exceed one command's 64 MiB; set GPU_KIT_VLLM_PART_MIB lower" >&2
+        exit 1
+    fi
+done
+say "$PACKED_VLLM: $(du -sb "$PACKED_VLLM" | cut -f1) bytes in $(ls -d "$PACKED_VLLM"/part*/ | wc -l) parts (working tree: $tree_bytes bytes); $PACKED_VLLM/MANIFEST.md"

@@ -1,8 +1,8 @@
 """Keep one GPU architecture's code in a CUDA shared library: remove the other architectures' images.
 
     python prune_fatbin.py list LIB                       # every fat binary's images: kind, arch, size
-    python prune_fatbin.py prune LIB OUT --arch 90 [--json STATS]
-    python prune_fatbin.py check LIB OUT --arch 90        # OUT is exactly LIB pruned so
+    python prune_fatbin.py prune LIB OUT --arch 90 [--json STATS] [--without-arch-code newest-ptx]
+    python prune_fatbin.py check LIB OUT --arch 90 [--without-arch-code newest-ptx]   # OUT is exactly LIB pruned so
 
 Why: Transformer Engine's core library (libtransformer_engine.so, 463 MB) carries GPU code for seven
 architectures; a Hopper GPU runs only sm_90 machine code. Removing the other images inside the
@@ -27,7 +27,12 @@ there). The driver reads a fat binary from its header on, so it finds an sm_90-o
 cuobjdump reads the result too. (Zeroing the other images' payloads in place, headers kept, was
 tried first: cuobjdump then fails with "Uncompress failed", since most images are zstd-compressed
 and it decompresses each one it lists.) A fat binary with no machine code for the kept
-architecture is left whole (its PTX would be the GPU's only code for it).
+architecture is left whole by default (its PTX would be the GPU's only code for it). With
+`--without-arch-code newest-ptx` (vLLM's libraries, whose Marlin and sm_100/sm_120 kernels have no
+sm_90 machine code) it keeps only what the driver would use on that GPU: its newest PTX at an
+architecture <= the kept one, which the driver compiles for the GPU. A fat binary with neither (code
+only for newer GPUs, unusable on the kept one before and after) keeps its smallest image, so that
+it stays a well-formed fat binary that simply has no code for this GPU, as the original had.
 That the pruned library loads and runs on a GPU is shown only on a GPU (benchmarks/gpu_verify.py).
 """
 
@@ -125,28 +130,41 @@ def parse_fatbins(section: bytes, where: str = SECTION) -> list[Fatbin]:
     return fatbins
 
 
-def kept_images(fatbin: Fatbin, arch: int) -> tuple[Image, ...]:
-    """`arch`'s images, or all of them when the fat binary has no `arch` machine code."""
-    if not any(image.kind == "elf" and image.arch == arch for image in fatbin.images):
+WITHOUT_ARCH_CODE = ("whole", "newest-ptx")
+
+
+def kept_images(fatbin: Fatbin, arch: int, without_arch_code: str = "whole") -> tuple[Image, ...]:
+    """`arch`'s images; when the fat binary has no `arch` machine code, all of them ("whole") or
+    its newest PTX at an architecture <= `arch`, else its smallest image ("newest-ptx")."""
+    if any(image.kind == "elf" and image.arch == arch for image in fatbin.images):
+        return tuple(image for image in fatbin.images if image.arch == arch)
+    if without_arch_code == "whole":
         return fatbin.images
-    return tuple(image for image in fatbin.images if image.arch == arch)
+    ptx = [image for image in fatbin.images if image.kind == "ptx" and image.arch <= arch]
+    if ptx:
+        newest = max(image.arch for image in ptx)
+        return tuple(image for image in ptx if image.arch == newest)
+    return (min(fatbin.images, key=lambda image: image.size),)
 
 
-def pruned_section(section: bytes, arch: int) -> tuple[bytes, dict]:
+def pruned_section(section: bytes, arch: int, without_arch_code: str = "whole") -> tuple[bytes, dict]:
     """The section with every fat binary compacted to its kept images (see the module docstring)."""
     fatbins = parse_fatbins(section)
     out = bytearray(section)
     for fatbin in fatbins:
-        body = b"".join(section[image.start:image.start + image.size] for image in kept_images(fatbin, arch))
+        kept = kept_images(fatbin, arch, without_arch_code)
+        body = b"".join(section[image.start:image.start + image.size] for image in kept)
         struct.pack_into("<Q", out, fatbin.start + 8, len(body))
         first = fatbin.start + fatbin.header_size
         out[first:fatbin.end] = body + bytes(fatbin.end - first - len(body))
-    return bytes(out), summary(section, fatbins, arch)
+    return bytes(out), summary(section, fatbins, arch, without_arch_code)
 
 
-def summary(section: bytes, fatbins: list[Fatbin], arch: int) -> dict:
+def summary(section: bytes, fatbins: list[Fatbin], arch: int, without_arch_code: str = "whole") -> dict:
     every = [image for fatbin in fatbins for image in fatbin.images]
-    kept = [image for fatbin in fatbins for image in kept_images(fatbin, arch)]
+    kept = [image for fatbin in fatbins for image in kept_images(fatbin, arch, without_arch_code)]
+    without = [(n, fatbin) for n, fatbin in enumerate(fatbins)
+               if not any(image.kind == "elf" and image.arch == arch for image in fatbin.images)]
     return {
         "arch": arch,
         "fatbins": len(fatbins),
@@ -155,15 +173,20 @@ def summary(section: bytes, fatbins: list[Fatbin], arch: int) -> dict:
         "removed_bytes": sum(image.size for image in every) - sum(image.size for image in kept),
         "kept_bytes": {f"{kind}_{a}": sum(i.payload_size for i in kept if (i.kind, i.arch) == (kind, a))
                        for kind, a in sorted({(i.kind, i.arch) for i in kept})},
-        "fatbins_left_whole": [n for n, fatbin in enumerate(fatbins) if kept_images(fatbin, arch) == fatbin.images
+        "fatbins_left_whole": [n for n, fatbin in enumerate(fatbins)
+                               if kept_images(fatbin, arch, without_arch_code) == fatbin.images
                                and any(image.arch != arch for image in fatbin.images)],
+        "without_arch_code": without_arch_code,
+        "fatbins_without_sm_code": len(without),
+        "fatbins_kept_as_ptx_only": sum(all(i.kind == "ptx" for i in kept_images(f, arch, without_arch_code))
+                                        for _, f in without),
     }
 
 
-def prune(source: Path, target: Path, arch: int) -> dict:
+def prune(source: Path, target: Path, arch: int, without_arch_code: str = "whole") -> dict:
     """Write `target`: `source` with each fat binary holding only `arch`'s images. Returns the counts."""
     offset, _ = find_section(source)
-    section, stats = pruned_section(read_section(source), arch)
+    section, stats = pruned_section(read_section(source), arch, without_arch_code)
     partial = target.with_name(target.name + ".partial")
     shutil.copyfile(source, partial)
     with partial.open("r+b") as f:
@@ -173,7 +196,7 @@ def prune(source: Path, target: Path, arch: int) -> dict:
     return stats
 
 
-def check(source: Path, target: Path, arch: int) -> list[str]:
+def check(source: Path, target: Path, arch: int, without_arch_code: str = "whole") -> list[str]:
     """What differs between `target` and `source` pruned to `arch` (empty: it is exactly that):
     the same bytes outside .nv_fatbin, and each fat binary holding exactly the source's kept
     images, byte for byte, in their order."""
@@ -186,10 +209,12 @@ def check(source: Path, target: Path, arch: int) -> list[str]:
             if _digest(a, start, length) != _digest(b, start, length):
                 problems.append(f"bytes {start}..{start + length} outside {SECTION} differ")
     original, pruned = read_section(source), read_section(target)
-    wanted = [[original[i.start:i.start + i.size] for i in kept_images(f, arch)] for f in parse_fatbins(original)]
+    wanted = [[original[i.start:i.start + i.size] for i in kept_images(f, arch, without_arch_code)]
+              for f in parse_fatbins(original)]
     found = [[pruned[i.start:i.start + i.size] for i in f.images] for f in parse_fatbins(pruned, str(target))]
     if wanted != found:
-        problems.append(f"the fat binaries do not hold exactly the source's sm_{arch} images")
+        problems.append(f"the fat binaries do not hold exactly the source's sm_{arch} images"
+                        + (" and newest PTX" if without_arch_code == "newest-ptx" else ""))
     return problems
 
 
@@ -214,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("library", type=Path)
         sub.add_argument("out", type=Path)
         sub.add_argument("--arch", type=int, default=90, help="the architecture to keep (90: Hopper)")
+        sub.add_argument("--without-arch-code", choices=WITHOUT_ARCH_CODE, default="whole",
+                         help="a fat binary without the architecture's machine code: left whole, or its newest PTX")
     pruning.add_argument("--json", type=Path, help="write the counts here as well")
     args = parser.parse_args(argv)
     if args.command == "list":
@@ -222,10 +249,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"fatbin {index:3d}  {image.kind}  sm_{image.arch:<4d} {image.payload_size:>10d} bytes")
         return 0
     if args.command == "check":
-        problems = check(args.library, args.out, args.arch)
+        problems = check(args.library, args.out, args.arch, args.without_arch_code)
         print("\n".join(problems) or f"{args.out}: exactly {args.library} with each fat binary compacted to sm_{args.arch}")
         return 1 if problems else 0
-    stats = prune(args.library, args.out, args.arch)
+    stats = prune(args.library, args.out, args.arch, args.without_arch_code)
     print(json.dumps(stats, indent=1))
     if args.json:
         args.json.write_text(json.dumps(stats, indent=1) + "\n")

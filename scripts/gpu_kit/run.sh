@@ -30,6 +30,38 @@ usage() {
     echo "usage: bash scripts/gpu_kit/run.sh [--dry-run | --install-only | --perf [--dry-run]] RESULTS_DIR [options]" >&2
     exit 2
 }
+
+# --- vLLM parts and the engine stage (docs/gpu_engine.md) ----------------------------------------
+#   bash scripts/gpu_kit/run.sh --receive scripts/gpu_kit/packed_vllm/partN   # one part per command
+#   bash scripts/gpu_kit/run.sh --engine RESULTS_DIR [gpu_engine.py options]   # once all are there
+# --receive checks the part against its manifest (sizes, sha256), unpacks it into $VLLM_RECEIVED
+# (git-ignored, so it stays between the commands of a warm machine) and names the parts present
+# and missing; --engine refuses, naming the missing parts, until all are there.
+VLLM_RECEIVED="${GPU_KIT_VLLM_RECEIVED:-$HERE/received}"
+case "${1:-}" in
+    --receive)
+        [[ $# -eq 2 ]] || { echo "usage: bash scripts/gpu_kit/run.sh --receive PART_DIR" >&2; exit 2; }
+        exec "$PYTHON" "$HERE/vllm_receive.py" receive "$2" "$VLLM_RECEIVED"
+        ;;
+    --engine)
+        [[ $# -ge 2 ]] || { echo "usage: bash scripts/gpu_kit/run.sh --engine RESULTS_DIR [gpu_engine.py options]" >&2; exit 2; }
+        engine_started=$SECONDS
+        "$PYTHON" "$HERE/vllm_receive.py" status "$VLLM_RECEIVED" || {
+            echo "run: error: the engine stage needs every vLLM part: receive the missing ones first" \
+                "(bash scripts/gpu_kit/run.sh --receive scripts/gpu_kit/packed_vllm/partN, carrying that folder)" >&2
+            exit 1
+        }
+        export PYTHONPATH="$VLLM_RECEIVED/site${PYTHONPATH:+:$PYTHONPATH}"
+        # No network; FlashInfer is not packed, and vLLM's FlashInfer sampler would import it.
+        export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+        results="$2"
+        shift 2
+        exec "$PYTHON" "$ROOT/benchmarks/gpu_engine.py" --out "$results" \
+            --deadline-s "$((BUDGET_S - (SECONDS - engine_started)))" "$@"
+        ;;
+esac
+# --- end of the vLLM block -------------------------------------------------------------------------
+
 mode=run
 case "${1:-}" in
     --dry-run) mode=dry; shift ;;
