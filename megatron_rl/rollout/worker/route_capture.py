@@ -54,6 +54,15 @@ _MAX_UNCLAIMED = 65536  # finished requests kept for a later take; the oldest go
 # ---------------------------------------------------------------------------------------------
 
 
+def vllm_returns_routes(vllm_config) -> bool:
+    """Whether vLLM captures every request's routed experts itself (enable_return_routed_experts).
+    The flag moved: vLLM 0.32 keeps it in `aux_output_config` (vllm/config/aux_output.py), 0.26 (the
+    last release pinning torch 2.11) in `model_config` (vllm/config/model.py); reading only the first,
+    a 0.26 engine returning its routes got our eager-only capture installed as well, and refused."""
+    return any(getattr(getattr(vllm_config, section, None), "enable_return_routed_experts", False)
+               for section in ("aux_output_config", "model_config"))
+
+
 class RouteCaptureWorker:
     """Mixin for the vLLM worker extension: capture the MoE routes of tagged requests."""
 
@@ -69,8 +78,7 @@ class RouteCaptureWorker:
         if state is None:
             runner = self.model_runner
             layers, routers = _moe_routers(runner.get_model())
-            aux = getattr(runner.vllm_config, "aux_output_config", None)
-            if getattr(aux, "enable_return_routed_experts", False):
+            if vllm_returns_routes(runner.vllm_config):
                 return {"native": True, "layers": layers, "top_k": routers[0].top_k}
             state = self._route_capture = _Capture.install(runner, layers, routers)
         return {"native": False, "layers": state.layers, "top_k": state.top_k}
