@@ -41,6 +41,8 @@ SHARED_SERVER_FIXTURE = "tiny_vllm_server"
 SHARED_SERVER_MODULES = (
     "tests/agents/test_agent_training.py",
     "tests/agents/test_agent_vllm.py",
+    "tests/benchmarks/test_gpu_engine_dry_run.py",
+    "tests/evaluation/test_command.py",
     "tests/rollout/test_partial_rollout.py",
     "tests/rollout/test_teacher_server.py",
     "tests/train/test_async_rl.py",
