@@ -91,14 +91,12 @@ class Deadline:
 def check_lever_keys() -> None:
     """Every lever names a config key of this checkout (a typo or a missing key stops the sweep
     before anything runs, not case by case on the GPU)."""
-    from megatron_rl.config import RunConfig
+    from megatron_rl.config import ModelConfig, RLConfig, RunConfig
 
-    def fields(cls) -> dict:
-        return {f.name: f.type for f in dataclasses.fields(cls)}
+    def fields(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
 
-    import megatron_rl.config as config
-
-    sections = {"": fields(RunConfig), "model": fields(config.ModelConfig), "rl": fields(config.RLConfig)}
+    sections = {"": fields(RunConfig), "model": fields(ModelConfig), "rl": fields(RLConfig)}
     for _, overrides, _ in [*LEVERS, FP8]:
         for override in overrides:
             key = override.split("=", 1)[0]
