@@ -160,6 +160,12 @@ def test_goal_verdicts_and_the_deadline_arithmetic():
     assert deadline.limit(60.0, 1.0) == 60.0 and deadline.limit(60.0, 1.0, reserve=50.0) == 40.0
     assert deadline.limit(60.0, 10.0) is None
     assert slice_.busy_seconds([(0.0, 1.0), (0.5, 2.0), (3.0, 3.5)]) == 2.5
+    # FP8 at a best BF16 setting with CUTLASS leaves CUTLASS out (no FP8 operands there; the config refuses the pair).
+    best = perf.make_case(8, "EP8 + CUTLASS", perf.LEVERS[:2])
+    fp8_case = perf.fp8_case(8, best)
+    assert fp8_case["levers"] == ["fused wgrad", "FP8 blockwise, padded"] and fp8_case["without"] == ["CUTLASS"]
+    assert perf.config_refusal(fp8_case["set"]) is None
+    assert "moe_grouped_gemm_backend=cutlass with fp8_recipe='blockwise'" in perf.config_refusal(best["set"] + perf.FP8[1])
     layout = slice_.ep_layout(128, 8, 8, 16384)
     assert (layout["local_experts"], layout["tokens_per_local_expert"]) == (16, 8192)
     assert slice_.ep_layout(128, 1, 8, 16384)["tokens_per_local_expert"] == 1024
