@@ -4,6 +4,7 @@ Megatron-Core reads. The machine is a `Hardware` description, so the GPU cases r
 lever is faster is a GPU measurement, not a test."""
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -151,6 +152,26 @@ def test_grouped_gemm_backend_is_set_in_process_from_the_key():
     untouched = {}
     throughput_levers.select_grouped_gemm_backend(config.model, grouped_gemm=False, environ=untouched)
     assert untouched == {}
+
+
+def test_build_model_sets_the_backend_before_the_model_exists_mocked(monkeypatch):
+    """Mocked: TE is reported present and the TransformerConfig is a stand-in (no GPU here); checks
+    the order only: the backend is in the environment before the first module is built."""
+    events = []
+    monkeypatch.setattr(builder, "use_transformer_engine", lambda model, device: True)
+    monkeypatch.setattr(builder, "transformer_config", lambda *args: SimpleNamespace(moe_grouped_gemm=True))
+    monkeypatch.setattr(throughput_levers, "select_grouped_gemm_backend",
+                        lambda model, grouped_gemm: events.append(("backend", grouped_gemm)))
+
+    def build_gpt_model(*args):
+        events.append(("model",))
+        raise StopIteration  # nothing past the build matters here
+
+    monkeypatch.setattr(builder, "build_gpt_model", build_gpt_model)
+    config, _ = run(["model.moe_grouped_gemm_backend=cutlass"])
+    with pytest.raises(StopIteration):
+        builder.build_model(config, CPU)
+    assert events == [("backend", True), ("model",)]
 
 
 def test_planner_probe_builds_with_the_levers_off():
