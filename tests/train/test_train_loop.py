@@ -3,7 +3,7 @@ the built-in synthetic task, checkpoints on disk, run through the `megatron-rl t
 
 - exact resume: a run stopped by SIGTERM and resumed logs the same metrics (every key except
   wall-clock times) for the steps after its checkpoint as an uninterrupted run, bit for bit,
-  rl.eval's pass@k rows (on the held-out set, every 3 steps) included;
+  rl.eval's pass@k rows (every 3 steps, on the held-out set and a code set in the sandbox) included;
 - a reward function that raises or hangs scores 0 for those samples, is counted, and the run
   completes (its last checkpoint written synchronously);
 - MoE routing replay and the routing-drift metric with several updates per rollout;
@@ -70,42 +70,57 @@ def stop_with_sigterm(out: Path, *overrides: str, after_step: int) -> str:
     return output
 
 
-# rl.eval on the held-out set: 4 samples per prompt every 3 steps (the held-out greedy accuracy
-# keeps rl.eval_every=2), through the runner `megatron-rl eval` uses.
+# rl.eval: 4 samples per prompt every 3 steps (the held-out greedy accuracy keeps rl.eval_every=2),
+# through the runner `megatron-rl eval` uses, on the held-out set (which this short run's policy
+# never solves: pass@k 0) and on a HumanEval-format set scored by code_tests in the sandbox whose
+# check() passes a response with an even sum of character codes: about half of any model's
+# samples, so pass@1 < pass@2 < pass@4 holds on real samples. Its 4 prompts ask the same.
+PARITY = {"prompt": "def f():\n    return '''", "entry_point": "f",
+          "test": "'''\n\n\ndef check(candidate):\n    assert sum(map(ord, candidate())) % 2 == 0\n"}
 EVAL = ["rl.eval.sets.heldout=heldout", "rl.eval.n=4", "rl.eval.k=[1,2,4]", "rl.eval.every_steps=3"]
+
+
+def eval_overrides(tmp_path: Path) -> list[str]:
+    path = tmp_path / "parity.jsonl"
+    path.write_text("".join(json.dumps({**PARITY, "task_id": f"parity/{i}"}) + "\n" for i in range(4)))
+    return [*EVAL, f"rl.eval.sets.parity={path}"]
 
 
 def check_eval_rows(records: dict[int, dict]) -> None:
     """rl.eval's rows at the steps it names, with pass@k's relations: pass@1 is the share of
-    correct samples (= avg@4, the mean reward, for the synthetic task's 0/1 rewards), pass@k
-    grows with k; the held-out greedy accuracy stays on its own steps."""
+    correct samples (= avg@4, the mean reward, for 0/1 rewards), pass@k grows with k; the
+    held-out greedy accuracy stays on its own steps."""
     assert sorted(s for s, r in records.items() if "eval/heldout/pass@1" in r) == [0, 3, 5]
+    assert sorted(s for s, r in records.items() if "eval/parity/pass@1" in r) == [0, 3, 5]
     assert sorted(s for s, r in records.items() if "eval/accuracy" in r) == [0, 2, 4, 5]
     for step in (0, 3, 5):
         row = records[step]
-        assert row["eval/heldout/prompts"] == 16
-        assert row["eval/heldout/pass@1"] == pytest.approx(row["eval/heldout/avg@4"], abs=1e-12)
-        assert 0 <= row["eval/heldout/pass@1"] <= row["eval/heldout/pass@2"] <= row["eval/heldout/pass@4"] <= 1, row
+        assert (row["eval/heldout/prompts"], row["eval/parity/prompts"]) == (16, 4)
+        for name in ("heldout", "parity"):
+            assert row[f"eval/{name}/pass@1"] == pytest.approx(row[f"eval/{name}/avg@4"], abs=1e-12)
+            assert 0 <= row[f"eval/{name}/pass@1"] <= row[f"eval/{name}/pass@2"] <= row[f"eval/{name}/pass@4"] <= 1
+        assert 0 < row["eval/parity/pass@1"] < row["eval/parity/pass@2"] < row["eval/parity/pass@4"], row
 
 
 def test_exact_resume_after_sigterm(tmp_path):
     """Also rl.eval (EVAL): its rows, and after the resume the same figures as the uninterrupted run's."""
+    evals = eval_overrides(tmp_path)
     whole = tmp_path / "whole"
-    run(whole, *EVAL)
+    run(whole, *evals)
     assert not (whole / "run.lock").exists(), "a finished run must release its directory"
     reference = metrics(whole)
     assert max(reference) == 5 and "eval/accuracy" in reference[0] and "eval/accuracy" in reference[5]
     check_eval_rows(reference)
 
     interrupted = tmp_path / "interrupted"
-    output = stop_with_sigterm(interrupted, *EVAL, after_step=1)
+    output = stop_with_sigterm(interrupted, *evals, after_step=1)
     state = json.loads((interrupted / "run_state.json").read_text())
     assert state["finished"] is False, state
     stopped_at = state["step"]
     assert 1 <= stopped_at < 5, state  # stopped before the end, however late the signal landed
     assert f"stopped by SIGTERM after step {stopped_at}" in output
 
-    resumed = run(interrupted, *EVAL)
+    resumed = run(interrupted, *evals)
     assert "resumed from" in resumed.stdout
     after = metrics(interrupted)
     assert sorted(after) == sorted(reference)
