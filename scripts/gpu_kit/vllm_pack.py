@@ -153,10 +153,14 @@ def write_chunk(site: Path, names: list[str], out: Path) -> None:
 
 
 def fill_parts(chunk_sizes: dict[str, int], limit: int) -> list[list[str]]:
-    """First-fit decreasing: chunks into as few parts of at most `limit` bytes as it finds."""
+    """Chunks into as few parts of at most `limit` bytes as first-fit decreasing finds, then spread
+    evenly over that many parts (each next largest chunk into the emptiest part) when that keeps
+    every part under the limit: what a command takes along besides the part (the working tree)
+    may grow, and even parts leave each command the same margin."""
+    ordered = sorted(chunk_sizes.items(), key=lambda item: (-item[1], item[0]))
     parts: list[list[str]] = []
     room: list[int] = []
-    for chunk, size in sorted(chunk_sizes.items(), key=lambda item: (-item[1], item[0])):
+    for chunk, size in ordered:
         if size > limit:
             raise SystemExit(f"chunk {chunk} is {size} bytes, over the part limit of {limit}")
         slot = next((n for n, left in enumerate(room) if left >= size), None)
@@ -166,7 +170,13 @@ def fill_parts(chunk_sizes: dict[str, int], limit: int) -> list[list[str]]:
             slot = len(parts) - 1
         parts[slot].append(chunk)
         room[slot] -= size
-    return [sorted(part) for part in parts]
+    even: list[list[str]] = [[] for _ in parts]
+    filled = [0] * len(parts)
+    for chunk, size in ordered:
+        slot = filled.index(min(filled))
+        even[slot].append(chunk)
+        filled[slot] += size
+    return [sorted(part) for part in (even if max(filled) <= limit else parts)]
 
 
 def write_manifests(out: Path, parts: list[list[str]], chunks: Path, extra: dict) -> list[dict]:

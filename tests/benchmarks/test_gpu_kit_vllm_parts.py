@@ -100,9 +100,12 @@ def test_without_sm90_machine_code_only_the_newest_ptx_up_to_sm90_is_kept_and_ch
     assert "outside .nv_fatbin differ" in prune_fatbin.check(tmp_path / "lib.so", tmp_path / "bad.so", 90, "newest-ptx")[0]
 
 
-def test_parts_are_filled_under_the_limit_and_the_dropped_files_never_unpacked():
+def test_parts_are_filled_evenly_under_the_limit_and_the_dropped_files_never_unpacked():
+    # First-fit decreasing needs three parts ([a e] [b c] [d]); spread evenly over three: 50, 35, 45.
     parts = vllm_pack.fill_parts({"a": 50, "b": 30, "c": 25, "d": 20, "e": 5}, limit=60)
-    assert parts == [["a", "e"], ["b", "c"], ["d"]]
+    assert parts == [["a"], ["b", "e"], ["c", "d"]]
+    # Spread evenly over two parts one would hold 70: first-fit decreasing's two parts of 60 stand.
+    assert vllm_pack.fill_parts({"a": 30, "b": 30, "c": 20, "d": 20, "e": 20}, limit=60) == [["a", "b"], ["c", "d", "e"]]
     with pytest.raises(SystemExit, match="chunk a is 70 bytes, over the part limit of 60"):
         vllm_pack.fill_parts({"a": 70}, limit=60)
     assert vllm_pack.install_path("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so") is None
