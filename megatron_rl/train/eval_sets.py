@@ -34,9 +34,11 @@ class EvalSet:
 
 def load_eval_sets(config, datasets) -> list[EvalSet]:
     """Every rl.eval set read and checked as `megatron-rl eval` checks a --set (evaluation/sets.py):
-    the file, its rows, the fields its reward reads and its prompts' length against the engine's
-    context. `datasets`: preflight's (train, held-out). ConfigError naming rl.eval.sets.NAME."""
+    the file, its rows, the fields its reward reads, a reward of its own resolved (a HumanEval
+    set's sandbox), its prompts' length against the engine's context. `datasets`: preflight's
+    (train, held-out). ConfigError naming rl.eval.sets.NAME."""
     from megatron_rl.evaluation.sets import SetSpec, check_reward_columns, load_set
+    from megatron_rl.rewards import build_scorer
 
     settings, loaded = config.rl.eval, []
     for name, path in settings.sets.items():
@@ -52,6 +54,8 @@ def load_eval_sets(config, datasets) -> list[EvalSet]:
                 found = load_set(SetSpec(name=name, path=path), config.data)
                 terms = found.rewards.terms if found.rewards is not None else config.rewards.terms
                 check_reward_columns(found, [term.name for term in terms])
+                if found.rewards is not None:  # its own reward resolved now (code_tests: can the sandbox run?)
+                    build_scorer(found.rewards).close()
             except ConfigError as exc:
                 raise ConfigError(f"{where}: {str(exc).removeprefix(f'set {name!r}: ')}") from None
             item = EvalSet(name, path, found.records, found.rewards)

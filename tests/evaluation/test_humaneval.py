@@ -26,6 +26,7 @@ from megatron_rl.errors import ConfigError
 from megatron_rl.evaluation.humaneval import humaneval_rewards, is_humaneval_set, load_humaneval
 from megatron_rl.evaluation.metrics import set_figures
 from megatron_rl.evaluation.runner import evaluate_set
+from megatron_rl.rewards.code_tests import completion_program, sandbox_for
 from megatron_rl.rewards.config import RewardConfig
 from megatron_rl.rollout.protocol import Sample, SamplingParams
 from megatron_rl.train.generation import Generation
@@ -169,3 +170,29 @@ def test_bad_humaneval_rows_are_refused_by_file_line_and_field(tmp_path):
     long_line.write_text(json.dumps({**good, "prompt": "x" * 500}) + "\n")
     with pytest.raises(ConfigError, match=r"long\.jsonl line 1: longer than data\.max_line_bytes=100"):
         load_humaneval(long_line, max_line_bytes=100)
+
+
+def test_a_sets_own_code_runs_only_in_the_sandbox(tmp_path, humaneval):
+    """A row whose `test` writes into this machine's directory and whose entry point would pass:
+    reading the set runs nothing, scoring it runs the program in the sandbox, where the host's
+    directory does not exist (the write fails, the sample with it), and the file never appears."""
+    target = tmp_path / "escaped"
+    row = {"task_id": "x/0", "prompt": "def f():\n", "entry_point": "f",
+           "test": f"open({str(target)!r}, 'w').write('x')\n\n\ndef check(candidate):\n    assert candidate() == 1\n"}
+    path = tmp_path / "hostile.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    records = list(load_humaneval(path))
+    assert not target.exists()
+    _, _, scorer, tokenizer = humaneval
+    engine = CannedResponses(tokenizer, [records[0].prompt], ["    return 1\n"])
+    runtime = SimpleNamespace(is_driver=True, from_driver=lambda value: value)
+    outcome = evaluate_set(records, generation=Generation(engine, tokenizer.encode, runtime), scorer=scorer,
+                           params=SamplingParams(n=1, max_tokens=16, seed=1), name="hostile", path=str(path),
+                           greedy=False)
+    assert [p.samples[0].correct for p in outcome.prompts] == [False]
+    assert not target.exists()
+    # why it failed: the sandbox ran it, and the host's directory is not there
+    program = completion_program(records[0].prompt, "    return 1\n", "f", row["test"])
+    result = sandbox_for(10.0, 10, 1024, "namespaces").run_python(program)
+    assert (result.status, result.exit_code) == ("error", 1) and "FileNotFoundError" in result.stderr, result
+    assert not target.exists()

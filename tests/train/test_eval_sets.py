@@ -55,3 +55,16 @@ def test_heldout_without_a_heldout_set_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"rl\.eval\.sets\.heldout: 'heldout' names the run's held-out set, and "
                                           r"this run has none"):
         load_eval_sets(config, load_datasets(config.data))
+
+
+def test_a_humaneval_set_on_a_machine_without_the_sandbox_is_refused_before_any_model(tmp_path, monkeypatch):
+    """Its code_tests reward is resolved with the set: where the namespace sandbox cannot be built,
+    the run stops here (not after the model and engines are up)."""
+    import megatron_rl.sandbox
+
+    path = tmp_path / "he.jsonl"
+    path.write_text(json.dumps(HUMANEVAL_ROW) + "\n")
+    monkeypatch.setattr(megatron_rl.sandbox, "namespaces_available", lambda: "no user namespaces here (a test)")
+    with pytest.raises(ConfigError, match=r"rl\.eval\.sets\.he: .*reward 'code_tests' runs model-written code in a "
+                                          r"sandbox, which this machine cannot build: no user namespaces here"):
+        loaded(f"rl.eval.sets.he={path}")
