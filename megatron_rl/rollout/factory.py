@@ -51,7 +51,7 @@ def weight_transport(config: RunConfig) -> str:
 
 
 def engine_class(config: RunConfig) -> type:
-    """The class of the engines `build_engines` makes for this configuration (imports no engine)."""
+    """The class of the engines `build_engines` makes for this configuration (its module, not vLLM)."""
     if config.rollout.mode == "colocated":
         from megatron_rl.rollout.engines.vllm_colocated import VllmColocatedEngine
 
@@ -73,9 +73,9 @@ TRANSPORT_NEEDS["nccl"] = TRANSPORT_NEEDS["collective"]
 
 
 def check_engine_capabilities(config: RunConfig, engine: type | None = None) -> None:
-    """Before any engine starts (preflight; the client again on the engines it built): the engine
-    class (`engine`, default the configured one) has every capability the configuration asks for,
-    and sleep mode runs only where vLLM has one. Refused by key and class name otherwise."""
+    """Preflight, before any engine starts: the engine class (`engine`, default the configured
+    one) has every capability the configuration asks for, and sleep mode runs only where vLLM has
+    one. Refused by key and class name otherwise."""
     rollout = config.rollout
     kind = weight_transport(config)
     needed = [(f"rollout.weight_transport={kind}", TRANSPORT_NEEDS[kind])]
