@@ -13,7 +13,7 @@ Where each refusal comes from (Megatron-Core 0.16.1, Transformer Engine 2.11):
 - moe_grouped_gemm_backend=cutlass: TE's nvte_multi_tensor_gemm reads NVTE_USE_CUTLASS_GROUPED_GEMM
   at every call and uses CUTLASS only on SM 9.0 with same-dtype BF16/FP16 operands, no epilogue and a
   uniform K % 128 == 0 (else cuBLAS, with a warning only under NVTE_CUTLASS_GROUPED_GEMM_WARN_FALLBACK).
-- moe_router_fusion: TE's fused_topk_with_score_function (Megatron asks for TE >= 2.7) returns before
+- moe_router_fusion: TE's fused_topk_with_score_function (Megatron imports it from TE 2.7.0.dev) returns before
   the router's RouterReplay is consulted (moe_utils.topk_routing_with_score_function).
 - moe_router_padding_for_fp8: Megatron-Core's alias of moe_router_padding_for_quantization.
 - cuda_graph_scope: refused by config/model.py; the mapping is kept here so that the one place that
@@ -32,7 +32,7 @@ from megatron_rl.config import ModelConfig, RunConfig
 from megatron_rl.config.model import LEVERS_OFF
 from megatron_rl.errors import ConfigError
 
-ROUTER_FUSION_MIN_TE = "2.7.0"  # Megatron-Core's moe_router_fusion docstring
+ROUTER_FUSION_MIN_TE = "2.7.0.dev0"  # Megatron-Core imports TE's fused router kernels from 2.7.0.dev on
 CUTLASS_CAPABILITY = (9, 0)  # TE 2.11: `sm_arch(device) == 90`, nothing else
 CUTLASS_K_MULTIPLE = 128
 CUTLASS_ENV = "NVTE_USE_CUTLASS_GROUPED_GEMM"
@@ -137,8 +137,10 @@ def cuda_graph_fields(scopes: list[str]) -> dict:
 
 def select_grouped_gemm_backend(model: ModelConfig, *, grouped_gemm: bool,
                                 environ: MutableMapping[str, str] = os.environ) -> None:
-    """TE reads the backend from the environment at every grouped GEMM: set it from the key before
-    the model's first forward, so that the key, not an inherited variable, decides."""
+    """TE reads the backend from the environment at every grouped GEMM (std::getenv in
+    nvte_multi_tensor_gemm, nothing cached): set it from the key before the model's first forward,
+    so that the key, not an inherited variable, decides. TE parses the value as a number ("true"
+    would fail its check), hence "1" / "0"."""
     if not grouped_gemm:
         return
     cutlass = model.moe_grouped_gemm_backend == "cutlass"

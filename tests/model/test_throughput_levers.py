@@ -91,7 +91,7 @@ FUSION = ["model.moe_router_fusion=true", "rl.updates_per_rollout=1"]
 
 
 def test_router_fusion_refused_where_it_skips_the_replay_hook():
-    assert "needs transformer-engine >= 2.7.0 (installed: 2.6.0)" in refusal(
+    assert "needs transformer-engine >= 2.7.0.dev0 (installed: 2.6.0)" in refusal(
         FUSION, hardware=replace(H100, te_version="2.6.0"))
     assert "with rl.routing_replay=training" in refusal([*FUSION, "rl.routing_replay=training"])
     assert "with rl.updates_per_rollout=2" in refusal([*FUSION, "rl.updates_per_rollout=2"])
