@@ -129,7 +129,12 @@ def write_results(args, results: dict, started: float) -> None:
 
 def gpu_name(device: str) -> str:
     if device != "cuda":
-        return "none (dry run on CPU: vLLM's CPU build stands in for the GPU engine)"
+        import platform
+
+        import torch
+
+        return (f"none (dry run on CPU, {os.cpu_count()} cores, {platform.machine()}, torch {torch.__version__}: "
+                f"vLLM's CPU build stands in for the GPU engine)")
     import torch
 
     props = torch.cuda.get_device_properties(0)
