@@ -53,7 +53,7 @@ def check_fp8(device: str, options: dict) -> dict:
     step = Step(device, out / "fp8-engine", [*base, f"model.export_fp8={str(on_gpu).lower()}",
                                              f"rollout.staging_dir={out / 'staging-fp8'}"])
     # The BF16 engine: the same run without export_fp8, a second server beside the first.
-    reference_config = load_config(None, [f"device={device}", f"output_dir={out / 'bf16-engine'}",
+    reference_config = load_config(None, [f"device={device}", f"output_dir={out / 'bf16-engine'}", "model.layer_spec=local",
                                           "rollout.max_model_len=256", "rollout.weight_bucket_mb=1", *base,
                                           f"rollout.staging_dir={out / 'staging-bf16'}"])
     reference = RolloutClient(reference_config, write_engine_model_dir(reference_config, out / "bf16-engine" / "model"),

@@ -50,8 +50,11 @@ class Step:
 
         out.mkdir(parents=True, exist_ok=True)
         self.device = device
+        # Megatron-Core's local layers whatever is installed (layer_spec auto takes Transformer Engine's
+        # where it finds it): the stage checks the engine, not TE.
         self.config = load_config(None, [f"device={device}", f"output_dir={out}", f"optimizer.lr={lr}",
-                                         "rollout.max_model_len=256", "rollout.weight_bucket_mb=1", *overrides])
+                                         "model.layer_spec=local", "rollout.max_model_len=256",
+                                         "rollout.weight_bucket_mb=1", *overrides])
         self.runtime = start_runtime(self.config)
         self.policy = Policy(self.config, self.runtime)
         self.model_dir = write_engine_model_dir(self.config, out / "engine_model")
