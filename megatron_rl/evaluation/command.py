@@ -159,7 +159,9 @@ def _labels(paths: list[str], given: list[str]) -> list[str]:
     if given and len(given) != len(paths):
         raise ConfigError(f"--label is given {len(given)} time(s) for {len(paths)} --ckpt; give one per --ckpt or none")
     labels = list(given) or [Path(path.rstrip("/")).name or path for path in paths]
-    if not given:  # the same directory name twice (runs/a/hf_model, runs/b/hf_model): numbered
+    if not given:  # the same directory name twice (runs/a/hf_model, runs/b/hf_model): with its parent's
+        labels = [label if labels.count(label) == 1 else "/".join(Path(path.rstrip("/")).parts[-2:])
+                  for label, path in zip(labels, paths)]
         labels = [label if labels.count(label) == 1 else f"{label}#{labels[:i + 1].count(label)}"
                   for i, label in enumerate(labels)]
     if len(set(labels)) != len(labels):

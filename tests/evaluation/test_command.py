@@ -1,11 +1,12 @@
 """`megatron-rl eval` end to end on the tiny model: one invocation evaluates a checkpoint of every
-kind --ckpt accepts, all holding the same weights, on one prompt set through one engine (the
+kind --ckpt accepts, on one prompt set through one engine (the
 suite's shared vLLM CPU server, rollout.server_urls), scored by a user reward function.
 
 The checkpoints come from one short real run (its run directory, its training checkpoint, its
-Hugging Face export) and `megatron-rl convert hf-to-megatron` of that export. Asserted: every
-checkpoint got the same prompts with the same seeds (identical weights give identical outcomes
-and differences of exactly 0 with zero-width intervals), the figures in eval.json equal those
+Hugging Face export), `megatron-rl convert hf-to-megatron` of that export, and a short LoRA run
+(its run directory and its merged export). Asserted: every checkpoint got the same prompts with
+the same seeds (identical weights give identical outcomes and differences of exactly 0 with
+zero-width intervals; the LoRA checkpoint, merged, gives its merged export's), the figures in eval.json equal those
 re-derived here in float64 from its outcomes (Chen et al.'s pass@k, avg@n, greedy accuracy), each
 sample's correctness is its reward against the threshold, and the report's files and the progress
 lines are written."""
@@ -51,9 +52,18 @@ def test_every_checkpoint_kind_on_one_engine_gives_the_same_outcomes_and_rederiv
     served = ["rollout.mode=server", f"rollout.server_urls=[{url}]", "rollout.weight_transport=files",
               f"rollout.staging_dir={tmp_path / 'staging'}"]
     run = tmp_path / "run"
-    cli("train", "--output-dir", str(run), "rl.steps=1", "warm_start.steps=0", "rl.prompts_per_step=2",
+    # A short warm start: this run's policy is far from the LoRA run's (random initialization), so the two
+    # give different samples and identical outcomes mean identical weights, pushed.
+    cli("train", "--output-dir", str(run), "rl.steps=1", "warm_start.steps=20", "rl.prompts_per_step=2",
         "rl.group_size=2", "rl.max_response_tokens=4", "data.num_heldout=2", "checkpoint.every_steps=1",
         "checkpoint.async_save=false", "logging.wandb_mode=disabled", *served)
+    # A LoRA run (adapters moved by one step under a format reward that some samples meet): its checkpoint
+    # is built with the run's model.lora and pushed merged, as its own merged export is.
+    lora = tmp_path / "lora"
+    cli("train", "--output-dir", str(lora), "rl.steps=1", "warm_start.steps=0", "rl.prompts_per_step=2",
+        "rl.group_size=8", "rl.max_response_tokens=4", "data.num_heldout=2", "model.lora.rank=8", "model.lora.alpha=16",
+        "optimizer.lr=2e-3", "rl.recipe=dr_grpo", "rewards.terms=[{name: format, params: {pattern: '.*[0-9].*'}}]",
+        "checkpoint.every_steps=1", "checkpoint.async_save=false", "logging.wandb_mode=disabled", *served)
     converted = tmp_path / "converted"
     cli("convert", "hf-to-megatron", "--hf-dir", str(run / "hf_model"), "--out", str(converted))
 
@@ -63,7 +73,7 @@ def test_every_checkpoint_kind_on_one_engine_gives_the_same_outcomes_and_rederiv
     reward = tmp_path / "length_reward.py"
     reward.write_text(REWARD)
     out = tmp_path / "out"
-    checkpoints = [run, run / "checkpoints" / "step_000001", converted, run / "hf_model"]
+    checkpoints = [run, run / "checkpoints" / "step_000001", converted, run / "hf_model", lora, lora / "hf_model"]
     result = cli("eval", *(arg for ckpt in checkpoints for arg in ("--ckpt", str(ckpt))), "--set", f"add={prompts}",
                  "--n", str(N), "--temperature", "1.0", "--out", str(out), f"set.add.reward={reward}:even_length",
                  *served)
@@ -72,14 +82,17 @@ def test_every_checkpoint_kind_on_one_engine_gives_the_same_outcomes_and_rederiv
         ["engine_model", "eval.json", "eval.md", "pass_at_k.png"]
     report = json.loads((out / "eval.json").read_text())
     kinds = [entry["kind"] for entry in report["config"]["checkpoints"]]
-    assert kinds == ["run directory", "training checkpoint", "converted Megatron checkpoint", "Hugging Face directory"]
-    assert [c["step"] for c in report["checkpoints"]] == [1, 1, None, 1]
+    assert kinds == ["run directory", "training checkpoint", "converted Megatron checkpoint", "Hugging Face directory",
+                     "run directory", "Hugging Face directory"]
+    assert [c["step"] for c in report["checkpoints"]] == [1, 1, None, 1, 1, 1]
 
     # The same prompts and seeds for every checkpoint: identical weights, identical samples.
     outcomes = [c["sets"][0]["outcome"] for c in report["checkpoints"]]
-    for outcome in outcomes[1:]:
+    for outcome in outcomes[1:4]:
         assert outcome["prompts"] == outcomes[0]["prompts"]
-    for difference in report["differences"]:
+    assert outcomes[5]["prompts"] == outcomes[4]["prompts"]  # the LoRA checkpoint merged = its merged export
+    assert outcomes[4]["prompts"] != outcomes[0]["prompts"]  # ... and another policy than the first run's
+    for difference in report["differences"][:3]:
         for name, figure in difference["sets"][0]["figures"].items():
             assert figure["difference"] == 0.0 and figure["low"] == figure["high"] == 0.0, (difference["b"], name)
 
@@ -103,6 +116,6 @@ def test_every_checkpoint_kind_on_one_engine_gives_the_same_outcomes_and_rederiv
     assert figures["length_mean"]["value"] == pytest.approx(sum(lengths) / len(lengths), abs=1e-12)
 
     # What the console shows: the tables and the differences, a finished progress line per checkpoint and set.
-    assert "| add | run |" in result.stdout and "hf_model - run" in result.stdout and "report:" in result.stdout
-    for label in ("run", "step_000001", "converted", "hf_model"):
+    assert "| add | run |" in result.stdout and "run/hf_model - run" in result.stdout and "report:" in result.stdout
+    for label in ("run", "step_000001", "converted", "run/hf_model", "lora", "lora/hf_model"):
         assert f"eval {label} / add: [{'#' * 24}] {PROMPTS}/{PROMPTS} prompts" in result.stderr, result.stderr
