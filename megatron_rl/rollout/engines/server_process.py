@@ -66,9 +66,11 @@ class ServerProcess:
                 raise EngineUnavailable(
                     f"{self.name}: another server already listens at {self.url} (it refused this job's rollout "
                     f"token); free that port or choose another one") from exc
-            except EngineError:
+            except (EngineUnavailable, EngineTimeout):
                 time.sleep(1.0)
                 continue
+            except EngineError:
+                pass  # answered with another HTTP status (a server without that route): up, and it took the token
             return
         raise EngineTimeout(f"{self.name}: not ready after {timeout_s:.0f}s; see {self.log_path}:\n{self.log_tail()}")
 
