@@ -163,6 +163,7 @@ class Collector:
 
 def trainer_with(teacher, tmp_path, *overrides: str):
     """The real Trainer.run loop; the model, engines and files are stand-ins."""
+    from megatron_rl.train.eval_sets import TrainingEvals
     from megatron_rl.train.trainer import Trainer
 
     trainer = Trainer.__new__(Trainer)
@@ -177,6 +178,7 @@ def trainer_with(teacher, tmp_path, *overrides: str):
         setattr(trainer, name, mock.Mock())
     trainer.sync_weights = lambda *args, **kwargs: 0
     trainer.evaluate = dict
+    trainer.evals = TrainingEvals(trainer.config, [], None, trainer.runtime)  # no rl.eval sets: nothing is run
     return trainer
 
 
