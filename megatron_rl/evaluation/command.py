@@ -135,6 +135,7 @@ def prepare(args) -> EvalPlan:
     check_same_model(sources, configs)
     sets = [_eval_set(load_set(spec, configs[0].data), sources, configs) for spec in specs]
     _check_engine(configs[0])  # last: it imports torch (seconds), the checks above do not
+    _check_prompt_lengths(sets, configs)
     record = {"checkpoints": [dataclasses.asdict(s) | {"resolved": str(s.resolved)} for s in sources],
               "sets": [dataclasses.asdict(s.loaded.spec) | {"prompts_read": len(s.loaded.records),
                                                             "max_tokens": s.max_tokens,
@@ -189,6 +190,34 @@ def _check_engine(config) -> None:
 
     check_layout_and_paths(config)
     check_engine_installed(config)
+
+
+def _check_prompt_lengths(sets: list[EvalSet], configs: list) -> None:
+    """Every prompt of every set fits the engine's context with its response budget, encoded as
+    each checkpoint's prompt format encodes it (train/preflight's count): the engine would refuse
+    it in the middle of the evaluation."""
+    from megatron_rl.train.preflight import overlong_prompts, run_tokenizer
+
+    tokenizer, context = run_tokenizer(configs[0]), configs[0].rollout.max_model_len
+    for item in sets:
+        spec, records = item.loaded.spec, item.loaded.records
+        limit = context - item.max_tokens
+        if limit < 1:
+            raise ConfigError(f"set {spec.name!r}: max_tokens={item.max_tokens} leaves no room for a prompt in the "
+                              f"engine's context (rollout.max_model_len={context}); lower --max-tokens or "
+                              f"set.{spec.name}.max_tokens")
+        formats = {(spec.prompt_format or c.data.prompt_format,
+                    spec.system_prompt if spec.system_prompt is not None else c.data.system_prompt) for c in configs}
+        for prompt_format, system_prompt in sorted(formats, key=str):
+            data = dataclasses.replace(configs[0].data, prompt_format=prompt_format, system_prompt=system_prompt)
+            over = overlong_prompts(records, tokenizer, data, limit)
+            if over:
+                index, tokens = over[0]
+                raise ConfigError(
+                    f"set {spec.name!r}: {records[index].location}: the prompt is {tokens} tokens ({prompt_format} "
+                    f"format), over the limit of {limit} (rollout.max_model_len={context} - max_tokens="
+                    f"{item.max_tokens}); {len(over)} of the set's {len(records)} prompts are over it. Leave them "
+                    f"out of the file, raise rollout.max_model_len, or lower --max-tokens")
 
 
 def _eval_set(loaded: LoadedSet, sources: list[CheckpointSource], configs: list) -> EvalSet:

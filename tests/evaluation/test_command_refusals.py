@@ -4,7 +4,9 @@ is not one (the path and the kinds accepted), n < 1, an unknown set option, an o
 that cannot be written, two sets with one name, a reward that needs a field the set lacks.
 
 Each case runs the CLI in this process with the engine stage replaced by one that fails the test
-if reached (`command.evaluate`), and must end in under 2 s with exit status 2 and one line."""
+if reached (`command.evaluate`), and must end in under 2 s (before torch is imported) with exit
+status 2 and one line; a prompt too long for the engine's context is counted after the engine's
+other checks (torch imported) and still refused before any engine starts."""
 
 from __future__ import annotations
 
@@ -49,13 +51,13 @@ def prompts(tmp_path) -> Path:
     return path
 
 
-def refused(capsys, *argv: str) -> str:
+def refused(capsys, *argv: str, within: float = 2.0) -> str:
     tick = time.perf_counter()
     status = cli.main(["eval", *argv])
     elapsed = time.perf_counter() - tick
     err = capsys.readouterr().err
     assert status == 2, err
-    assert elapsed < 2.0, f"refused after {elapsed:.2f} s"
+    assert elapsed < within, f"refused after {elapsed:.2f} s"
     assert err.startswith("megatron-rl: configuration error: ") and err.count("\n") == 1, err
     return err
 
@@ -141,3 +143,15 @@ def test_a_set_that_does_not_exist(no_engine, capsys, hf_dir, tmp_path):
     err = refused(capsys, "--ckpt", str(hf_dir), "--set", f"add={tmp_path / 'missing.jsonl'}",
                   "--out", str(tmp_path / "out"))
     assert "set 'add'" in err and "missing.jsonl does not exist" in err
+
+
+def test_a_prompt_over_the_engines_context_names_the_set_and_line(no_engine, capsys, hf_dir, tmp_path):
+    """Counted with the run's tokenizer after the engine's other checks, which import torch: seconds, not
+    milliseconds, and still before any engine starts."""
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"prompt": "1+2=", "answer": "3"}) + "\n" + json.dumps({"prompt": "1+" * 600 + "2=",
+                                                                                       "answer": "3"}) + "\n")
+    err = refused(capsys, "--ckpt", str(hf_dir), "--set", f"long={path}", "--out", str(tmp_path / "out"),
+                  "rollout.max_model_len=512", within=30.0)
+    assert "set 'long'" in err and f"{path} line 2" in err and "1 of the set's 2 prompts" in err
+    assert "rollout.max_model_len=512" in err
