@@ -155,3 +155,32 @@ def test_a_prompt_over_the_engines_context_names_the_set_and_line(no_engine, cap
                   "rollout.max_model_len=512", within=30.0)
     assert "set 'long'" in err and f"{path} line 2" in err and "1 of the set's 2 prompts" in err
     assert "rollout.max_model_len=512" in err
+
+
+def test_checkpoints_of_two_models_are_refused_before_one_engine_serves_both(no_engine, capsys, hf_dir, prompts,
+                                                                              tmp_path):
+    other = tmp_path / "llama"
+    other.mkdir()
+    shutil.copy(PRESETS / "tiny-llama.json", other / "config.json")
+    (other / "model.safetensors").write_bytes(b"")
+    err = refused(capsys, "--ckpt", str(hf_dir), "--ckpt", str(other), "--set", f"add={prompts}",
+                  "--out", str(tmp_path / "out"))
+    assert f"--ckpt {other} is another model than --ckpt {hf_dir}" in err and "separate" in err
+
+
+def test_runs_with_different_rewards_need_the_sets_reward(no_engine, capsys, hf_dir, prompts, tmp_path):
+    """A stand-in run directory (the files a training checkpoint is told apart by, its recorded config
+    scoring with `math`) next to a Hugging Face directory under the tiny default (`synthetic`)."""
+    step = tmp_path / "run" / "checkpoints" / "step_000001"
+    (step / "hf_config").mkdir(parents=True)
+    shutil.copy(PRESETS / "tiny-qwen3-moe.json", step / "hf_config" / "config.json")
+    (step / "megatron_rl.json").write_text(json.dumps({"format": "megatron_rl.torch_dist.v1", "weights_dir": "weights"}))
+    (step / "trainer_state.json").write_text(json.dumps({"step": 1, "config": {"rewards": {"terms": [{"name": "math"}]}}}))
+    (step.parent / "latest").write_text("step_000001")
+    argv = ["--ckpt", str(tmp_path / "run"), "--ckpt", str(hf_dir), "--set", f"add={prompts}", "--out",
+            str(tmp_path / "out")]
+    err = refused(capsys, *argv)
+    assert "set 'add'" in err and "different rewards" in err and "set.add.reward=NAME" in err
+    # Naming the set's reward is the way out: the checks then pass (the engine stage is the next thing).
+    with pytest.raises(AssertionError, match="the engine stage was reached"):
+        cli.main(["eval", *argv, "set.add.reward=synthetic"])
