@@ -97,14 +97,11 @@ def run(args) -> int:
     checkpoints = evaluate(plan)
     if checkpoints is None:  # not the driver
         return 0
-    from megatron_rl.evaluation.report import format_differences, render_markdown, write_report
+    from megatron_rl.evaluation.report import render_markdown, write_report
 
     paths = write_report(plan.out, checkpoints, plan.record, plan.ks, seed=plan.seed)
     report = json.loads(Path(paths["json"]).read_text())
-    print(render_markdown(report, examples=0).rstrip())
-    differences = format_differences(report)
-    if differences and differences not in render_markdown(report, examples=0):
-        print(differences.rstrip())
+    print(render_markdown(report, examples=0).rstrip())  # the figures and, with several checkpoints, the differences
     print(f"report: {paths['md']} (figures: {paths['json']}; pass@k: {paths['png']})")
     return 0
 
