@@ -184,3 +184,13 @@ def test_runs_with_different_rewards_need_the_sets_reward(no_engine, capsys, hf_
     # Naming the set's reward is the way out: the checks then pass (the engine stage is the next thing).
     with pytest.raises(AssertionError, match="the engine stage was reached"):
         cli.main(["eval", *argv, "set.add.reward=synthetic"])
+
+
+def test_a_sets_file_gives_sets_and_options_as_the_command_line_does(no_engine, capsys, hf_dir, prompts, tmp_path):
+    sets = tmp_path / "sets.yaml"
+    sets.write_text(f"add: {{path: {prompts}, n: 2, temprature: 0.5}}\n")
+    err = refused(capsys, "--ckpt", str(hf_dir), "--sets", str(sets), "--out", str(tmp_path / "out"))
+    assert "set 'add': unknown option 'temprature'" in err
+    sets.write_text(f"add: {{path: {prompts}, n: 2}}\n")
+    err = refused(capsys, "--ckpt", str(hf_dir), "--sets", str(sets), "--k", "4", "--out", str(tmp_path / "out"))
+    assert "--k 4 is more than n=2" in err  # the file's n, checked as set.add.n=2 would be
