@@ -14,10 +14,11 @@
 #   pip/     pip's wheel, which run.sh runs pip from (whatever pip the GPU machine has, if any)
 #   manifest.json, MANIFEST.md: every file's package, version, size and sha256
 # and, for the engine stage (docs/gpu_engine.md), scripts/gpu_kit/packed_vllm/ (git-ignored): vLLM
-# 0.26.0 and the 137 wheels of vllm_requirements.txt, unpacked, its libraries pruned to sm_90,
-# compressed and split by vllm_pack.py into part1/, part2/, ... of at most $GPU_KIT_VLLM_PART_MIB
-# MiB each (default 54: a part and the working tree must fit one command's 64 MiB), each with its
-# manifest.json (every file's size and sha256). GPU_KIT_VLLM=0 leaves them out.
+# 0.26.0 and the 137 wheels of vllm_requirements.txt, and the 12 of stage_requirements.txt (what
+# the stage's own code imports beyond vLLM: megatron-core, matplotlib, math-verify), unpacked, their
+# libraries pruned to sm_90, compressed and split by vllm_pack.py into part1/, part2/, ... of at
+# most $GPU_KIT_VLLM_PART_MIB MiB each (default 54: a part and the working tree must fit one
+# command's 64 MiB), each with its manifest.json (every file's size and sha256). GPU_KIT_VLLM=0 leaves them out.
 # Downloads and the unpruned library stay in the cache ($GPU_KIT_CACHE, default ~/.cache/megatron_rl/gpu_kit).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -128,6 +129,7 @@ say "$PACKED: $((total / 1024 / 1024)) MiB ($total bytes); manifest: $PACKED/MAN
 [[ ${GPU_KIT_VLLM:-1} == 0 ]] && exit 0
 PACKED_VLLM="${GPU_KIT_PACKED_VLLM:-$HERE/packed_vllm}"
 VLLM_REQUIREMENTS="$HERE/vllm_requirements.txt"
+STAGE_REQUIREMENTS="$HERE/stage_requirements.txt"  # resolve_vllm.py stage; stage_imports.py checks it
 VLLM_TARGET=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none)
 for minor in $(seq 5 31); do VLLM_TARGET+=(--platform "manylinux_2_${minor}_x86_64"); done
 VLLM_TARGET+=(--platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64 --platform any)
@@ -135,13 +137,14 @@ mkdir -p "$CACHE/vllm/downloads"
 vllm_missing=0
 while read -r wheel; do
     [[ -f "$CACHE/vllm/downloads/$wheel" ]] || vllm_missing=$((vllm_missing + 1))
-done < <(sed -n 's/.*# \(.*\.whl\)$/\1/p' "$VLLM_REQUIREMENTS")
+done < <(sed -n 's/.*# \(.*\.whl\)$/\1/p' "$VLLM_REQUIREMENTS" "$STAGE_REQUIREMENTS")
 if ((vllm_missing)); then
-    say "downloading $vllm_missing of vLLM's wheels (vllm_requirements.txt, checked against its hashes)"
-    pip_download --require-hashes "${VLLM_TARGET[@]}" -d "$CACHE/vllm/downloads" -r "$VLLM_REQUIREMENTS"
+    say "downloading $vllm_missing of the parts' wheels (vllm_requirements.txt, stage_requirements.txt, checked against their hashes)"
+    pip_download --require-hashes "${VLLM_TARGET[@]}" -d "$CACHE/vllm/downloads" -r "$VLLM_REQUIREMENTS" \
+        -r "$STAGE_REQUIREMENTS"
 fi
 nice -n 19 "$PYTHON" "$HERE/vllm_pack.py" build "$VLLM_REQUIREMENTS" "$CACHE/vllm/downloads" "$CACHE/vllm/work" \
-    "$PACKED_VLLM" --part-limit-mib "${GPU_KIT_VLLM_PART_MIB:-54}"
+    "$PACKED_VLLM" --part-limit-mib "${GPU_KIT_VLLM_PART_MIB:-54}" --also "$STAGE_REQUIREMENTS"
 # What one command carries: the working tree (tracked and untracked files git does not ignore) and one part.
 tree_bytes=$(cd "$HERE/../.." && git ls-files -z --cached --others --exclude-standard \
     | xargs -0 stat -c %s 2> /dev/null | awk '{s += $1} END {print s + 0}')

@@ -40,6 +40,10 @@ def module_files(site: Path) -> dict[str, Path]:
     for path in site.rglob("*.so"):
         relative = path.relative_to(site)
         modules.setdefault(".".join([*relative.parts[:-1], relative.name.split(".")[0]]), path)
+    for name in list(modules):  # namespace packages: a folder without __init__.py (megatron/ of megatron-core)
+        pieces = name.split(".")
+        for depth in range(1, len(pieces)):
+            modules.setdefault(".".join(pieces[:depth]), site.joinpath(*pieces[:depth]))
     return modules
 
 

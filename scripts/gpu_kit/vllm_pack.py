@@ -1,9 +1,10 @@
 """The GPU kit's vLLM parts: vLLM 0.26.0 and the wheels it needs, unpacked, its CUDA libraries
 pruned to Hopper, compressed, and split into parts that one command each can carry.
 
-    python vllm_pack.py build REQUIREMENTS DOWNLOADS WORK OUT --part-limit-mib 54
+    python vllm_pack.py build REQUIREMENTS DOWNLOADS WORK OUT --part-limit-mib 54 [--also STAGE_REQUIREMENTS]
 
-REQUIREMENTS is vllm_requirements.txt (each line ends with its wheel's file name), DOWNLOADS the
+REQUIREMENTS is vllm_requirements.txt (each line ends with its wheel's file name), --also a further
+list packed with it (stage_requirements.txt: what the engine stage needs beyond vLLM), DOWNLOADS the
 folder holding those wheels, WORK a scratch folder in the cache, OUT the parts' folder
 (scripts/gpu_kit/packed_vllm/: part1/, part2/, ... and MANIFEST.md). Each part holds whole
 `.tar.xz` chunks and a manifest.json with every file's size and sha256, the set it belongs to and
@@ -198,8 +199,8 @@ def write_manifests(out: Path, parts: list[list[str]], chunks: Path, extra: dict
     return manifests
 
 
-def stamp_of(requirements: Path, limit: int) -> str:
-    digest = hashlib.sha256(requirements.read_bytes() + str(limit).encode())
+def stamp_of(requirements: list[Path], limit: int) -> str:
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in requirements) + str(limit).encode())
     for script in ("vllm_pack.py", "prune_fatbin.py", "vllm_receive.py"):
         digest.update((Path(__file__).parent / script).read_bytes())
     return digest.hexdigest()
@@ -213,16 +214,17 @@ def up_to_date(out: Path, stamp: str) -> bool:
     return recorded.get("stamp") == stamp and all(not verify_part(out / name) for name in recorded["parts"])
 
 
-def build(requirements: Path, downloads: Path, work: Path, out: Path, limit: int) -> list[dict]:
+def build(requirements: list[Path], downloads: Path, work: Path, out: Path, limit: int) -> list[dict]:
     stamp = stamp_of(requirements, limit)
     if up_to_date(out, stamp):
         print(f"vllm_pack: {out} is up to date (stamp.json); nothing to do")
         return [json.loads((out / name / "manifest.json").read_text())
                 for name in json.loads((out / "stamp.json").read_text())["parts"]]
-    wheels = wheels_of(requirements)
+    wheels = [wheel for path in requirements for wheel in wheels_of(path)]
     missing = [wheel for wheel in wheels if not (downloads / wheel).exists()]
     if missing:
-        raise SystemExit(f"{downloads}: missing {len(missing)} wheels of {requirements.name}, e.g. {missing[0]}")
+        raise SystemExit(f"{downloads}: missing {len(missing)} wheels of {', '.join(p.name for p in requirements)}, "
+                         f"e.g. {missing[0]}")
     for folder in (work / "site", work / "chunks"):
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
@@ -267,8 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("requirements", "downloads", "work", "out"):
         parser.add_argument(name, type=Path)
     parser.add_argument("--part-limit-mib", type=float, default=54)
+    parser.add_argument("--also", type=Path, action="append", default=[], help="a further requirements list")
     args = parser.parse_args(argv)
-    manifests = build(args.requirements, args.downloads, args.work, args.out, int(args.part_limit_mib * 2**20))
+    manifests = build([args.requirements, *args.also], args.downloads, args.work, args.out, int(args.part_limit_mib * 2**20))
     for m in manifests:
         print(f"vllm_pack: {args.out / m['part']}: {m['bytes']} bytes ({m['bytes'] / 2**20:.2f} MiB), {len(m['files'])} chunks")
     return 0
