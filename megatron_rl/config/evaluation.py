@@ -30,6 +30,12 @@ HELDOUT = "heldout"  # a set PATH naming the run's held-out set
 MAX_SAMPLES = 1 << 10  # samples per prompt: a typo's bound, as rl.group_size's
 
 
+def is_set_name(name: object) -> bool:
+    """A set's name (rl.eval.sets, `megatron-rl eval --set`): letters, digits, '_' or '-', as it
+    stands in metric keys (eval/NAME/pass@1) and in set.NAME.OPTION=VALUE."""
+    return isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9_-]+", name) is not None
+
+
 @dataclass
 class EvalConfig:
     sets: dict[str, str] = field(default_factory=dict)  # NAME: PATH (or `heldout`); empty: off
@@ -43,7 +49,7 @@ class EvalConfig:
 
     def validate(self, where: str) -> None:
         for name, path in self.sets.items():
-            if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+            if not is_set_name(name):
                 raise ConfigError(f"{where}.sets: set name {name!r} must be letters, digits, '_' or '-' (it is the "
                                   f"NAME of the metrics eval/NAME/pass@k)")
             if not isinstance(path, str) or not path.strip():

@@ -217,11 +217,23 @@ def load_datasets(config: DataConfig) -> tuple[PromptDataset, PromptDataset | No
     """The run's train dataset and optional held-out dataset, as the data config describes."""
     config.validate()
     if config.train == "synthetic":
-        train, heldout = synthetic_datasets(
-            config.synthetic, num_train=config.num_train, num_heldout=config.num_heldout, seed=config.synthetic_seed
-        )
+        train, _ = synthetic_datasets(config.synthetic, num_train=config.num_train, num_heldout=0,
+                                      seed=config.synthetic_seed)
     else:
-        train, heldout = load_source(config, "train"), None
+        train = load_source(config, "train")
+    return train, load_heldout(config)
+
+
+def load_heldout(config: DataConfig) -> PromptDataset | None:
+    """The run's held-out dataset alone: data.heldout's prompts, else the synthetic task's held-out
+    split (data.num_heldout prompts; each split is a function of the task and seed alone), else
+    None. What training evaluates (eval/accuracy) and what the set PATH `heldout` names."""
+    config.validate()
     if config.heldout is not None:
-        heldout = load_source(config, "heldout")
-    return train, heldout
+        return load_source(config, "heldout")
+    if config.train == "synthetic":
+        # One train record (a dataset is never empty); each split is drawn on its own, so the
+        # held-out split is the one load_datasets builds beside data.num_train records.
+        return synthetic_datasets(config.synthetic, num_train=1, num_heldout=config.num_heldout,
+                                  seed=config.synthetic_seed)[1]
+    return None

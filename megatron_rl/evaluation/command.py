@@ -24,8 +24,9 @@ from pathlib import Path
 
 from megatron_rl.errors import ConfigError
 from megatron_rl.evaluation.checkpoints import CheckpointSource, check_same_model, checkpoint_config, identify
-from megatron_rl.evaluation.sets import (LoadedSet, SamplingDefaults, check_reward_columns, is_set_option, load_set,
-                                         parse_sets)
+from megatron_rl.config.evaluation import HELDOUT
+from megatron_rl.evaluation.sets import (LoadedSet, SamplingDefaults, SetNaming, SetSpec, check_prompt_lengths,
+                                         is_set_option, load_set, parse_sets, set_rewards)
 
 DEFAULT_OUT = "eval"
 REPORT_FILES = ("eval.json", "eval.md", "pass_at_k.png")
@@ -130,7 +131,7 @@ def prepare(args) -> EvalPlan:
     sources = [identify(path, label) for path, label in zip(args.ckpt, labels)]
     configs = [checkpoint_config(source, base, overrides, str(out)) for source in sources]
     check_same_model(sources, configs)
-    sets = [_eval_set(load_set(spec, configs[0].data), sources, configs) for spec in specs]
+    sets = [_eval_set(_load_set(spec, sources, configs), sources, configs) for spec in specs]
     _check_engine(configs[0])  # last: it imports torch (seconds), the checks above do not
     _check_prompt_lengths(sets, configs)
     record = {"checkpoints": [dataclasses.asdict(s) | {"resolved": str(s.resolved)} for s in sources],
@@ -191,58 +192,47 @@ def _check_engine(config) -> None:
 
 def _check_prompt_lengths(sets: list[EvalSet], configs: list) -> None:
     """Every prompt of every set fits the engine's context with its response budget, encoded as
-    each checkpoint's prompt format encodes it (train/preflight's count): the engine would refuse
-    it in the middle of the evaluation."""
-    from megatron_rl.train.preflight import overlong_prompts, run_tokenizer
+    each checkpoint's prompt format encodes it (train/preflight's count)."""
+    from megatron_rl.train.preflight import run_tokenizer
 
     tokenizer, context = run_tokenizer(configs[0]), configs[0].rollout.max_model_len
     for item in sets:
-        spec, records = item.loaded.spec, item.loaded.records
-        limit = context - item.max_tokens
-        if limit < 1:
-            raise ConfigError(f"set {spec.name!r}: max_tokens={item.max_tokens} leaves no room for a prompt in the "
-                              f"engine's context (rollout.max_model_len={context}); lower --max-tokens or "
-                              f"set.{spec.name}.max_tokens")
+        spec = item.loaded.spec
         formats = {(spec.prompt_format or c.data.prompt_format,
                     spec.system_prompt if spec.system_prompt is not None else c.data.system_prompt) for c in configs}
         for prompt_format, system_prompt in sorted(formats, key=str):
             data = dataclasses.replace(configs[0].data, prompt_format=prompt_format, system_prompt=system_prompt)
-            over = overlong_prompts(records, tokenizer, data, limit)
-            if over:
-                index, tokens = over[0]
-                raise ConfigError(
-                    f"set {spec.name!r}: {records[index].location}: the prompt is {tokens} tokens ({prompt_format} "
-                    f"format), over the limit of {limit} (rollout.max_model_len={context} - max_tokens="
-                    f"{item.max_tokens}); {len(over)} of the set's {len(records)} prompts are over it. Leave them "
-                    f"out of the file, raise rollout.max_model_len, or lower --max-tokens")
+            check_prompt_lengths(item.loaded, tokenizer, data, context, item.max_tokens, SetNaming.command(spec.name))
+
+
+def _load_set(spec: SetSpec, sources: list[CheckpointSource], configs: list) -> LoadedSet:
+    """The set as the first checkpoint's run reads it. `heldout` is each checkpoint's run's
+    held-out set, which must then be one set for all (the same prompts, answers and fields)."""
+    loaded = load_set(spec, configs[0].data)
+    if spec.path != HELDOUT:
+        return loaded
+    rows = [(r.prompt, r.answer, r.metadata) for r in loaded.records]
+    for source, config in zip(sources[1:], configs[1:]):
+        other = load_set(spec, config.data)
+        if [(r.prompt, r.answer, r.metadata) for r in other.records] != rows:
+            raise ConfigError(f"set {spec.name!r}: {HELDOUT!r} names each checkpoint's run's held-out set, and --ckpt "
+                              f"{sources[0].path} ({loaded.source}, {len(loaded.records)} prompts) and --ckpt "
+                              f"{source.path} ({other.source}, {len(other.records)} prompts) have different ones; "
+                              "evaluate them on one set's file (--set NAME=PATH) or in separate runs")
+    return loaded
 
 
 def _eval_set(loaded: LoadedSet, sources: list[CheckpointSource], configs: list) -> EvalSet:
     """The set's reward (its own, its format's, else the checkpoints' run's, which must agree),
     resolved now, and its token budget."""
-    from megatron_rl.rewards import build_scorer
-    from megatron_rl.rewards.config import RewardConfig
-    from megatron_rl.rewards.scoring import RewardTerm
-
     spec = loaded.spec
-    if spec.reward is not None:
-        rewards = dataclasses.replace(configs[0].rewards, terms=[RewardTerm(spec.reward, params=spec.reward_params)])
-    elif loaded.rewards is not None:
-        rewards = loaded.rewards
-    else:
-        rewards = configs[0].rewards
+    if spec.reward is None and loaded.rewards is None:
         for source, config in zip(sources[1:], configs[1:]):
-            if config.rewards != rewards:
+            if config.rewards != configs[0].rewards:
                 raise ConfigError(f"set {spec.name!r}: --ckpt {sources[0].path} and --ckpt {source.path} come with "
                                   "different rewards (their runs' rewards.terms): name the set's with "
                                   f"set.{spec.name}.reward=NAME so that both are scored alike")
-    if not isinstance(rewards, RewardConfig):
-        raise TypeError(f"set {spec.name!r}: a set format's loader returned {type(rewards).__name__} as its rewards")
-    try:
-        build_scorer(rewards).close()  # every reward function resolved now, not at the first sample
-    except ConfigError as exc:
-        raise ConfigError(f"set {spec.name!r}: {exc}") from None
-    check_reward_columns(loaded, [term.name for term in rewards.terms])
+    rewards = set_rewards(loaded, configs[0].rewards, SetNaming.command(spec.name))
     return EvalSet(loaded, rewards, spec.max_tokens or configs[0].rl.max_response_tokens)
 
 
@@ -328,7 +318,7 @@ def _run_set(item: EvalSet, scorer, source: CheckpointSource, config, plan: Eval
     progress = PromptProgress(source.label, spec.name, per_prompt, enabled=runtime.is_driver)
     try:
         outcome = evaluate_set(item.loaded.records, generation=generation, scorer=scorer, params=params,
-                               name=spec.name, path=spec.path, greedy=spec.greedy, threshold=spec.threshold,
+                               name=spec.name, path=item.loaded.source, greedy=spec.greedy, threshold=spec.threshold,
                                keep_texts=3, progress=progress)
     finally:
         generation.close()

@@ -14,23 +14,63 @@ answer_key, columns, other_columns, loader) unless the set says otherwise. Every
 leaves out comes from the command's flags (--n, --k, --temperature, --top-p, --max-tokens,
 --prompts, --no-greedy) or, for the reward and the prompt format, from the checkpoint's run.
 
+The PATH `heldout` names the held-out set of the checkpoint's run (data.load_heldout, as training
+builds the set its eval/accuracy measures: data.heldout's file or the synthetic task's held-out
+split), read as that run reads it.
+
 A set in a format the generic reader does not know (HumanEval's prompt / test / entry_point rows)
 is read by its own loader in FORMAT_LOADERS, which also says which reward scores it.
+
+The same reading, checks and reward resolution serve rl.eval's sets during training
+(train/eval_sets.py): a SetNaming says in whose words the errors name the set and what to set.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from megatron_rl.config.evaluation import HELDOUT, is_set_name
 from megatron_rl.errors import ConfigError
 
 # Options whose value is text as written (a path, a name, a prompt), never YAML-parsed.
 TEXT_OPTIONS = ("path", "reward", "split", "prompt_key", "answer_key", "system_prompt", "loader", "other_columns",
                 "prompt_format")
+# Options that say how a set's rows are read (the run's data.* keys of the same names by default).
+READ_OPTIONS = ("split", "prompt_key", "answer_key", "columns", "other_columns", "loader")
+
+
+@dataclass(frozen=True)
+class SetNaming:
+    """In whose words an error names a set and the key that fixes it: `megatron-rl eval`'s
+    `set 'NAME'` with its per-set options (set.NAME.OPTION=VALUE), or training's rl.eval.sets.NAME,
+    whose sets have no options of their own and are read with the run's data section."""
+
+    where: str  # what the error starts with
+    options: str | None  # the per-set options' prefix ("set.NAME."); None: none (rl.eval)
+    budget: str  # the key of the response budget
+    fewer: str  # how to evaluate fewer prompts
+
+    @classmethod
+    def command(cls, name: str) -> SetNaming:
+        return cls(f"set {name!r}", f"set.{name}.", f"--max-tokens or set.{name}.max_tokens",
+                   f"--prompts or set.{name}.prompts")
+
+    @classmethod
+    def training(cls, name: str) -> SetNaming:
+        return cls(f"rl.eval.sets.{name}", None, "rl.eval.max_tokens", "rl.eval.prompts")
+
+    def key(self, option: str) -> str:
+        """The key that sets a reading option for this set: its own, or the run's data.* (rl.eval)."""
+        return f"{self.options or 'data.'}{option}"
+
+    def fix(self, option: str, value: str) -> str:
+        """The key=value that changes how the set is read, and how every set is."""
+        if self.options is not None:
+            return f"{self.key(option)}={value} (data.{option.split('.')[0]} for every set)"
+        return f"{self.key(option)}={value} (rl.eval's sets are read with the run's data section)"
 
 
 @dataclass
@@ -84,6 +124,10 @@ class LoadedSet:
     spec: SetSpec
     records: list
     rewards: Any = None  # a rewards.RewardConfig chosen by the set's format (e.g. HumanEval's tests)
+    source: str = ""  # what the records were read from, for messages and the report ("": spec.path)
+
+    def __post_init__(self):
+        self.source = self.source or self.spec.path
 
 
 def _humaneval_set(spec: SetSpec, data) -> LoadedSet | None:
@@ -133,7 +177,7 @@ def is_set_option(item: str) -> bool:
 
 
 def _add(raw: dict, name: str, options: dict, where: str) -> None:
-    if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+    if not is_set_name(name):
         raise ConfigError(f"{where}: set name {name!r} must be letters, digits, '_' or '-' (it names the set in "
                           "set.NAME.OPTION=VALUE and in the report)")
     if name in raw:
@@ -235,31 +279,36 @@ def check_sampling(spec: SetSpec, ks: list[int] | None) -> None:
 # --------------------------------------------------------------------------- reading
 
 
-def set_data_config(spec: SetSpec, data) -> Any:
+def set_data_config(spec: SetSpec, data, naming: SetNaming | None = None) -> Any:
     """The run's data section (`data`: a DataConfig) with the set's own fields: how the set's file
     is read and its prompts shown to the model."""
+    naming = naming or SetNaming.command(spec.name)
     changes = {"train": spec.path, "train_split": spec.split or data.heldout_split}
-    for option in ("prompt_key", "answer_key", "columns", "other_columns", "loader", "prompt_format",
-                   "system_prompt"):
+    for option in READ_OPTIONS[1:] + ("prompt_format", "system_prompt"):
         if getattr(spec, option) is not None:
             changes[option] = getattr(spec, option)
     config = dataclasses.replace(data, **changes)
     try:
-        return config.validate(f"set {spec.name!r}")
+        return config.validate(naming.where)
     except ConfigError as exc:
-        raise ConfigError(str(exc).replace(f"set {spec.name!r}.", f"set.{spec.name}.")) from None
+        raise ConfigError(str(exc).replace(f"{naming.where}.", naming.options or "data.")) from None
 
 
-def load_set(spec: SetSpec, data) -> LoadedSet:
+def load_set(spec: SetSpec, data, naming: SetNaming | None = None) -> LoadedSet:
     """The set's records (the first spec.prompts of them), read as the run's data section says
-    with the set's own fields over it. ConfigError naming the set, the file and what to set."""
+    with the set's own fields over it; for the PATH `heldout`, the run's held-out set. ConfigError
+    naming the set (in `naming`'s words: the command's by default), the file and what to set."""
     from megatron_rl.data.prompts import load_source
 
+    naming = naming or SetNaming.command(spec.name)
+    if spec.path == HELDOUT:
+        return _first(heldout_set(spec, data, naming))
     path = Path(spec.path)
     if not path.exists():
-        raise ConfigError(f"set {spec.name!r}: {spec.path} does not exist; it must be a .jsonl / .parquet / .json / "
-                          ".csv / .arrow file or a directory written by `datasets` save_to_disk")
-    config = set_data_config(spec, data)
+        raise ConfigError(f"{naming.where}: {spec.path} does not exist; it must be a .jsonl / .parquet / .json / "
+                          f".csv / .arrow file, a directory written by `datasets` save_to_disk, or {HELDOUT!r} (the "
+                          "run's held-out set)")
+    config = set_data_config(spec, data, naming)
     for loader in FORMAT_LOADERS:
         loaded = loader(spec, config)
         if loaded is not None:
@@ -267,8 +316,28 @@ def load_set(spec: SetSpec, data) -> LoadedSet:
     try:
         records = list(load_source(config, "train"))
     except ConfigError as exc:
-        raise ConfigError(_explained(spec, str(exc))) from None
+        raise ConfigError(_explained(spec, str(exc), naming)) from None
     return _first(LoadedSet(spec, records))
+
+
+def heldout_set(spec: SetSpec, data, naming: SetNaming) -> LoadedSet:
+    """The run's held-out set (`data`: the run's DataConfig) as training builds it for its
+    eval/accuracy (data.load_heldout): data.heldout's prompts or the synthetic task's held-out
+    split, read with the run's fields; ConfigError where the run has none."""
+    from megatron_rl.data.prompts import load_heldout
+
+    own = [option for option in READ_OPTIONS if getattr(spec, option) is not None]
+    if own:
+        raise ConfigError(f"{naming.where}: {HELDOUT!r} is the run's held-out set, read as the run reads it; "
+                          f"{naming.key(own[0])} does not apply to it (data.{own[0]} changes how the run reads it)")
+    try:
+        heldout = load_heldout(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{naming.where}: the run's held-out set: {exc}") from None
+    if heldout is None or len(heldout) == 0:
+        raise ConfigError(f"{naming.where}: {HELDOUT!r} names the run's held-out set, and this run has none; set "
+                          "data.heldout (a prompt file) or give the set's own path")
+    return LoadedSet(spec, list(heldout), source=heldout.source)
 
 
 def _first(loaded: LoadedSet) -> LoadedSet:
@@ -277,38 +346,85 @@ def _first(loaded: LoadedSet) -> LoadedSet:
     return loaded
 
 
-def _explained(spec: SetSpec, message: str) -> str:
-    """A reader's error with the set's name and the option that fixes it."""
-    message = message.replace("data.train:", f"{spec.path}:").replace("data.train_split", f"set.{spec.name}.split")
-    name = spec.name
+def _explained(spec: SetSpec, message: str, naming: SetNaming) -> str:
+    """A reader's error with the set's name and the key that fixes it."""
+    split = naming.key("split") if naming.options else "data.heldout_split"
+    message = message.replace("data.train:", f"{spec.path}:").replace("data.train_split", split)
     if "prompt key '" in message:
-        hint = (f"name the set's prompt field with set.{name}.prompt_key=FIELD (data.prompt_key for every set)")
+        hint = f"name the set's prompt field with {naming.fix('prompt_key', 'FIELD')}"
     elif "answer key '" in message:
-        hint = (f"name the set's answer field with set.{name}.answer_key=FIELD (data.answer_key for every set), "
-                f"or set.{name}.answer_key=null for a set without answers")
+        hint = (f"name the set's answer field with {naming.fix('answer_key', 'FIELD')}, or "
+                f"{naming.key('answer_key')}=null for a set without answers")
     elif "data.columns key '" in message:
-        hint = f"map an existing field with set.{name}.columns.FIELD=KEYWORD (data.columns for every set)"
+        hint = f"map an existing field with {naming.fix('columns.FIELD', 'KEYWORD')}"
     else:
         hint = ""
-    return f"set {name!r}: {message}" + (f"; {hint}" if hint else "")
+    return f"{naming.where}: {message}" + (f"; {hint}" if hint else "")
 
 
-def check_reward_columns(loaded: LoadedSet, reward_names: list[str]) -> None:
+def set_rewards(loaded: LoadedSet, run_rewards, naming: SetNaming, *, run_rewards_resolved: bool = False):
+    """The reward terms (a rewards.RewardConfig) that score the set: its own (spec.reward), its
+    format's (HumanEval's code_tests), else the run's (`run_rewards`); each function resolved now,
+    not at the first sample (unless they are the run's and the caller resolved them), and the
+    fields they read checked in the set's records."""
+    from megatron_rl.rewards import build_scorer
+    from megatron_rl.rewards.config import RewardConfig
+    from megatron_rl.rewards.scoring import RewardTerm
+
+    spec = loaded.spec
+    if spec.reward is not None:
+        rewards = dataclasses.replace(run_rewards, terms=[RewardTerm(spec.reward, params=spec.reward_params)])
+    else:
+        rewards = loaded.rewards if loaded.rewards is not None else run_rewards
+    if not isinstance(rewards, RewardConfig):
+        raise TypeError(f"{naming.where}: a set format's loader returned {type(rewards).__name__} as its rewards")
+    if rewards is not run_rewards or not run_rewards_resolved:
+        try:
+            build_scorer(rewards).close()
+        except ConfigError as exc:
+            raise ConfigError(f"{naming.where}: {exc}") from None
+    check_reward_columns(loaded, [term.name for term in rewards.terms], naming)
+    return rewards
+
+
+def check_reward_columns(loaded: LoadedSet, reward_names: list[str], naming: SetNaming | None = None) -> None:
     """The fields the set's reward functions read are in its records: a reference answer for
     "math" and the synthetic verifiers, `tests` for "code_tests". ConfigError naming the set, the
-    file, the field and the option to set."""
+    file, the field and the key to set."""
     spec, records = loaded.spec, loaded.records
+    naming = naming or SetNaming.command(spec.name)
     if not records:
-        raise ConfigError(f"set {spec.name!r}: {spec.path} holds no prompts")
+        raise ConfigError(f"{naming.where}: {loaded.source} holds no prompts")
     first = records[0]
     for name in reward_names:
         if name == "code_tests" and "tests" not in first.metadata:
             fields = ", ".join(sorted(first.metadata)) or "none"
-            raise ConfigError(f"set {spec.name!r}: the reward code_tests reads each record's 'tests', and "
-                              f"{first.location or spec.path} has no such field (its other fields: {fields}); map "
-                              f"the field that holds the tests with set.{spec.name}.columns.FIELD=tests "
-                              "(data.columns for every set)")
+            raise ConfigError(f"{naming.where}: the reward code_tests reads each record's 'tests', and "
+                              f"{first.location or loaded.source} has no such field (its other fields: {fields}); "
+                              f"map the field that holds the tests with {naming.fix('columns.FIELD', 'tests')}")
         if (name == "math" or name.startswith("synthetic")) and first.answer is None:
-            raise ConfigError(f"set {spec.name!r}: the reward {name} compares each response with the record's "
-                              f"answer, and {spec.path} is read without one (answer_key null); name the answer "
-                              f"field with set.{spec.name}.answer_key=FIELD")
+            raise ConfigError(f"{naming.where}: the reward {name} compares each response with the record's answer, "
+                              f"and {loaded.source} is read without one (answer_key null); name the answer field "
+                              f"with {naming.key('answer_key')}=FIELD")
+
+
+def check_prompt_lengths(loaded: LoadedSet, tokenizer, data, context: int, budget: int, naming: SetNaming) -> None:
+    """Every prompt of the set, encoded as `data` (prompt format, system prompt) says, leaves room
+    for the response budget in the engine's context (rollout.max_model_len): the engine would
+    refuse it in the middle of the evaluation. ConfigError naming the set, file, line and tokens."""
+    from megatron_rl.train.preflight import overlong_prompts
+
+    limit = context - budget
+    if limit < 1:
+        raise ConfigError(f"{naming.where}: a response budget of {budget} tokens leaves no room for a prompt in the "
+                          f"engine's context (rollout.max_model_len={context}); raise rollout.max_model_len or lower "
+                          f"{naming.budget}")
+    records = loaded.records
+    over = overlong_prompts(records, tokenizer, data, limit)
+    if over:
+        index, tokens = over[0]
+        raise ConfigError(f"{naming.where}: {records[index].location or loaded.source}: the prompt is {tokens} tokens "
+                          f"({data.prompt_format} format), over the limit of {limit} (rollout.max_model_len={context} "
+                          f"- a response budget of {budget}); {len(over)} of the set's {len(records)} prompts are "
+                          f"over it. Raise rollout.max_model_len, lower {naming.budget}, or evaluate fewer prompts "
+                          f"({naming.fewer})")

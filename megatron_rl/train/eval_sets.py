@@ -2,7 +2,7 @@
 `megatron-rl eval` runs, evaluation/runner.py's evaluate_set and evaluation/metrics.py's figures,
 on the training engines and with the weights the next step samples from.
 
-    sets = load_eval_sets(config, datasets)      # before the runtime: each set read and checked
+    sets = load_eval_sets(config)                # before the runtime: each set read and checked
     evals = TrainingEvals(config, sets, tokenizer, runtime)
     metrics.update(evals.run(step, generation, scorer))   # collective; {} where the step is not due
     evals.close()
@@ -20,9 +20,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from megatron_rl.config.evaluation import HELDOUT
-from megatron_rl.errors import ConfigError
-
 
 @dataclass
 class EvalSet:
@@ -32,59 +29,27 @@ class EvalSet:
     rewards: object | None  # a rewards.RewardConfig of the set's format; None: the run's rewards
 
 
-def load_eval_sets(config, datasets) -> list[EvalSet]:
-    """Every rl.eval set read and checked as `megatron-rl eval` checks a --set (evaluation/sets.py):
-    the file, its rows, the fields its reward reads, a reward of its own resolved (a HumanEval
-    set's sandbox), its prompts' length against the engine's context. `datasets`: preflight's
-    (train, held-out). ConfigError naming rl.eval.sets.NAME."""
-    from megatron_rl.evaluation.sets import SetSpec, check_reward_columns, load_set
-    from megatron_rl.rewards import build_scorer
+def load_eval_sets(config) -> list[EvalSet]:
+    """Every rl.eval set read and checked by the code that reads and checks a `megatron-rl eval
+    --set` (evaluation/sets.py): the file, its rows, the fields its reward reads, a reward of its
+    own resolved (a HumanEval set's sandbox), its prompts' length against the engine's context;
+    `heldout`, the run's held-out set as data.load_heldout builds it (what eval/accuracy measures).
+    ConfigError naming rl.eval.sets.NAME and the run's keys (data.*, rl.eval.*) that fix it."""
+    from megatron_rl.evaluation.sets import SetNaming, SetSpec, check_prompt_lengths, load_set, set_rewards
+    from megatron_rl.train.preflight import run_tokenizer
 
-    settings, loaded = config.rl.eval, []
+    settings, found = config.rl.eval, {}
     for name, path in settings.sets.items():
-        where = f"rl.eval.sets.{name}"
-        if path == HELDOUT:
-            heldout = datasets[1]
-            if heldout is None or len(heldout) == 0:
-                raise ConfigError(f"{where}: {HELDOUT!r} names the run's held-out set, and this run has none; set "
-                                  "data.heldout (a prompt file) or give the set's own path")
-            item = EvalSet(name, heldout.source, list(heldout), None)
-        else:
-            try:
-                found = load_set(SetSpec(name=name, path=path), config.data)
-                terms = found.rewards.terms if found.rewards is not None else config.rewards.terms
-                check_reward_columns(found, [term.name for term in terms])
-                if found.rewards is not None:  # its own reward resolved now (code_tests: can the sandbox run?)
-                    build_scorer(found.rewards).close()
-            except ConfigError as exc:
-                raise ConfigError(f"{where}: {str(exc).removeprefix(f'set {name!r}: ')}") from None
-            item = EvalSet(name, path, found.records, found.rewards)
-        if settings.prompts is not None:
-            item.records = item.records[:settings.prompts]
-        _check_lengths(config, item)
-        loaded.append(item)
-    return loaded
-
-
-def _check_lengths(config, item: EvalSet) -> None:
-    """Every prompt leaves room for rl.eval's response budget in the engine's context."""
-    from megatron_rl.data import PromptDataset
-    from megatron_rl.train.preflight import overlong_prompts, run_tokenizer
-
-    budget = config.rl.eval.max_tokens or config.rl.max_response_tokens
-    limit = config.rollout.max_model_len - budget
-    if limit < 1:
-        raise ConfigError(f"rl.eval: rollout.max_model_len={config.rollout.max_model_len} leaves no room for a prompt "
-                          f"next to the evaluation's response budget of {budget} tokens; raise rollout.max_model_len "
-                          "or lower rl.eval.max_tokens")
-    over = overlong_prompts(PromptDataset(item.records, item.path), run_tokenizer(config), config.data, limit)
-    if over:
-        index, tokens = over[0]
-        raise ConfigError(f"rl.eval.sets.{item.name}: {item.records[index].location or item.path}: the prompt is "
-                          f"{tokens} tokens, over the limit of {limit} (rollout.max_model_len="
-                          f"{config.rollout.max_model_len} - a response budget of {budget}); {len(over)} of "
-                          f"{len(item.records)} prompts are over it. Raise rollout.max_model_len, or evaluate "
-                          "fewer prompts (rl.eval.prompts)")
+        naming = SetNaming.training(name)
+        found[name] = load_set(SetSpec(name=name, path=path, prompts=settings.prompts), config.data, naming)
+        # The run's rewards were resolved by preflight; a set format's own (code_tests) is resolved here.
+        set_rewards(found[name], config.rewards, naming, run_rewards_resolved=True)
+    if found:  # counted with the run's tokenizer, once every set is read
+        budget, tokenizer = settings.max_tokens or config.rl.max_response_tokens, run_tokenizer(config)
+        for name, item in found.items():
+            check_prompt_lengths(item, tokenizer, config.data, config.rollout.max_model_len, budget,
+                                 SetNaming.training(name))
+    return [EvalSet(name, item.source, item.records, item.rewards) for name, item in found.items()]
 
 
 class TrainingEvals:

@@ -85,7 +85,7 @@ def train(config: RunConfig) -> TrainResult:
             refusal = str(exc)
     try:
         datasets = preflight(config) if refusal is None else None
-        eval_sets = load_eval_sets(config, datasets) if refusal is None else None  # rl.eval's, read and checked
+        eval_sets = load_eval_sets(config) if refusal is None else None  # rl.eval's, read and checked
         runtime = start_runtime(config)
         try:
             refusal = runtime.from_driver(refusal)

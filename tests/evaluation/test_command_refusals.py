@@ -51,6 +51,19 @@ def prompts(tmp_path) -> Path:
     return path
 
 
+def stand_in_run(tmp_path: Path, config: dict) -> Path:
+    """A stand-in run directory: the files a training checkpoint is told apart by, with `config` as
+    its recorded run config (its weights are never read: the cases stop before the engine stage)."""
+    step = tmp_path / "run" / "checkpoints" / "step_000001"
+    (step / "hf_config").mkdir(parents=True)
+    shutil.copy(PRESETS / "tiny-qwen3-moe.json", step / "hf_config" / "config.json")
+    (step / "megatron_rl.json").write_text(json.dumps({"format": "megatron_rl.torch_dist.v1", "weights_dir": "weights"}))
+    (step / "trainer_state.json").write_text(json.dumps({"step": 1, "config": config}))
+    (step.parent / "latest").write_text("step_000001")
+    return tmp_path / "run"
+
+
+
 def refused(capsys, *argv: str, within: float = 2.0) -> str:
     tick = time.perf_counter()
     status = cli.main(["eval", *argv])
@@ -171,12 +184,7 @@ def test_checkpoints_of_two_models_are_refused_before_one_engine_serves_both(no_
 def test_runs_with_different_rewards_need_the_sets_reward(no_engine, capsys, hf_dir, prompts, tmp_path):
     """A stand-in run directory (the files a training checkpoint is told apart by, its recorded config
     scoring with `math`) next to a Hugging Face directory under the tiny default (`synthetic`)."""
-    step = tmp_path / "run" / "checkpoints" / "step_000001"
-    (step / "hf_config").mkdir(parents=True)
-    shutil.copy(PRESETS / "tiny-qwen3-moe.json", step / "hf_config" / "config.json")
-    (step / "megatron_rl.json").write_text(json.dumps({"format": "megatron_rl.torch_dist.v1", "weights_dir": "weights"}))
-    (step / "trainer_state.json").write_text(json.dumps({"step": 1, "config": {"rewards": {"terms": [{"name": "math"}]}}}))
-    (step.parent / "latest").write_text("step_000001")
+    stand_in_run(tmp_path, {"rewards": {"terms": [{"name": "math"}]}})
     argv = ["--ckpt", str(tmp_path / "run"), "--ckpt", str(hf_dir), "--set", f"add={prompts}", "--out",
             str(tmp_path / "out")]
     err = refused(capsys, *argv)
@@ -194,3 +202,42 @@ def test_a_sets_file_gives_sets_and_options_as_the_command_line_does(no_engine, 
     sets.write_text(f"add: {{path: {prompts}, n: 2}}\n")
     err = refused(capsys, "--ckpt", str(hf_dir), "--sets", str(sets), "--k", "4", "--out", str(tmp_path / "out"))
     assert "--k 4 is more than n=2" in err  # the file's n, checked as set.add.n=2 would be
+
+
+def heldout_records(*overrides: str) -> list:
+    """The held-out records training measures eval/accuracy on, for the tiny default with `overrides`."""
+    from megatron_rl.config import load_config
+    from megatron_rl.data import load_datasets
+
+    return list(load_datasets(load_config(None, list(overrides)).data)[1])
+
+
+def test_heldout_is_the_checkpoints_runs_held_out_set_or_the_configs(monkeypatch, hf_dir, tmp_path):
+    """`--set held=heldout`: a run's checkpoint gets its run's held-out set (its recorded data
+    section: 3 prompts of the synthetic task), a Hugging Face directory the tiny default's."""
+    plans = []
+    monkeypatch.setattr(command, "evaluate", plans.append)  # the checked plan, and no engine
+    run = stand_in_run(tmp_path, {"data": {"num_heldout": 3}})
+    for ckpt in (run, hf_dir):
+        assert cli.main(["eval", "--ckpt", str(ckpt), "--set", "held=heldout", "--prompts", "5",
+                         "--out", str(tmp_path / "out")]) == 0
+    from_run, from_default = (plan.sets[0].loaded for plan in plans)
+    assert from_run.records == heldout_records("data.num_heldout=3")
+    assert from_default.records == heldout_records()[:5] and len(from_default.records) == 5
+    assert from_default.source.startswith("synthetic task 'add' (heldout split")
+
+
+def test_checkpoints_whose_runs_have_different_held_out_sets_are_refused_for_heldout(no_engine, capsys, hf_dir,
+                                                                                   tmp_path):
+    run = stand_in_run(tmp_path, {"data": {"num_heldout": 3}})
+    err = refused(capsys, "--ckpt", str(run), "--ckpt", str(hf_dir), "--set", "held=heldout",
+                  "--out", str(tmp_path / "out"))
+    assert "set 'held': 'heldout' names each checkpoint's run's held-out set" in err
+    assert f"--ckpt {run} (synthetic task 'add' (heldout split, seed 0), 3 prompts)" in err
+    assert f"--ckpt {hf_dir}" in err and "have different ones" in err
+
+
+def test_heldout_takes_no_reading_option(no_engine, capsys, hf_dir, tmp_path):
+    err = refused(capsys, "--ckpt", str(hf_dir), "--set", "held=heldout", "set.held.prompt_key=question",
+                  "--out", str(tmp_path / "out"))
+    assert "set 'held': 'heldout' is the run's held-out set" in err and "set.held.prompt_key does not apply" in err

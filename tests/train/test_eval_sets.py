@@ -21,7 +21,7 @@ HUMANEVAL_ROW = {"task_id": "t/0", "prompt": "def f(x):\n", "test": "def check(c
 
 def loaded(*overrides: str):
     config = load_config(None, ["data.num_heldout=16", *overrides])
-    return load_eval_sets(config, load_datasets(config.data))
+    return load_eval_sets(config)
 
 
 def test_heldout_and_a_humaneval_set_are_read_with_their_rewards(tmp_path):
@@ -29,6 +29,9 @@ def test_heldout_and_a_humaneval_set_are_read_with_their_rewards(tmp_path):
     path.write_text(json.dumps(HUMANEVAL_ROW) + "\n")
     heldout, humaneval = loaded("rl.eval.sets.heldout=heldout", f"rl.eval.sets.he={path}", "rl.eval.prompts=5")
     assert (heldout.name, len(heldout.records), heldout.rewards) == ("heldout", 5, None)  # the run's rewards
+    # The held-out set training measures eval/accuracy on (load_datasets' second), its first rl.eval.prompts.
+    expected = load_datasets(load_config(None, ["data.num_heldout=16"]).data)[1]
+    assert heldout.records == list(expected)[:5] and heldout.path == expected.source
     assert humaneval.records[0].metadata["entry_point"] == "f"
     assert [term.name for term in humaneval.rewards.terms] == ["code_tests"]
 
@@ -42,8 +45,8 @@ def test_bad_sets_are_refused_naming_the_set(tmp_path):
         loaded(f"rl.eval.sets.plain={plain}", "rewards.terms=[{name: code_tests}]")
     long_prompt = tmp_path / "long.jsonl"
     long_prompt.write_text(json.dumps({"prompt": "1+1=" * 300, "answer": "2"}) + "\n")
-    with pytest.raises(ConfigError, match=r"rl\.eval\.sets\.long: .*long\.jsonl line 1: the prompt is 1201 tokens, "
-                                          r"over the limit of 1014 \(rollout\.max_model_len=1024 - a response budget "
+    with pytest.raises(ConfigError, match=r"rl\.eval\.sets\.long: .*long\.jsonl line 1: the prompt is 1201 tokens "
+                                          r"\(raw format\), over the limit of 1014 \(rollout\.max_model_len=1024 - a response budget "
                                           r"of 10\)"):
         loaded(f"rl.eval.sets.long={long_prompt}", "rl.eval.max_tokens=10")
 
@@ -54,7 +57,22 @@ def test_heldout_without_a_heldout_set_is_refused(tmp_path):
     config = load_config(None, [f"data.train={train}", "rl.eval.sets.heldout=heldout"])
     with pytest.raises(ConfigError, match=r"rl\.eval\.sets\.heldout: 'heldout' names the run's held-out set, and "
                                           r"this run has none"):
-        load_eval_sets(config, load_datasets(config.data))
+        load_eval_sets(config)
+
+
+def test_a_missing_field_is_named_with_the_runs_data_key_not_a_set_option(tmp_path):
+    """rl.eval's sets have no per-set options: the fix is the run's data.* key, in rl.eval's words."""
+    path = tmp_path / "questions.jsonl"
+    path.write_text(json.dumps({"question": "1+2=", "answer": "3"}) + "\n")
+    with pytest.raises(ConfigError) as refused:
+        loaded(f"rl.eval.sets.q={path}")
+    message = str(refused.value)
+    assert message.startswith("rl.eval.sets.q: ") and "prompt key 'prompt'" in message
+    assert "data.prompt_key=FIELD" in message and "set.q." not in message and "set 'q'" not in message
+    with pytest.raises(ConfigError, match=r"rl\.eval\.sets\.code: .*map the field that holds the tests with "
+                                          r"data\.columns\.FIELD=tests"):
+        loaded(f"rl.eval.sets.code={tmp_path / 'questions.jsonl'}", "data.prompt_key=question",
+               "rewards.terms=[{name: code_tests}]")
 
 
 def test_a_humaneval_set_on_a_machine_without_the_sandbox_is_refused_before_any_model(tmp_path, monkeypatch):
