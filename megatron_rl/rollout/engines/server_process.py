@@ -28,23 +28,27 @@ class ServerProcess:
 
     @classmethod
     def launch(cls, command: list[str], *, env: dict, url: str, log_path: str | Path, name: str,
-               startup_timeout_s: float):
+               startup_timeout_s: float, served_model: str | None = None):
         """Start `command` in its own process group (teardown then reaches every process the server
-        spawns), logging to `log_path`, and wait until its /health answers."""
+        spawns), logging to `log_path`, and wait until it is ready (wait_ready). `served_model`:
+        the model id its /v1/models lists (vLLM's and SGLang's: the model path given)."""
         log_path = Path(log_path)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         server = cls(process, url, log_path, name)
         try:
-            server.wait_ready(startup_timeout_s)
+            server.wait_ready(startup_timeout_s, served_model)
         except BaseException:
             server.stop()
             raise
         server.segments.note(_group_members(process.pid))  # the engine is up: its segments exist
         return server
 
-    def wait_ready(self, timeout_s: float) -> None:
+    def wait_ready(self, timeout_s: float, served_model: str | None = None) -> None:
+        """Until the server answers as ours: /health, then /v1/models with this job's token (a
+        server refusing the token is another job's) listing `served_model` where given (a server
+        that checks no token but serves another model is not ours either)."""
         client = JsonClient(self.name, self.url, timeout_s=5, max_retries=0)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -61,7 +65,7 @@ class ServerProcess:
             # /health is open to anyone: a server that is not ours (one that held the port before
             # ours could bind it) answers it too. Only ours accepts this job's token.
             try:
-                client.get("/v1/models", retries=0)
+                models = client.get("/v1/models", retries=0)
             except EngineUnauthorized as exc:
                 raise EngineUnavailable(
                     f"{self.name}: another server already listens at {self.url} (it refused this job's rollout "
@@ -70,7 +74,12 @@ class ServerProcess:
                 time.sleep(1.0)
                 continue
             except EngineError:
-                pass  # answered with another HTTP status (a server without that route): up, and it took the token
+                return  # answered with another HTTP status (a server without that route): up, and it took the token
+            served = _model_ids(models)
+            if served_model is not None and served is not None and served_model not in served:
+                raise EngineUnavailable(
+                    f"{self.name}: another server already listens at {self.url} (it serves {sorted(served)}, not "
+                    f"{served_model}); free that port or choose another one")
             return
         raise EngineTimeout(f"{self.name}: not ready after {timeout_s:.0f}s; see {self.log_path}:\n{self.log_tail()}")
 
@@ -111,6 +120,13 @@ class ServerProcess:
                 self.process.poll()
                 time.sleep(0.1)
         self.process.poll()
+
+
+def _model_ids(models) -> set[str] | None:
+    """The ids an OpenAI-style /v1/models answer lists (None: not that shape, nothing to compare)."""
+    if not isinstance(models, dict) or not isinstance(models.get("data"), list):
+        return None
+    return {entry["id"] for entry in models["data"] if isinstance(entry, dict) and isinstance(entry.get("id"), str)}
 
 
 def _signal_group(group: int, number: int) -> None:

@@ -92,7 +92,7 @@ class SglangServerProcess(ServerProcess):
             command.append("--enable-return-routed-experts")
         command += extra_args or []
         return cls.launch(command, env=env, url=f"http://{host}:{port}", log_path=log_path, name=name,
-                          startup_timeout_s=startup_timeout_s)
+                          startup_timeout_s=startup_timeout_s, served_model=str(model_dir))
 
 
 class SglangServerEngine(ServerEngineBase):

@@ -84,7 +84,7 @@ class VllmServerProcess(ServerProcess):
             # runs inside it, as `uni` asks.
             env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         return cls.launch(command, env=env, url=f"http://{host}:{port}", log_path=log_path, name=name,
-                          startup_timeout_s=startup_timeout_s)
+                          startup_timeout_s=startup_timeout_s, served_model=str(model_dir))
 
 
 def _backend(command: list[str]) -> str | None:
