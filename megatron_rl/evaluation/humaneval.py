@@ -10,8 +10,10 @@ A row becomes a record whose prompt is the row's `prompt` (the function's signat
 docstring, which the model continues) and whose metadata are `task_id`, `entry_point`, `test`
 and `tests: [{"exit_code": 0}]`. code_tests composes the program HumanEval scores, the prompt,
 then the response (a completion of the body, or a fenced whole function that redefines the entry
-point), then `test` and `check(entry_point)`, and runs it in the sandbox: a sample passes when it
-exits with status 0 within the limits (every assert held). Reading a set parses JSON and nothing
+point), then `test` and `check(entry_point)`, and runs it in the sandbox: a sample passes when that
+program runs to its end within the limits, check() returned (every assert held), and exits with
+status 0; a completion that ends the process itself (`sys.exit(0)`, `os._exit(0)`) fails
+(rewards/code_tests.py says how that is told apart). Reading a set parses JSON and nothing
 else: no code from the file runs outside the sandbox. The row's `canonical_solution`, if any, is
 not kept (a reward never sees the reference).
 
@@ -39,8 +41,6 @@ from megatron_rl.rewards.scoring import RewardTerm
 
 FIELDS = ("prompt", "test", "entry_point")
 SUFFIXES = (".jsonl", ".jsonl.gz")
-# Every sample is one sandboxed run of the whole program: all of check()'s asserts in it.
-EXIT_OK = [{"exit_code": 0}]
 # The code_tests settings a HumanEval set is scored with: HumanEval's own runner allows 3 s a
 # problem; the sandbox's interpreter start and a loaded machine get more. Verdicts are kept
 # (cache_entries): n samples of an easy problem often repeat one response. A few checks draw
@@ -110,7 +110,10 @@ def humaneval_record(row: Any, where: str) -> PromptRecord:
     if not row["entry_point"].isidentifier():
         raise ConfigError(f"{where}: entry_point {row['entry_point']!r:.80} is not a Python function name")
     task_id = row.get("task_id", where)
-    metadata = {"task_id": str(task_id), "entry_point": row["entry_point"], "test": row["test"], "tests": EXIT_OK}
+    # One sandboxed run of the whole program, which must run to its end (check() returned): a
+    # fresh list per record, so that a caller changing one record's tests changes no other's.
+    metadata = {"task_id": str(task_id), "entry_point": row["entry_point"], "test": row["test"],
+                "tests": [{"exit_code": 0}]}
     return PromptRecord(row["prompt"], None, metadata, where)
 
 

@@ -109,7 +109,7 @@ def check_ks(outcome: SetOutcome, ks: Sequence[int] | None) -> list[int]:
         raise ValueError(f"evaluation set {outcome.name!r}: some prompts have a greedy response and some not")
     if ks is None:
         return default_ks(outcome.n)
-    bad = [k for k in ks if not (isinstance(k, int) and 1 <= k <= outcome.n)]
+    bad = [k for k in ks if isinstance(k, bool) or not (isinstance(k, int) and 1 <= k <= outcome.n)]
     if bad or not ks:
         raise ConfigError(f"evaluation set {outcome.name!r}: k must be in 1..n={outcome.n} "
                           f"(the samples per prompt); got {list(ks)}: ask for fewer k or more samples")

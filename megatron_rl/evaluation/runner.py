@@ -19,9 +19,9 @@ from dataclasses import replace
 from typing import Callable, Sequence
 
 from megatron_rl.evaluation.records import PromptOutcome, SampleOutcome, SetOutcome
+from megatron_rl.rewards.functions import CORRECT  # the trainer's threshold: rule rewards are 0 or 1
 from megatron_rl.rollout.protocol import Sample, SamplingParams
 
-CORRECT = 0.5  # the trainer's threshold (train/scoring.CORRECT): rule rewards are 0 or 1
 # Prompts per engine request: small enough for the progress bar to move, large enough that the
 # engine batches them (vLLM schedules a request's prompts together).
 CHUNK_PROMPTS = 64

@@ -3,16 +3,38 @@
 A record carries its tests in its metadata, `tests: [{"stdin": "...", "stdout": "..."}, ...]`:
 the program reads its standard input and prints; it passes a test when its output equals the
 expected one (trailing whitespace of each line and trailing blank lines ignored). A test
-`{"exit_code": 0}` (stdin optional, no stdout) passes when the program ends by itself with that
-status, whatever it prints: tests written as asserts. The program is the response's last
-```python (or bare ```) fenced block, or the whole response when it has none.
+`{"exit_code": 0}` (stdin optional, no stdout) passes when the program runs to its end, whatever
+it prints: tests written as asserts (below: a program that ends itself early fails it). A test
+`{"exit_code": N}` with N != 0 passes when the program ends by itself with that status; it trusts
+the status, which any program can choose (`sys.exit(N)`), so it checks a deliberate exit and
+nothing more. The program is the response's last ```python (or bare ```) fenced block, or the
+whole response when it has none.
 
 HumanEval-format records (metadata `entry_point` and `test`, the fields HumanEval.jsonl has;
 evaluation/humaneval.py reads such sets) are programs composed as HumanEval scores them: the
 prompt (imports, helpers, the signature and docstring), then the response as written (a
 completion continuing the function's body) or, when its last fenced block defines the entry
 point, that block (a whole function, which replaces the prompt's), then the row's `test` and
-`check(entry_point)`; their tests default to one `{"exit_code": 0}` (every assert held).
+`check(entry_point)`; their tests default to one `{"exit_code": 0}` (check() returned).
+
+Running to the end, not just exiting with 0: an exit status of 0 is what `sys.exit(0)`,
+`raise SystemExit(0)` and `os._exit(0)` give too, so a model that ends the process before the
+asserts would pass every such test (and RL would learn it). An `{"exit_code": 0}` test therefore
+runs the program inside a small harness (`run_to_end`): the scorer draws a fresh random marker
+for each sandbox call and sends it as the first line of standard input; the harness reads that
+line before any of the program runs (the program's own stdin is what follows), executes the
+program from a string, and only after it returns flushes the program's output and writes the
+marker with os.write on descriptor 1. The test passes when the program exits with 0 and its
+output ends with that marker line. The marker is in no file (the program text and the harness
+can be read by the program, they do not hold it), not in the environment or the arguments, and
+no longer in stdin; a program that reads stdin gets its own input; printing a made-up marker,
+replacing `print` or `sys.stdout`, or exiting early all leave the last line wrong or absent.
+Threat model, what this does not cover: a program written against this harness can still find
+the marker in the harness's own state in its process (walking up the call stack to the
+harness's frame, reading its memory); no in-process check can hide from code running in that
+process, and HumanEval's own runner is in-process as well. Nor does it cover Python-level tricks
+inside the asserts (a returned object whose `__eq__` is always true). The verdict cache keeps the
+pass/fail of a (program, test) pair, never a marker; each call draws a new one.
 
 Each test is its own sandbox call (sandbox/runner.py: fresh namespaces, no network, the limits
 below), so a program that hangs, floods, forks or allocates fails that test and nothing else;
@@ -32,7 +54,9 @@ reward is resolved, naming ``rewards.terms[].params.harness``; a record may also
 ``harness`` metadata (the param wins), checked when it is scored. cache_entries (0, off): each
 scorer worker keeps the pass/fail of that many (program, test) pairs it has run and answers an
 identical program's test from it, without a sandbox call; a policy's group often repeats a
-response. Leave it 0 where programs may be nondeterministic (the clock, `random`).
+response. Leave it 0 where programs may be nondeterministic (the clock, `random`). All but
+harness are the config's alone: the registry binds each (configured or default), so a record's
+metadata field of the same name cannot choose the sandbox or its limits (rewards/registry.py).
 """
 
 from __future__ import annotations
@@ -40,6 +64,7 @@ from __future__ import annotations
 import collections
 import functools
 import re
+import secrets
 from typing import Any
 
 from megatron_rl.sandbox import Sandbox, SandboxLimits
@@ -71,6 +96,29 @@ def build_program(response: str, harness: str | None = None) -> str:
     if harness is None:
         return program
     return harness.replace(PLACEHOLDER, program.strip())
+
+
+# The harness of an {"exit_code": 0} test (module docstring). A function, so the marker lives in
+# its locals and not in the __main__ module's dict; os.write and the original stdout/stderr are
+# bound before the program runs, so replacing them changes nothing here.
+RUN_TO_END = """\
+def _run_to_end(source):
+    import os, sys
+    write, out, err = os.write, sys.stdout, sys.stderr
+    end = b"\\n" + sys.stdin.buffer.readline()  # the scorer's marker line, read before the program runs
+    exec(compile(source, "<program>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    out.flush()
+    err.flush()
+    write(1, end)
+
+
+_run_to_end(%s)
+"""
+
+
+def run_to_end(program: str) -> str:
+    """`program` inside the harness that writes the marker read from stdin after the program returned."""
+    return RUN_TO_END % repr(program)
 
 
 def same_output(actual: str, expected: str) -> bool:
@@ -145,10 +193,15 @@ def passes(sandbox: Sandbox, program: str, test: dict, cache_entries: int, setti
     key = (program, test.get("stdin", ""), test.get("stdout"), test.get("exit_code"), settings)
     if cache_entries and (known := _VERDICTS.get(key)) is not None:
         return known
-    result = sandbox.run_python(program, stdin=test.get("stdin", ""))
-    if "exit_code" in test:  # ended by itself (not a limit or a signal) with that status
-        passed = result.status in ("ok", "error") and result.exit_code == test["exit_code"]
+    if test.get("exit_code") == 0:  # ran to its end: exit 0 and the marker written after it (module docstring)
+        marker = secrets.token_hex(16)
+        result = sandbox.run_python(run_to_end(program), stdin=f"{marker}\n{test.get('stdin', '')}")
+        passed = result.ok and result.stdout.endswith(f"\n{marker}\n")
+    elif "exit_code" in test:  # ended by itself (not a limit or a signal) with that status: trusted
+        result = sandbox.run_python(program, stdin=test.get("stdin", ""))
+        passed = result.status == "error" and result.exit_code == test["exit_code"]
     else:
+        result = sandbox.run_python(program, stdin=test.get("stdin", ""))
         passed = result.ok and same_output(result.stdout, test["stdout"])
     if cache_entries:
         _VERDICTS.put(key, passed, cache_entries)

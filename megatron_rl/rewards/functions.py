@@ -50,8 +50,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 __all__ = [
-    "BATCHED_ATTRIBUTE", "MAX_ABS_REWARD", "BatchedRewardFn", "RewardFn", "RewardFunction", "RewardValueError", "as_batch_rewards",
-    "as_reward", "batched", "is_batched",
+    "BATCHED_ATTRIBUTE", "CORRECT", "MAX_ABS_REWARD", "BatchedRewardFn", "RewardFn", "RewardFunction",
+    "RewardValueError", "as_batch_rewards", "as_reward", "batched", "is_batched",
 ]
 
 # The attribute ``@batched`` sets on a function (checked with getattr, so methods work too).
@@ -59,6 +59,9 @@ BATCHED_ATTRIBUTE = "__megatron_rl_batched__"
 # The largest reward magnitude taken: a group's sum and squared deviations stay far from float64's
 # limit (1.8e308), and the advantages of an estimator without a std from float32's (3.4e38).
 MAX_ABS_REWARD = 1e30
+# A sample counts as correct when its reward reaches this (rule rewards are 0 or 1): the one
+# threshold of the trainer's accuracy, the response statistics and the evaluation runner.
+CORRECT = 0.5
 
 
 class RewardFn(Protocol):

@@ -21,6 +21,14 @@ a ``ConfigError`` naming the reward and saying what is wrong (module not found, 
 with which exception, attribute missing, object not callable, unknown parameter), raised when
 the name is resolved, i.e. when the scorer is built and not at the first sample.
 
+A record's metadata never set a reward's params: they reach the function as keyword arguments
+too (data/prompts.py), so a configured param wins over a metadata field of the same name, which
+is dropped with one warning per field and process (``WithParams``). The built-ins bind every param
+they have, configured or not (its default), so a data row cannot choose one either: a row field
+``isolation: none`` cannot take code_tests out of the sandbox, nor ``memory_mb`` raise its limit,
+nor ``require_boxed`` change how math is graded. A user function's keyword arguments that no param
+sets stay open to metadata, which is how its records reach it.
+
 Resolution is a pure function of (name, params): the scorer's worker processes call it again
 with the same arguments, which is how functions that cannot be pickled (closures, lambdas)
 still run there.
@@ -28,10 +36,11 @@ still run there.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib
 import importlib.util
+import inspect
+import logging
 import sys
 from pathlib import Path
 from typing import Any, Mapping
@@ -45,6 +54,8 @@ from megatron_rl.rewards.synthetic import TASKS, make_task, verify_synthetic
 
 __all__ = ["BUILTIN_REWARDS", "resolve_reward", "absolute_reward_name", "WithParams"]
 
+logger = logging.getLogger(__name__)
+
 BUILTIN_REWARDS = ("math", "format", "code_tests", "synthetic", *(f"synthetic:{task}" for task in TASKS))
 
 
@@ -57,28 +68,47 @@ def _check_params(name: str, params: Mapping[str, Any], allowed: tuple[str, ...]
 
 class WithParams:
     """``fn`` called with configured keyword ``params``, which win over record metadata of the same
-    name (``functools.partial`` would let the metadata win). For a batched function the three
+    name (``functools.partial`` would let the metadata win): such a field is dropped, with one
+    warning per field name (per instance, so per worker process). For a batched function the three
     arguments are lists and the metadata are columns; params stay plain values."""
 
-    def __init__(self, fn, params: Mapping[str, Any]):
-        self.fn, self.params = fn, dict(params)
+    def __init__(self, fn, params: Mapping[str, Any], reward: str = ""):
+        self.fn, self.params, self.reward = fn, dict(params), reward
+        self.warned: set[str] = set()
 
     def __call__(self, prompt, response, answer, **metadata: Any) -> Any:
+        for key in sorted(set(metadata) & set(self.params) - self.warned):
+            self.warned.add(key)
+            logger.warning("reward %r: the records' metadata field %r is ignored: it names one of the reward's "
+                           "params, which only rewards.terms[].params sets (here %r); rename the field in the data "
+                           "(data.columns) if the reward should not see it", self.reward, key, self.params[key])
         return self.fn(prompt, response, answer, **{**metadata, **self.params})
 
 
+def _keyword_defaults(fn, names: tuple[str, ...]) -> dict[str, Any]:
+    """The default values of `fn`'s keyword arguments `names`: what a built-in binds for a param
+    the config leaves out, so that no record can set it."""
+    parameters = inspect.signature(fn).parameters
+    return {name: parameters[name].default for name in names}
+
+
+MATH_PARAMS = ("require_boxed", "use_math_verify")
+
+
 def _math(name: str, params: Mapping[str, Any]) -> RewardFunction:
-    _check_params(name, params, ("require_boxed", "use_math_verify"))
+    _check_params(name, params, MATH_PARAMS)
     for key in params:
         if not isinstance(params[key], bool):
             raise ConfigError(f"reward {name!r}: {key} must be true or false, got {params[key]!r}")
-    if not (params.get("use_math_verify", True) and math_verify_available()):
+    bound = {**_keyword_defaults(math_reward, MATH_PARAMS), **params}
+    if not (bound["use_math_verify"] and math_verify_available()):
         # Without sympy the whole check is the pure-Python fast path: linear, safe inline.
-        return RewardFunction(name, WithParams(math_reward, {**params, "use_math_verify": False}), inline_safe=True)
-    fast = functools.partial(math_fast_path, require_boxed=params.get("require_boxed", False))
+        return RewardFunction(name, WithParams(math_reward, {**bound, "use_math_verify": False}, name),
+                              inline_safe=True)
+    fast = WithParams(math_fast_path, {"require_boxed": bound["require_boxed"]}, name)
     # Not inline-safe: the full check may run sympy, which can take unbounded time on adversarial
     # output (e.g. towers of exponents). The fast path decides most samples without a worker.
-    return RewardFunction(name, WithParams(math_reward, params), inline_safe=False,
+    return RewardFunction(name, WithParams(math_reward, bound, name), inline_safe=False,
                           fast_path=fast, prepare=prepare_math_verify)
 
 
@@ -89,9 +119,13 @@ def _format(name: str, params: Mapping[str, Any]) -> RewardFunction:
     return RewardFunction(name, fn, inline_safe=params.get("pattern") is None)
 
 
+# code_tests' params that are the scorer's to set, every one bound (module docstring); `harness`
+# is not among them: a record may carry its own when no param sets one (the param then wins).
+CODE_TESTS_SETTINGS = ("wall_seconds", "cpu_seconds", "memory_mb", "mode", "isolation", "cache_entries")
+
+
 def _code_tests(name: str, params: Mapping[str, Any]) -> RewardFunction:
-    _check_params(name, params, ("wall_seconds", "cpu_seconds", "memory_mb", "mode", "isolation", "harness",
-                                 "cache_entries"))
+    _check_params(name, params, (*CODE_TESTS_SETTINGS, "harness"))
     try:
         check_harness(params.get("harness"))
     except ValueError as exc:
@@ -117,8 +151,8 @@ def _code_tests(name: str, params: Mapping[str, Any]) -> RewardFunction:
                               f"build: {why}. Allow user namespaces, or set params: {{isolation: none}} to run the "
                               "code with resource limits only (it can then use the network and this user's files)")
     # Not inline-safe: every test is a sandboxed process (tens of ms); the scorer's workers run it.
-    return RewardFunction(name, WithParams(code_tests_reward, params) if params else code_tests_reward,
-                          inline_safe=False)
+    bound = {**_keyword_defaults(code_tests_reward, CODE_TESTS_SETTINGS), **params}
+    return RewardFunction(name, WithParams(code_tests_reward, bound, name), inline_safe=False)
 
 
 def _synthetic_any(prompt: str, response: str, answer: str | None, *, task: str | None = None,
@@ -206,7 +240,8 @@ def _user(name: str, params: Mapping[str, Any]) -> RewardFunction:
             ) from None
     if not callable(obj):
         raise ConfigError(f"reward {name!r} is not callable (it is an object of type {type(obj).__name__})")
-    return RewardFunction(name, WithParams(obj, params) if params else obj, inline_safe=False, batched=is_batched(obj))
+    return RewardFunction(name, WithParams(obj, params, name) if params else obj, inline_safe=False,
+                          batched=is_batched(obj))
 
 
 def resolve_reward(name: str, params: Mapping[str, Any] | None = None) -> RewardFunction:

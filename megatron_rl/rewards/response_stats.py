@@ -25,12 +25,12 @@ from __future__ import annotations
 import functools
 from typing import Sequence
 
+from megatron_rl.rewards.functions import CORRECT
 from megatron_rl.rewards.synthetic import REASONING_TASKS, TASKS, make_task, response_mode
 
 __all__ = ["COUNT_PREFIX", "count_responses", "finalize_response_stats"]
 
 COUNT_PREFIX = "responses_count/"
-CORRECT = 0.5
 
 
 def count_responses(groups: Sequence[Sequence[tuple[dict, str, float, int]]]) -> dict[str, float]:

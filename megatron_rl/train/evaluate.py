@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from megatron_rl.rewards.functions import CORRECT
 from megatron_rl.train.collect import eval_params
-from megatron_rl.train.scoring import CORRECT, GroupScorer
+from megatron_rl.train.scoring import GroupScorer
 
 
 def evaluate(heldout, rl, seed: int, generation, scorer: GroupScorer) -> dict:

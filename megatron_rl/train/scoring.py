@@ -21,12 +21,11 @@ from megatron_rl.agents.metrics import agent_metrics
 from megatron_rl.algorithms import dynamic_sampling_keep
 from megatron_rl.data import prompt_text
 from megatron_rl.rewards import RewardInput, build_scorer
+from megatron_rl.rewards.functions import CORRECT
 from megatron_rl.rewards.response_stats import count_responses, finalize_response_stats
 from megatron_rl.rollout.protocol import Sample
 from megatron_rl.train.agent_failures import count_failures
 from megatron_rl.train.experience import StepRollout, Trajectory, rollout_metrics
-
-CORRECT = 0.5  # a sample counts as correct when its reward reaches this (rule rewards are 0 or 1)
 
 
 class GroupScorer:

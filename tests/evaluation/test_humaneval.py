@@ -23,7 +23,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from megatron_rl.errors import ConfigError
-from megatron_rl.evaluation.humaneval import humaneval_rewards, is_humaneval_set, load_humaneval
+from megatron_rl.evaluation.humaneval import humaneval_record, humaneval_rewards, is_humaneval_set, load_humaneval
 from megatron_rl.evaluation.metrics import set_figures
 from megatron_rl.evaluation.runner import evaluate_set
 from megatron_rl.rewards.code_tests import completion_program, sandbox_for
@@ -119,6 +119,16 @@ def test_the_packaged_humaneval_is_detected_and_read_whole(humaneval):
     assert records[0].prompt.startswith("from typing import List\n\n\ndef has_close_elements(")
     assert records[0].metadata["entry_point"] == "has_close_elements"
     assert "canonical_solution" not in records[0].metadata  # a reward never sees the reference
+    assert records[0].metadata["tests"] == [{"exit_code": 0}]
+
+
+def test_each_record_has_its_own_tests():
+    """Changing one record's tests (a caller adding stdin, say) leaves every other record's alone."""
+    row = {"prompt": "def f():\n", "entry_point": "f", "test": "def check(candidate):\n    pass\n"}
+    first, second = (humaneval_record(row, f"set.jsonl line {line}") for line in (1, 2))
+    first.metadata["tests"][0]["stdin"] = "changed"
+    first.metadata["tests"].append({"exit_code": 1})
+    assert second.metadata["tests"] == [{"exit_code": 0}]
 
 
 def test_fake_engine_with_canonical_solutions_passes_all_164_in_the_sandbox(humaneval):

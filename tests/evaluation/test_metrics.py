@@ -149,6 +149,8 @@ def test_asked_ks_are_checked_against_n_and_the_set_against_its_contract():
         set_figures(outcome, [1, 16])
     with pytest.raises(ConfigError, match="k must be in"):
         set_figures(outcome, [0])
+    with pytest.raises(ConfigError, match=r"k must be in .*\[True\]"):  # a bool is not a k (True == 1)
+        set_figures(outcome, [True])
     assert set_figures(outcome, None, resamples=10)["ks"] == default_ks(8) == [1, 2, 4, 8]
     assert default_ks(12) == [1, 2, 4, 8, 12] and default_ks(1) == [1]
     outcome.prompts[1].samples.pop()

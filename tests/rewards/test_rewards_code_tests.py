@@ -147,6 +147,32 @@ def test_an_exit_code_test_passes_on_the_status_whatever_is_printed():
             code_tests_reward("", "pass", None, tests=[bad])
 
 
+# Completions that end the process, or fake its end, before check() ran: each exits 0 unless caught.
+EARLY_EXITS = {
+    "sys.exit": "    import sys\n    sys.exit(0)\n",
+    "os._exit": "    import os\n    os._exit(0)\n",
+    "SystemExit": "    raise SystemExit(0)\n",
+    "reads stdin": "    import os, sys\n    print(sys.stdin.read())\n    print(os.read(0, 4096))\n    os._exit(0)\n",
+    "reads its source": "    import sys\n    print(open(sys.argv[0]).read())\n    sys.exit(0)\n",
+    "prints a fake marker": "    import os\n    print('0123456789abcdef0123456789abcdef')\n    os._exit(0)\n",
+    "replaces print": ("    import builtins, os, sys\n    builtins.print = lambda *a, **k: os.write(1, b'x\\n')\n"
+                       "    sys.stdout.write = lambda text: 0\n    os.write = lambda fd, data: 0\n    return 0\n"),
+}
+
+
+def test_a_program_that_ends_itself_early_fails_an_exit_0_test():
+    """Exit status 0 is not a pass: the program must run to its end (module docstring of
+    code_tests), which a completion that exits, fakes the end marker or replaces the output
+    functions cannot show; the right body, printing or not, still passes."""
+    record = {"entry_point": "add", "test": ADD_TEST}
+    scores = {name: code_tests_reward(ADD_PROMPT, body, None, **record) for name, body in EARLY_EXITS.items()}
+    assert scores == dict.fromkeys(EARLY_EXITS, 0.0)
+    assert code_tests_reward(ADD_PROMPT, "    print('partial', end='')\n    return a + b\n", None, **record) == 1.0
+    # a plain program's exit-0 test too; its own stdin is still there after the marker's line
+    assert code_tests_reward("", "import sys\nsys.exit(0)\nassert False", None, tests=[{"exit_code": 0}]) == 0.0
+    assert code_tests_reward("", "assert input() == 'hi'", None, tests=[{"exit_code": 0, "stdin": "hi\n"}]) == 1.0
+
+
 def test_a_humaneval_record_runs_prompt_completion_test_and_check():
     """The composition HumanEval scores with: a completion continues the prompt's function; a
     fenced whole function replaces it; a wrong body fails check(); prints do not matter."""
@@ -162,3 +188,22 @@ def test_a_humaneval_record_runs_prompt_completion_test_and_check():
         code_tests_reward(ADD_PROMPT, "    return a + b\n", None, entry_point="add")
     with pytest.raises(ValueError, match="a harness cannot apply"):
         code_tests_reward(ADD_PROMPT, "    return a + b\n", None, harness=HARNESS, **record)
+
+
+def test_a_records_metadata_cannot_change_the_sandbox(tmp_path, caplog):
+    """Every metadata field reaches the reward as a keyword argument; one named like a sandbox
+    param (`isolation: none`, `memory_mb`) must not take the program out of the namespace sandbox
+    or raise its limits, with or without configured params. The field is dropped, warned about once."""
+    escaped = tmp_path / "escaped"
+    writes = f"open({str(escaped)!r}, 'w').write('x')\nprint('done')"
+    allocates = "block = bytearray(700 * 2**20)\nprint('done')"  # over the default 512 MB
+    done = [{"stdout": "done\n"}]
+    for params in ({}, {"wall_seconds": 5}):
+        reward = resolve_reward("code_tests", params).fn
+        assert reward("", writes, None, tests=done, isolation="none") == 0.0
+        assert not escaped.exists()
+        assert reward("", allocates, None, tests=done, memory_mb=100000) == 0.0
+    assert reward("", "print('done')", None, tests=done, isolation="none") == 1.0  # only the field is dropped
+    warnings = [r.getMessage() for r in caplog.records if "metadata field 'isolation' is ignored" in r.getMessage()]
+    assert len(warnings) == 2, warnings  # one per field and reward instance (two here), not per sample
+

@@ -37,6 +37,18 @@ def test_builtin_rewards_score():
         synthetic("p", "r", "a")
 
 
+def test_a_records_metadata_cannot_set_a_builtin_rewards_params():
+    """A row field named like a param (math's require_boxed) is dropped: the configured value, or
+    the default when none is configured, grades the sample; the full check and the fast path alike."""
+    for params in ({}, {"use_math_verify": False}):
+        math = resolve_reward("math", params)
+        assert math.fn("q", "the answer is 4", "4", require_boxed=True) == 1.0
+        if math.fast_path is not None:
+            assert math.fast_path("q", "the answer is 4", "4", require_boxed=True) == 1.0
+    boxed = resolve_reward("math", {"require_boxed": True})
+    assert boxed.fn("q", "the answer is 4", "4", require_boxed=False) == 0.0
+
+
 def test_import_path_resolves_functions_and_attributes():
     assert resolve_reward("reward_fixtures:exact").fn("q", " 5 ", "5") == 1.0
     assert resolve_reward("reward_fixtures:Judge.score").fn("q", "r", "a") == 0.5
