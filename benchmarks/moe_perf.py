@@ -53,7 +53,6 @@ LEVERS = [
     # This step has no old-logprob pass; with the default two updates per rollout the key refuses
     # the fused router (the routing-drift record needs the router's hook, which the kernel skips).
     ("router fusion", ["model.moe_router_fusion=true", "rl.updates_per_rollout=1"], False),
-    ("graphs", ["model.cuda_graph_scope=[attn,moe_router,moe_preprocess]"], False),
 ]
 FP8 = ("FP8 blockwise, padded", ["model.fp8_recipe=blockwise", "model.moe_router_padding_for_fp8=true"], False)
 # The FP8 case leaves these out of the best BF16 setting: TE's CUTLASS grouped GEMM takes no FP8
@@ -147,8 +146,6 @@ def slice_args(args, case: dict, json_path: Path) -> list[str]:
     command += [part for key, value in shape.items() for part in (f"--{key}", str(value))]
     for override in case["set"]:
         command += ["--set", override]
-    if any(o.startswith("model.cuda_graph_scope=") for o in case["set"]):
-        command.append("--no-routing-count")  # the routers run inside CUDA graphs: no Python hook there
     if args.peak_tflops:
         command += ["--peak-tflops", str(args.peak_tflops)]
     if case.get("profile"):

@@ -142,7 +142,7 @@ def run(args) -> dict:
     config, runtime, policy = build_policy(args, hf)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     timer = fp8_moe.SplitTimer(policy.module) if cuda else None
-    counter = RoutingCounter(policy.module) if not args.no_routing_count else None
+    counter = RoutingCounter(policy.module)
     steps = fp8_moe.synthetic_steps(hf["vocab_size"], args.steps + bool(args.profile), args.tokens_per_step,
                                     args.min_len, args.max_len)
     rows = []
@@ -155,8 +155,7 @@ def run(args) -> dict:
             return -(logprobs * batch.loss_mask[0]).sum() / normalizer, {}
 
         profiled = bool(args.profile) and index == args.steps  # one more step after the timed ones
-        if counter:
-            counter.enabled = args.warmup <= index < args.steps
+        counter.enabled = args.warmup <= index < args.steps
         with fp8_moe.profile_step(profiled) if cuda else _cpu_profile(profiled) as profiler:
             sync()
             tick = time.perf_counter()
@@ -178,7 +177,7 @@ def run(args) -> dict:
         if not math.isfinite(loss):
             break
     report = summarize(args, hf, layout, rows, policy)
-    report["routing_imbalance"] = counter.imbalance() if counter else None
+    report["routing_imbalance"] = counter.imbalance()
     report["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     runtime.shutdown()
     return report
@@ -248,8 +247,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--peak-tflops", type=float, help="the device's dense BF16 peak (default: from the GPU's name)")
     p.add_argument("--unbalanced", dest="balanced", action="store_false", help="the router's own routing")
-    p.add_argument("--no-routing-count", action="store_true",
-                   help="do not hook the routers (e.g. when a CUDA graph holds them)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override (a lever)")
     p.add_argument("--profile", metavar="PREFIX", help="profile one more step into PREFIX.txt (GPU busy share)")
     p.add_argument("--json", required=True, help="write the report here")

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Literal, Mapping
 
 from megatron_rl.errors import ConfigError
 
@@ -25,22 +26,13 @@ MAX_LORA_ALPHA = 1e6
 # padded_vocab_size rows when it is set: each row is allocated. A vocabulary beyond 2^25 rows is a
 # typo (config.json's vocab_size is read up to 2^24).
 MAX_VOCAB_ROWS = 1 << 25
-# Megatron-Core 0.16.1's CUDA-graph scopes (CudaGraphScope) for transformer layers. These capture
-# no expert computation, so dropless routing stands:
-DROPLESS_GRAPH_SCOPES: tuple[str, ...] = ("attn", "moe_router", "moe_preprocess")
-# ... and these need static shapes that only token dropping gives (or capture a whole layer/step):
-DROP_AND_PAD_GRAPH_SCOPES: dict[str, str] = {
-    "moe": "Megatron-Core graphs a whole MoE layer only with drop-and-pad experts (moe_expert_capacity_factor "
-           "+ moe_pad_expert_input_to_capacity), which drops the tokens over capacity",
-    "full_iteration": "a whole-step graph captures the experts too, which needs drop-and-pad expert shapes",
-    "full": "a whole-layer graph captures the experts too, which needs drop-and-pad expert shapes",
-}
 # The throughput levers at their defaults (off): model/throughput_levers.py; the planner builds
-# its probe model with these, since no lever changes a parameter.
-LEVERS_OFF: dict[str, object] = {
+# its probe model with these, since no lever changes a parameter. Read-only: it is spread into
+# other configs' constructors.
+LEVERS_OFF: Mapping[str, object] = MappingProxyType({
     "gradient_accumulation_fusion": False, "moe_grouped_gemm_backend": "cublas", "moe_router_fusion": False,
-    "moe_permute_fusion": False, "cuda_graph_scope": [], "moe_router_padding_for_fp8": False,
-}
+    "moe_permute_fusion": False, "moe_router_padding_for_fp8": False,
+})
 
 
 @dataclass
@@ -150,15 +142,14 @@ class ModelConfig:
     # with an old-logprob pass (rl.updates_per_rollout > 1, or off-policy masks), and for
     # group-limited routers. Same top-k as the unfused path otherwise.
     moe_router_fusion: bool = False
-    # CUDA graphs, by Megatron-Core scope (cuda_graph_impl transformer_engine): empty = none.
-    # attn, moe_router and moe_preprocess drop no token, so the logprobs stay the engine's; moe,
-    # mlp, full_iteration and whole-layer graphs need static drop-and-pad expert shapes (capacity
-    # factor + pad to capacity), and dropping tokens changes the logprobs the rollout engine
-    # computed: refused by name. Every scope replays one captured shape, and this trainer's
-    # micro-batches are padding-free packs of varying token and sequence counts (and TE's graphs
-    # are captured by a training-loop helper this trainer does not run): refused until
-    # micro-batches have a static shape.
-    cuda_graph_scope: list[str] = field(default_factory=list)
+    # No CUDA-graph lever (Megatron-Core's cuda_graph_impl / cuda_graph_scope) is offered: a graph
+    # replays only the shape it captured, and this trainer's micro-batches are padding-free packs
+    # whose token and sequence counts vary; Transformer Engine's graphs are also captured by a
+    # training-loop helper this trainer does not run. The scopes that keep every token (attn,
+    # moe_router, moe_preprocess) would need static-shape micro-batches (packs padded to a fixed
+    # token and sequence count) first; whole-MoE, whole-layer and whole-step scopes (moe, full,
+    # full_iteration) need drop-and-pad experts besides (capacity factor + pad to capacity), which
+    # drop tokens and so change the logprobs the rollout engine computed.
     # FP8: the router pads each expert's token count to the FP8 alignment (16, 32 for mxfp8) with
     # zero-probability routes instead of TE padding rows inside the experts (Megatron-Core's
     # moe_router_padding_for_quantization): padded tokens add 0 x output, the logprobs are
@@ -227,22 +218,6 @@ class ModelConfig:
     def _validate_throughput_levers(self, where: str) -> None:
         """The levers' settings that are wrong on any machine (GPU, TE and model checks come at
         build time: model/throughput_levers.py)."""
-        for scope in self.cuda_graph_scope:
-            if scope in DROP_AND_PAD_GRAPH_SCOPES:
-                raise ConfigError(
-                    f"{where}.cuda_graph_scope={scope!r} is not allowed: {DROP_AND_PAD_GRAPH_SCOPES[scope]}; an RL "
-                    "trainer must compute the logprobs the rollout engine computed, which drops no token. Graphable "
-                    f"without dropping: {', '.join(DROPLESS_GRAPH_SCOPES)}")
-            if scope not in DROPLESS_GRAPH_SCOPES:
-                raise ConfigError(f"{where}.cuda_graph_scope: {scope!r} is not one of "
-                                  f"{', '.join(DROPLESS_GRAPH_SCOPES)} (empty: no CUDA graphs)")
-        if self.cuda_graph_scope:
-            # Megatron-Core replays a graph only for the shape it captured; packs vary per micro-batch.
-            raise ConfigError(
-                f"{where}.cuda_graph_scope={self.cuda_graph_scope} cannot apply to this trainer: CUDA graphs replay "
-                "one captured shape, and its micro-batches are padding-free packs whose token and sequence counts "
-                "vary (Transformer Engine's graphs also need a capture step in the training loop that it does not "
-                "run); leave cuda_graph_scope empty")
         if self.moe_router_padding_for_fp8 and self.fp8_recipe is None:
             raise ConfigError(f"{where}.moe_router_padding_for_fp8=true pads expert token counts to the FP8 alignment: "
                               "it needs fp8_recipe (set one, or leave it false)")

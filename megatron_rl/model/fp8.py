@@ -140,11 +140,11 @@ def unmet_need(recipe: str, hardware: Hardware) -> str | None:
     capability = hardware.capability
     if capability < needs.min_capability or (needs.below_capability and capability >= needs.below_capability):
         return f"it needs compute capability {needs.gpus}"
-    if needs.min_cuda and _older(hardware.cuda, needs.min_cuda):
+    if needs.min_cuda and older_version(hardware.cuda, needs.min_cuda):
         return f"it needs torch built with CUDA >= {needs.min_cuda}"
-    if capability == (8, 9) and _older(hardware.cuda, ADA_MIN_CUDA):
+    if capability == (8, 9) and older_version(hardware.cuda, ADA_MIN_CUDA):
         return f"FP8 on compute capability 8.9 needs torch built with CUDA >= {ADA_MIN_CUDA}"
-    if _older(hardware.te_version, needs.min_te):
+    if older_version(hardware.te_version, needs.min_te):
         return f"Megatron-Core builds this recipe only with transformer-engine >= {needs.min_te}"
     supported, reason = hardware.te_support.get(recipe, (True, ""))
     if not supported:
@@ -184,7 +184,7 @@ def check_fp8(config: RunConfig, arch, hardware: Hardware, *, use_te: bool, grou
     if model.fp8_recipe is None:
         return
     needs = RECIPES[model.fp8_recipe]
-    if arch.is_moe and grouped_gemm and _older(hardware.te_version, GROUPED_GEMM_MIN_TE):
+    if arch.is_moe and grouped_gemm and older_version(hardware.te_version, GROUPED_GEMM_MIN_TE):
         raise ConfigError(
             f"model.fp8_recipe={model.fp8_recipe!r} with grouped-GEMM experts needs transformer-engine >= "
             f"{GROUPED_GEMM_MIN_TE} (installed: {hardware.te_version}); upgrade it or set model.moe_grouped_gemm: false"
@@ -255,7 +255,8 @@ def micro_batch_multiple(model: ModelConfig, sequence_parallel_tp: int) -> int:
     return sequence_parallel_tp * align
 
 
-def _older(version: str | None, minimum: str) -> bool:
+def older_version(version: str | None, minimum: str) -> bool:
+    """Whether `version` is below `minimum` (None, not installed: below)."""
     if version is None:
         return True
     try:

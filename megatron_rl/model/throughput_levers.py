@@ -16,9 +16,6 @@ Where each refusal comes from (Megatron-Core 0.16.1, Transformer Engine 2.11):
 - moe_router_fusion: TE's fused_topk_with_score_function (Megatron imports it from TE 2.7.0.dev) returns before
   the router's RouterReplay is consulted (moe_utils.topk_routing_with_score_function).
 - moe_router_padding_for_fp8: Megatron-Core's alias of moe_router_padding_for_quantization.
-- cuda_graph_scope: refused by config/model.py; the mapping is kept here so that the one place that
-  would turn it on is the one Megatron-Core 0.16.1 defines (cuda_graph_impl, cuda_graph_scope, the
-  TE RNG tracker its graphs need).
 """
 
 from __future__ import annotations
@@ -26,11 +23,10 @@ from __future__ import annotations
 import os
 from typing import MutableMapping
 
-from packaging.version import InvalidVersion, Version
-
 from megatron_rl.config import ModelConfig, RunConfig
 from megatron_rl.config.model import LEVERS_OFF
 from megatron_rl.errors import ConfigError
+from megatron_rl.model.fp8 import older_version
 
 ROUTER_FUSION_MIN_TE = "2.7.0.dev0"  # Megatron-Core imports TE's fused router kernels from 2.7.0.dev on
 CUTLASS_CAPABILITY = (9, 0)  # TE 2.11: `sm_arch(device) == 90`, nothing else
@@ -89,7 +85,7 @@ def _check_cutlass(config: RunConfig, arch, hardware, grouped_gemm: bool) -> Non
 def _check_router_fusion(config: RunConfig, arch, hardware) -> None:
     if not arch.is_moe:
         raise ConfigError("model.moe_router_fusion=true fuses the MoE router; this model is dense: leave it false")
-    if _older(hardware.te_version, ROUTER_FUSION_MIN_TE):
+    if older_version(hardware.te_version, ROUTER_FUSION_MIN_TE):
         raise ConfigError(f"model.moe_router_fusion=true needs transformer-engine >= {ROUTER_FUSION_MIN_TE} "
                           f"(installed: {hardware.te_version}); upgrade it or leave it false")
     if arch.moe_group_topk:
@@ -123,16 +119,7 @@ def transformer_config_fields(model: ModelConfig, arch) -> dict:
     if arch.is_moe:
         fields.update(moe_router_fusion=model.moe_router_fusion,
                       moe_router_padding_for_fp8=model.moe_router_padding_for_fp8)
-    fields.update(cuda_graph_fields(model.cuda_graph_scope))
     return fields
-
-
-def cuda_graph_fields(scopes: list[str]) -> dict:
-    """Megatron-Core 0.16.1's CUDA-graph fields for our scopes: TE's partial graphs (the local
-    implementation graphs a whole layer for `attn`), which need TE's graph-safe RNG tracker."""
-    if not scopes:
-        return dict(cuda_graph_impl="none")
-    return dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=list(scopes), use_te_rng_tracker=True)
 
 
 def select_grouped_gemm_backend(model: ModelConfig, *, grouped_gemm: bool,
@@ -152,12 +139,3 @@ def select_grouped_gemm_backend(model: ModelConfig, *, grouped_gemm: bool,
 def _shown(value) -> str:
     """A value as the config file spells it."""
     return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def _older(version: str | None, minimum: str) -> bool:
-    if version is None:
-        return True
-    try:
-        return Version(version) < Version(minimum)
-    except InvalidVersion:
-        return False  # an unreadable local build: leave the verdict to TE itself

@@ -37,13 +37,6 @@ def refusal(overrides, preset="tiny-qwen3-moe", hardware=H100, use_te=True) -> s
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["model.cuda_graph_scope=[attn, moe]"], "model.cuda_graph_scope='moe' is not allowed: Megatron-Core graphs "
-         "a whole MoE layer only with drop-and-pad experts"),
-        (["model.cuda_graph_scope=[full_iteration]"], "model.cuda_graph_scope='full_iteration' is not allowed"),
-        (["model.cuda_graph_scope=[mlp]"], "model.cuda_graph_scope: 'mlp' is not one of attn, moe_router, "
-         "moe_preprocess"),
-        (["model.cuda_graph_scope=[attn, moe_router, moe_preprocess]"], "cannot apply to this trainer: CUDA graphs "
-         "replay one captured shape"),
         (["model.moe_router_padding_for_fp8=true"], "model.moe_router_padding_for_fp8=true pads expert token counts "
          "to the FP8 alignment: it needs fp8_recipe"),
         (["model.moe_router_padding_for_fp8=true", "model.fp8_recipe=blockwise", "model.moe_token_dispatcher=allgather"],
@@ -124,22 +117,6 @@ def test_builder_maps_the_levers_onto_transformer_config_mocked(monkeypatch):
     assert builder.transformer_config(arch, config, CPU, use_te=True, hardware=H100).moe_grouped_gemm is True
 
 
-def test_cuda_graph_scopes_map_onto_what_megatron_core_defines():
-    from megatron.core.transformer.enums import CudaGraphScope
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    moe = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=4, moe_router_topk=2,
-               moe_token_dispatcher_type="alltoall")
-    fields = throughput_levers.cuda_graph_fields(["attn", "moe_router", "moe_preprocess"])
-    tconfig = TransformerConfig(**moe, **fields)
-    assert (tconfig.cuda_graph_impl, tconfig.use_te_rng_tracker) == ("transformer_engine", True)
-    assert tconfig.cuda_graph_scope == [CudaGraphScope.attn, CudaGraphScope.moe_router, CudaGraphScope.moe_preprocess]
-    assert throughput_levers.cuda_graph_fields([]) == dict(cuda_graph_impl="none")
-    # The scope we refuse for dropping tokens is the one Megatron-Core also ties to drop-and-pad.
-    with pytest.raises(AssertionError, match="moe cuda graph is only supported with drop-padding MoE"):
-        TransformerConfig(**moe, **throughput_levers.cuda_graph_fields(["moe"]))
-
-
 def test_grouped_gemm_backend_is_set_in_process_from_the_key():
     config, _ = run(["model.moe_grouped_gemm_backend=cutlass"])
     environ = {}
@@ -183,3 +160,10 @@ def test_planner_probe_builds_with_the_levers_off():
     assert {name: getattr(probe, name) for name in LEVERS_OFF} == LEVERS_OFF
     assert throughput_levers.levers_on(config.model) == ["gradient_accumulation_fusion", "moe_router_fusion",
                                                           "moe_permute_fusion"]
+
+
+def test_levers_off_is_read_only():
+    """LEVERS_OFF is spread into every planner probe's config: a write would change them all."""
+    with pytest.raises(TypeError):
+        LEVERS_OFF["moe_router_fusion"] = True
+    assert LEVERS_OFF["moe_router_fusion"] is False
