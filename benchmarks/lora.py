@@ -19,7 +19,7 @@ Per arm and seed: the held-out accuracy (greedy, the whole held-out set) after t
 optimizer state's bytes (the Adam moments and any other `optimizer.` tensors the checkpoint
 holds, read from its torch_dist metadata: what was written, not a formula); the median RL step time
 (`time/step_s` of metrics.jsonl) and of the update alone (`time/train_s`). Printed and written as
-ratios lora / full against the full fine-tuning measured in the same invocation, with the issue's
+ratios lora / full against the full fine-tuning measured in the same invocation, with the
 goals: optimizer state <= 5%, checkpoint <= 5%, step time <= 1.2x, held-out gain >= 0.5x full's.
 `megatron-rl plan --gpus 1 --json` of both arms is the cross-check of the optimizer bytes.
 
@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from distill import cli, command_line, rows_of  # noqa: E402  (the benchmarks' shared run helpers)
 
 ARMS = ("full", "lora")
-# The issue's goals: lora / full.
+# The goals: lora / full.
 GOALS = {"optimizer_bytes": 0.05, "checkpoint_bytes": 0.05, "step_s": 1.2}
 GAIN_GOAL = 0.5   # lora's held-out gain >= this x full's
 # Per RL step, from metrics.jsonl: the whole step and its phases (generation, scoring and the
