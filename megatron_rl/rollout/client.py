@@ -42,8 +42,6 @@ from megatron_rl.rollout.weights.stream import ByteCount, hf_weight_stream, push
 
 
 class RolloutClient:
-    asleep = False  # rollout.sleep_level: the engines sleep between a step's generation and its push
-
     def __init__(self, config: RunConfig, model_dir: Path, *, master_addr: str, local_rank: int, seed: int):
         self.config, self.model_dir = config, model_dir
         self.master_addr, self.local_rank, self.seed = master_addr, local_rank, seed
@@ -53,6 +51,7 @@ class RolloutClient:
         self.transport = None
         self.adapters: AdapterPush | None = None  # rollout.lora_push=adapters
         self.last_push_bytes = 0
+        self.asleep = False  # rollout.sleep_level: the engines sleep between a step's generation and its push
 
     @property
     def started(self) -> bool:

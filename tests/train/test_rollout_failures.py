@@ -59,8 +59,7 @@ def fake_server_process(tmp_path: Path) -> ServerProcess:
 def server_client(engines) -> RolloutClient:
     """The trainer's client of server engines, started (its transport a stand-in)."""
     config = SimpleNamespace(rollout=SimpleNamespace(mode="server", request_timeout_s=30))
-    client = RolloutClient.__new__(RolloutClient)
-    client.config, client.colocated, client.adapters, client.last_push_bytes = config, False, None, 0
+    client = RolloutClient(config, model_dir=None, master_addr="127.0.0.1", local_rank=0, seed=0)
     client.engines, client._requests = engines, EnginePool(engines)
     client.transport = mock.Mock(destination="files", push=lambda stream: 0)
     return client
@@ -161,9 +160,9 @@ def test_a_colocated_engine_that_raises_and_an_async_producer_without_engines_st
         def generate(self, prompts, params, timeout_s=None):
             raise RuntimeError("EngineCore died\nworker traceback ...")
 
-    client = RolloutClient.__new__(RolloutClient)
-    client.config = SimpleNamespace(rollout=SimpleNamespace(mode="colocated", request_timeout_s=30))
-    client.colocated, client.engines, client._requests = True, [Broken()], Broken()
+    config = SimpleNamespace(rollout=SimpleNamespace(mode="colocated", request_timeout_s=30))
+    client = RolloutClient(config, model_dir=None, master_addr="127.0.0.1", local_rank=0, seed=0)
+    client.engines, client._requests = [Broken()], Broken()
     with pytest.raises(RolloutFailed, match=r"^the rollout engine could not generate: RuntimeError: EngineCore died "
                                             r"\(at .*test_rollout_failures\.py:\d+\)$"):
         client.generate(PROMPTS, PARAMS)
