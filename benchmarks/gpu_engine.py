@@ -7,8 +7,9 @@ Checks, in order of value (benchmarks/gpu_engine_sync.py, gpu_engine_fp8_r3.py, 
   push       fp32 policy and fp32 colocated engine: the bridge's bucket stream in process; after
              every push the engine's logprobs of the step's samples equal the trainer's (<= 1e-4)
   colocated  BF16 policy and engine in one process, each holding its share of the GPU; vLLM's
-             sleep mode around training (rollout.sleep_level): free GPU memory while training with
-             the engine awake and asleep; logprobs after every push within the stated bf16 bound
+             sleep mode around training (rollout.sleep_level 1, then 2, one engine): free GPU memory
+             while training with the engine awake and asleep at each level; logprobs after every
+             push (each wake's included) within the stated bf16 bound
   server     rollout.mode=server: one vLLM HTTP server on the same GPU taking the files transport
   r3         rl.routing_replay=rollout: the engine's routed experts replayed by the trainer
   learns     `megatron-rl train`, the tiny default recipe for a short run: held-out accuracy before
@@ -43,7 +44,7 @@ sys.path.insert(0, str(HERE))
 
 TITLES = {
     "push": "engine == trainer logprobs after every push (fp32, colocated, in-process bucket stream)",
-    "colocated": "policy and engine on one GPU: sleep mode around training, free memory, bf16 logprobs",
+    "colocated": "policy and engine on one GPU: sleep levels 1 and 2 around training, free memory, bf16 logprobs",
     "server": "a vLLM server on the same GPU taking the files transport",
     "r3": "R3: the engine's routed experts replayed by the trainer",
     "learns": "megatron-rl train, the tiny default: held-out accuracy, step phases vs CPU",

@@ -46,7 +46,11 @@ class RolloutConfig:
     # vLLM's sleep mode around training (colocated engine, GPU only): after each step's generation
     # the engine releases its GPU memory while the policy trains, and takes it back for the next
     # push. 0: off. 1: weights offloaded to host memory, KV cache freed. 2: weights discarded too
-    # (the push restores them; less host memory, nothing copied back).
+    # (the push restores them; less host memory, nothing copied back). Level 2 is not yet verified
+    # on a GPU (the engine stage checks both levels: benchmarks/gpu_engine_sync.py), and vLLM has
+    # served wrong outputs after a level-2 wake: the discard frees state the weight push does not
+    # restore (the rotary cache, until vLLM kept named buffers across it), and vLLM's report "sleep
+    # level 2 causes gibberish outputs" is still open. OpenRLHF uses level 1 only, for this reason.
     sleep_level: int = 0
     # How weights travel after each step (rollout/weights/transport.py). stream: by reference into a
     # colocated engine. files: safetensors on a filesystem the servers share. collective: a
