@@ -155,9 +155,13 @@ EARLY_EXITS = {
     "reads stdin": "    import os, sys\n    print(sys.stdin.read())\n    print(os.read(0, 4096))\n    os._exit(0)\n",
     "reads its source": "    import sys\n    print(open(sys.argv[0]).read())\n    sys.exit(0)\n",
     "prints a fake marker": "    import os\n    print('0123456789abcdef0123456789abcdef')\n    os._exit(0)\n",
-    "replaces print": ("    import builtins, os, sys\n    builtins.print = lambda *a, **k: os.write(1, b'x\\n')\n"
-                       "    sys.stdout.write = lambda text: 0\n    os.write = lambda fd, data: 0\n    return 0\n"),
+    "replaces print": ("    import builtins, os\n    builtins.print = lambda *a, **k: os.write(1, b'0' * 32 + b'\\n')\n"
+                       "    print()\n    raise SystemExit(0)\n"),
 }
+# The right body that replaces the output functions: the harness bound its own before the program ran.
+RIGHT_WITH_OUTPUT_REPLACED = ("    import builtins, os, sys\n    builtins.print = lambda *a, **k: None\n"
+                              "    sys.stdout = open(os.devnull, 'w')\n    os.write = lambda fd, data: len(data)\n"
+                              "    return a + b\n")
 
 
 def test_a_program_that_ends_itself_early_fails_an_exit_0_test():
@@ -168,6 +172,7 @@ def test_a_program_that_ends_itself_early_fails_an_exit_0_test():
     scores = {name: code_tests_reward(ADD_PROMPT, body, None, **record) for name, body in EARLY_EXITS.items()}
     assert scores == dict.fromkeys(EARLY_EXITS, 0.0)
     assert code_tests_reward(ADD_PROMPT, "    print('partial', end='')\n    return a + b\n", None, **record) == 1.0
+    assert code_tests_reward(ADD_PROMPT, RIGHT_WITH_OUTPUT_REPLACED, None, **record) == 1.0
     # a plain program's exit-0 test too; its own stdin is still there after the marker's line
     assert code_tests_reward("", "import sys\nsys.exit(0)\nassert False", None, tests=[{"exit_code": 0}]) == 0.0
     assert code_tests_reward("", "assert input() == 'hi'", None, tests=[{"exit_code": 0, "stdin": "hi\n"}]) == 1.0
