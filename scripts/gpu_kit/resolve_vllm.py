@@ -120,7 +120,8 @@ def reachable(items: dict, start: str, blocked: set[str]) -> set[str]:
 def pinned_line(item: dict) -> str:
     url = item["download_info"]["url"]
     digest = item["download_info"]["archive_info"]["hashes"]["sha256"]
-    return f"{canonicalize_name(item['metadata']['name'])}=={item['metadata']['version']} --hash=sha256:{digest}  # {url.rsplit('/', 1)[-1]}"
+    name, version = canonicalize_name(item["metadata"]["name"]), item["metadata"]["version"]
+    return f"{name}=={version} --hash=sha256:{digest}  # {url.rsplit('/', 1)[-1]}"
 
 
 def stage(python: str, vllm_requirements: str, out: str) -> int:

@@ -7,10 +7,12 @@ GPU machine and the vLLM parts provide.
 Why: `run.sh --engine` runs benchmarks/gpu_engine.py (its checks, and `megatron-rl train` for
 `learns`) with nothing on the path but the repository, the GPU machine's Python 3.12 and torch
 (vllm_imports.TORCH_CLOSURE) and the received vLLM parts; a package missing there is an
-ImportError minutes into a scarce GPU session. From STAGE_ENTRIES this follows every import of the
-project's own modules (benchmarks/ and megatron_rl), inside functions too (the checks import
-megatron_rl where they use it, megatron_rl imports heavy packages where it uses them), but not
-behind `try: ... except ImportError` or `if TYPE_CHECKING`. Every third-party module reached must
+ImportError minutes into a scarce GPU session. From STAGE_ENTRIES and every module of megatron_rl
+(its registries import modules by name, which no reading of import statements follows: the
+algorithms' lazy attributes, reward functions and agent environments named in a config) this
+follows every import of the project's own modules (benchmarks/ and megatron_rl), inside functions
+too (the checks import megatron_rl where they use it, megatron_rl imports heavy packages where it
+uses them), but not behind `try: ... except ImportError` or `if TYPE_CHECKING`. Every third-party module reached must
 be in torch's closure, come from a distribution pinned in the parts' requirement files
 (IMPORT_NAMES says which), or be in NOT_ON_STAGE_PATH, with the reason the stage never imports it.
 With --site (the received parts' site folder) the module-level imports of those packages are then
@@ -38,13 +40,15 @@ STAGE_ENTRIES = ("gpu_engine", "gpu_engine_sync", "gpu_engine_fp8_r3", "gpu_engi
 IMPORT_NAMES = {
     "datasets": "datasets", "math_verify": "math-verify", "matplotlib": "matplotlib", "megatron": "megatron-core",
     "numpy": "numpy", "openai": "openai", "packaging": "packaging", "psutil": "psutil", "pyarrow": "pyarrow",
-    "safetensors": "safetensors", "tokenizers": "tokenizers", "torch": "torch", "transformer_engine": "transformer-engine",
+    "safetensors": "safetensors", "tokenizers": "tokenizers", "torch": "torch",
+    "transformer_engine": "transformer-engine",
     "transformers": "transformers", "vllm": "vllm", "wandb": "wandb", "yaml": "pyyaml",
 }
 # Imported by the project only in functions that the engine stage does not call (read from the
 # code): packing them would cost a part's room for nothing.
 NOT_ON_STAGE_PATH = {
-    "wandb": "observability/metrics_log.py, only when logging.wandb_mode is not disabled (the stage disables it)",
+    "wandb": "observability/metrics_log.py, only for the trainer's metrics log when logging.wandb_mode is not "
+             "disabled: the learns check disables it, no other check starts the trainer",
     "transformer_engine": "model/fp8.py, only after find_spec finds it (the engine stage trains without TE)",
 }
 
@@ -102,9 +106,12 @@ def every_import(path: Path, name: str) -> list[str]:
     return found
 
 
-def scan_project(entries=STAGE_ENTRIES, repo: Path = REPO) -> dict[str, tuple[str, str]]:
-    """{third-party module imported: (top-level name, first project module importing it)}."""
+def scan_project(entries: tuple[str, ...] | None = None, repo: Path = REPO) -> dict[str, tuple[str, str]]:
+    """{third-party module imported: (top-level name, first project module importing it)}; from
+    `entries`, by default STAGE_ENTRIES and every module of megatron_rl."""
     modules = project_modules(repo)
+    if entries is None:
+        entries = STAGE_ENTRIES + tuple(sorted(name for name in modules if name.startswith("megatron_rl")))
     known = set(sys.stdlib_module_names) | {"__future__"}
     seen: set[str] = set()
     third_party: dict[str, tuple[str, str]] = {}

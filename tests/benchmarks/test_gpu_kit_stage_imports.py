@@ -8,7 +8,8 @@ import sys
 
 from _support.processes import REPO
 
-spec = importlib.util.spec_from_file_location("gpu_kit_stage_imports", REPO / "scripts" / "gpu_kit" / "stage_imports.py")
+spec = importlib.util.spec_from_file_location("gpu_kit_stage_imports",
+                                              REPO / "scripts" / "gpu_kit" / "stage_imports.py")
 stage_imports = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = stage_imports
 spec.loader.exec_module(stage_imports)

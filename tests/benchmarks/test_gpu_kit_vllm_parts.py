@@ -3,7 +3,7 @@ binary has no sm_90 machine code) and its check on a fake ELF library; the parts
 manifests written (scripts/gpu_kit/vllm_pack.py); a fake part set received over several calls of
 `run.sh --receive`, a missing or corrupted part refused by name, and `run.sh --engine` refusing
 until every part is there (scripts/gpu_kit/vllm_receive.py). The real parts (vLLM 0.26.0, about
-134 MiB in three parts) are built and checked by pack.sh itself; these pin the logic."""
+148 MiB in three parts) are built and checked by pack.sh itself; these pin the logic."""
 
 import importlib.util
 import io
