@@ -9,12 +9,15 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.config import RunConfig, parse_config, to_dict
+from megatron_rl.config.model import LEVERS_OFF
 from megatron_rl.errors import ConfigError
 
 # Keys that may differ between the run that wrote a checkpoint and the run resuming from it:
 # the layout (checkpoints reshard), where and how it logs and checkpoints, performance knobs.
+# The MoE throughput levers (config/model.py LEVERS_OFF) are such knobs: each computes the same
+# step (fused kernels, another GEMM backend), so a resume may switch one on once it is measured.
 MAY_DIFFER = ("parallel.", "logging.", "checkpoint.", "output_dir", "device", "micro_batch_tokens",
-              "logprob_chunk_tokens")
+              "logprob_chunk_tokens", *(f"model.{lever}" for lever in LEVERS_OFF))
 # Keys a resume cannot apply, with why: checkpoint.allow_config_change refuses a change to them
 # rather than ignore it. Every other key takes effect from the resumed step on (the optimizer's
 # settings too: model/policy.py takes its schedule's settings from the config, its position from
