@@ -87,8 +87,7 @@ def every_import(path: Path, name: str) -> list[str]:
             for child in node.orelse:
                 visit(child)
             return
-        if isinstance(node, ast.Try) and any(
-                h.type is None or any(g in ast.unparse(h.type) for g in vllm_imports.GUARDS) for h in node.handlers):
+        if isinstance(node, ast.Try) and any(vllm_imports.catches_import_error(h) for h in node.handlers):
             for child in [*node.orelse, *node.finalbody, *(s for h in node.handlers for s in h.body)]:
                 visit(child)
             return

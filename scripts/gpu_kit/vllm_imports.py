@@ -6,8 +6,9 @@ Why: the vLLM parts leave out packages that vLLM's metadata requires (resolve_vl
 shows, without a GPU, that none of them is imported unconditionally on the way to serving a
 model. From the entry modules (default SERVE_PATH) it follows every import executed when a module
 is imported: module and class bodies, both branches of an `if` (recorded as conditional), not
-function bodies, not `if TYPE_CHECKING`, and not a `try` whose handler catches ImportError (or a
-broader error). It prints the packages reached, then each imported module found neither in SITE,
+function bodies, not `if TYPE_CHECKING`, and not a `try` whose handler catches ImportError
+(IMPORT_GUARDS, or a bare except; an `except RuntimeError` guards nothing), whose handlers' own
+imports are recorded as conditional. It prints the packages reached, then each imported module found neither in SITE,
 nor in the standard library, nor in torch's own closure (which the GPU machine has), with the
 first module importing it and whether only behind a condition. Exit 1 if one is unconditional.
 Static: imports by name at run time (registries, importlib) are not followed.
@@ -27,7 +28,19 @@ SERVE_PATH = ("vllm", "vllm.entrypoints.llm", "vllm.entrypoints.openai.api_serve
 TORCH_CLOSURE = {"torch", "torchgen", "functorch", "triton", "sympy", "mpmath", "networkx", "jinja2", "markupsafe",
                  "filelock", "fsspec", "typing_extensions", "setuptools", "pkg_resources", "_distutils_hack",
                  "cuda", "nvidia"}
-GUARDS = ("ImportError", "ModuleNotFoundError", "Exception", "OSError", "RuntimeError")
+# The exception names whose handler catches an ImportError: matched exactly, so that neither
+# `except RuntimeError` nor a project's `MyImportErrorLike` counts as a guard.
+IMPORT_GUARDS = frozenset({"ImportError", "ModuleNotFoundError", "Exception", "BaseException"})
+
+
+def catches_import_error(handler: ast.ExceptHandler) -> bool:
+    """Whether `handler` catches an ImportError: a bare except, or one of IMPORT_GUARDS named by
+    itself, as an attribute (builtins.ImportError) or in a tuple."""
+    if handler.type is None:
+        return True
+    types = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+    names = [t.id if isinstance(t, ast.Name) else t.attr if isinstance(t, ast.Attribute) else None for t in types]
+    return any(name in IMPORT_GUARDS for name in names)
 
 
 def module_files(site: Path) -> dict[str, Path]:
@@ -63,8 +76,10 @@ def imports_of(path: Path, name: str, modules: dict[str, Path]) -> list[tuple[st
                     visit(node.body, True)
                 visit(node.orelse, True)
             elif isinstance(node, ast.Try):
-                if not any(h.type is None or any(g in ast.unparse(h.type) for g in GUARDS) for h in node.handlers):
+                if not any(catches_import_error(h) for h in node.handlers):
                     visit(node.body, conditional)
+                for handler in node.handlers:  # a fallback import runs only when the body fails
+                    visit(handler.body, True)
                 visit(node.orelse, conditional)
                 visit(node.finalbody, conditional)
             elif isinstance(node, (ast.With, ast.ClassDef)):

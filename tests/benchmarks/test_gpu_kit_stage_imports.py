@@ -56,3 +56,24 @@ def test_the_scan_follows_imports_inside_functions_but_not_behind_an_import_erro
     assert stage_imports.check(found, {"numpy", "megatron-core"}) == [
         "matplotlib (imported by megatron_rl.train.plot): matplotlib is pinned in neither vllm_requirements.txt "
         "nor stage_requirements.txt; add it to resolve_vllm.STAGE"]
+
+
+def test_only_a_handler_that_catches_import_error_guards_an_import_in_both_scans(tmp_path):
+    """`except RuntimeError` or a project's own `MyImportErrorLike` does not catch an ImportError:
+    the import behind it fails on the GPU machine and both scans report it."""
+    handlers = {"runtime": "RuntimeError", "lookalike": "MyImportErrorLike", "import_error": "ImportError",
+                "tuple": "(ValueError, ImportError)", "attribute": "builtins.ModuleNotFoundError"}
+    source = "".join(f"try:\n    import pkg_{name}\nexcept {handler}:\n    pass\n" for name, handler in handlers.items())
+    source += "try:\n    import pkg_bare\nexcept:\n    import pkg_fallback\n"
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "megatron_rl").mkdir()
+    (tmp_path / "benchmarks" / "entry.py").write_text(source)
+    found = stage_imports.scan_project(("entry",), tmp_path)
+    assert sorted(found) == ["pkg_fallback", "pkg_lookalike", "pkg_runtime"]
+
+    site = tmp_path / "site" / "vllm"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text(source)
+    _, missing = stage_imports.vllm_imports.scan(tmp_path / "site", ("vllm",))
+    assert missing == {"pkg_runtime": ("vllm", False), "pkg_lookalike": ("vllm", False),
+                       "pkg_fallback": ("vllm", True)}  # the fallback runs only when the guarded import fails
