@@ -4,12 +4,15 @@ suite's shared vLLM CPU server, rollout.server_urls), scored by a user reward fu
 
 The checkpoints come from one short real run (its run directory, its training checkpoint, its
 Hugging Face export), `megatron-rl convert hf-to-megatron` of that export, and a short LoRA run
-(its run directory and its merged export). Asserted: every checkpoint got the same prompts with
+(its run directory and its merged export); a second set, `held=heldout`, is the run's own held-out
+set. Asserted: every checkpoint got the same prompts with
 the same seeds (identical weights give identical outcomes and differences of exactly 0 with
 zero-width intervals; the LoRA checkpoint, merged, gives its merged export's), the figures in eval.json equal those
 re-derived here in float64 from its outcomes (Chen et al.'s pass@k, avg@n, greedy accuracy), each
-sample's correctness is its reward against the threshold, and the report's files and the progress
-lines are written."""
+sample's correctness is its reward against the threshold, the report's files and the progress
+lines are written, and the `heldout` set is the prompts the run's own held-out evaluation saw,
+on which the run's checkpoint scores greedy what the run logged at that step (eval/accuracy,
+eval/reward_mean, eval/length_mean: the same prompts, greedy, the same weights)."""
 
 from __future__ import annotations
 
@@ -74,9 +77,11 @@ def test_every_checkpoint_kind_on_one_engine_gives_the_same_outcomes_and_rederiv
     reward.write_text(REWARD)
     out = tmp_path / "out"
     checkpoints = [run, run / "checkpoints" / "step_000001", converted, run / "hf_model", lora, lora / "hf_model"]
+    # held: every checkpoint's run's held-out set (data.num_heldout=2 for the checkpoints no run wrote, the
+    # runs' own), scored by the synthetic verifier (the two runs' rewards differ).
     result = cli("eval", *(arg for ckpt in checkpoints for arg in ("--ckpt", str(ckpt))), "--set", f"add={prompts}",
-                 "--n", str(N), "--temperature", "1.0", "--out", str(out), f"set.add.reward={reward}:even_length",
-                 *served)
+                 "--set", "held=heldout", "--n", str(N), "--temperature", "1.0", "--out", str(out),
+                 f"set.add.reward={reward}:even_length", "set.held.reward=synthetic", "data.num_heldout=2", *served)
 
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == \
         ["engine_model", "eval.json", "eval.md", "pass_at_k.png"]
@@ -119,3 +124,20 @@ def test_every_checkpoint_kind_on_one_engine_gives_the_same_outcomes_and_rederiv
     assert "| add | run |" in result.stdout and "run/hf_model - run" in result.stdout and "report:" in result.stdout
     for label in ("run", "step_000001", "converted", "run/hf_model", "lora", "lora/hf_model"):
         assert f"eval {label} / add: [{'#' * 24}] {PROMPTS}/{PROMPTS} prompts" in result.stderr, result.stderr
+
+    # `heldout`: the prompts training's evaluate() saw (the run's recorded data section, its eval_prompts), and
+    # greedy on them the run's checkpoint scores what the run logged after its last step.
+    from megatron_rl.config.loader import load_config_dict
+    from megatron_rl.data import load_datasets, prompt_text
+
+    recorded = load_config_dict(json.loads((run / "run.json").read_text())["config"])
+    seen = list(load_datasets(recorded.data)[1])[: recorded.rl.eval_prompts or None]
+    held = report["checkpoints"][0]["sets"][1]
+    assert held["outcome"]["name"] == "held" and held["outcome"]["path"].startswith("synthetic task 'add' (heldout")
+    assert [p["prompt"] for p in held["outcome"]["prompts"]] == [prompt_text(r.prompt) for r in seen]
+    logged = next(row for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                  if row.get("step") == 1 and "eval/accuracy" in row)
+    greedy = [p["greedy"] for p in held["outcome"]["prompts"]]
+    assert held["figures"]["figures"]["greedy"]["value"] == pytest.approx(logged["eval/accuracy"], abs=1e-12)
+    assert sum(g["reward"] for g in greedy) / len(greedy) == pytest.approx(logged["eval/reward_mean"], abs=1e-12)
+    assert sum(g["length"] for g in greedy) / len(greedy) == pytest.approx(logged["eval/length_mean"], abs=1e-12)
