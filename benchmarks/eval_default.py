@@ -6,10 +6,12 @@ warm start that RL began from, is written by `megatron-rl sft` with the same (de
 the same function as the in-train warm start, so the same weights (train/sft.py), which the
 greedy figure cross-checks against the run's own step-0 held-out accuracy. Then one
 `megatron-rl eval` of both checkpoints, on the same prompts and sample seeds, n samples per prompt
-(--n 16, --k 1,4,16) plus greedy, on two sets written beside the report:
+(--n 16, --k 1,4,16) plus greedy, on two sets:
 
-    heldout   the run's own held-out set (the default's synthetic `add`, operands 0..30)
-    add99     a harder variant of the task: the same prompts' form, operands 0..99
+    heldout   the run's own held-out set (the default's synthetic `add`, operands 0..30), named by
+              the set PATH `heldout` (`--set heldout=heldout`): the set the run's eval/accuracy measures
+    add99     a harder variant of the task: the same prompts' form, operands 0..99, written here as
+              a prompt file (another task config than the run's, so not the run's `heldout`)
 
 The figures with their bootstrap intervals over prompts, the differences trained - warm start with
 paired intervals, and the pass@k figure go to --out (benchmarks/results/eval_cpu.md and
@@ -70,23 +72,20 @@ def check_default_run(run: Path) -> None:
                          "cannot be rebuilt with `megatron-rl sft`; pass --run with a default run's directory")
 
 
-def write_sets(directory: Path) -> dict[str, Path]:
-    """The default's held-out set and its harder variant, as prompt files `eval --set` reads."""
+def write_harder_set(directory: Path) -> Path:
+    """The default's held-out split of the harder task (HARDER), as a prompt file `eval --set` reads."""
     from dataclasses import replace
 
     from megatron_rl.config import load_config
-    from megatron_rl.data.prompts import synthetic_datasets
+    from megatron_rl.data import load_heldout
 
     data = load_config(None, []).data
-    sets = {"heldout": data.synthetic, "add99": replace(data.synthetic, **HARDER)}
-    paths = {}
+    heldout = load_heldout(replace(data, synthetic=replace(data.synthetic, **HARDER)))
     directory.mkdir(parents=True, exist_ok=True)
-    for name, task in sets.items():
-        _, heldout = synthetic_datasets(task, num_train=1, num_heldout=data.num_heldout, seed=data.synthetic_seed)
-        paths[name] = directory / f"{name}.jsonl"
-        paths[name].write_text("".join(json.dumps({"prompt": r.prompt, "answer": r.answer, **r.metadata}) + "\n"
-                                       for r in heldout))
-    return paths
+    path = directory / "add99.jsonl"
+    path.write_text("".join(json.dumps({"prompt": r.prompt, "answer": r.answer, **r.metadata}) + "\n"
+                            for r in heldout))
+    return path
 
 
 def shown_arguments(argv: list[str]) -> list[str]:
@@ -179,12 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     check_default_run(run)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="eval-default-"))
     try:
-        sets = write_sets(work / "sets")
+        harder = write_harder_set(work / "sets")
         warm = work / "warm_start"
         walls["sft"] = cli("sft", "--output-dir", str(warm), "--force")
         report_dir = work / "eval"
         walls["eval"] = cli("eval", "--ckpt", str(warm), "--ckpt", str(run), "--label", "warm_start",
-                            "--label", "trained", *[f"--set={name}={path}" for name, path in sets.items()],
+                            "--label", "trained", "--set=heldout=heldout", f"--set=add99={harder}",
                             "--n", str(args.n), "--k", args.k, "--out", str(report_dir))
         report = json.loads((report_dir / "eval.json").read_text())
         png = out.with_name(out.stem + "_pass_at_k.png")

@@ -4,7 +4,8 @@ tasks), the resumable sampler, chat templates and the tiny character tokenizer.
 Public API (what the trainer calls):
 
 * ``DataConfig`` and ``load_datasets(config) -> (train, heldout | None)`` of ``PromptRecord``
-  (``prompt``, ``answer``, ``metadata``); ``load_prompts(path, prompt_key=, answer_key=)``;
+  (``prompt``, ``answer``, ``metadata``), ``load_heldout(config)`` the held-out one alone;
+  ``load_prompts(path, prompt_key=, answer_key=)``;
   ``hf_datasets.load_hf_prompts(path, split=, ...)`` (imports ``datasets`` when called);
   ``synthetic_datasets(task_config, num_train=, num_heldout=, seed=)``; ``prompt_text(prompt)``.
 * ``PromptSampler(num_prompts, batch_size, seed=, shuffle=)``: ``next_batch()``, ``take(n)``,
@@ -22,8 +23,8 @@ imports transformers, and ``hf_datasets`` imports datasets, when called).
 from megatron_rl.data.chat import encode_prompt, render_prompt
 from megatron_rl.data.config import CurriculumConfig, DataConfig
 from megatron_rl.data.curriculum import CurriculumSampler
-from megatron_rl.data.prompts import (PromptDataset, PromptRecord, get_field, load_datasets, load_prompts,
-                                      prompt_text, synthetic_datasets)
+from megatron_rl.data.prompts import (PromptDataset, PromptRecord, get_field, load_datasets, load_heldout,
+                                      load_prompts, prompt_text, synthetic_datasets)
 from megatron_rl.data.sampler import PromptSampler, build_sampler
 from megatron_rl.data.tokenizer import ALPHABET, build_char_tokenizer, save_tokenizer, write_char_tokenizer
 
@@ -40,6 +41,7 @@ __all__ = [
     "encode_prompt",
     "get_field",
     "load_datasets",
+    "load_heldout",
     "load_prompts",
     "prompt_text",
     "render_prompt",
