@@ -37,7 +37,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import prune_fatbin  # noqa: E402  (a sibling script, not a package)
-from vllm_receive import sha256, verify_part  # noqa: E402
+from kit import sha256  # noqa: E402
+from vllm_receive import verify_part  # noqa: E402
 
 ARCH = 90
 DROPPED_FILES = ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/vllm-rs", "vllm/third_party/fmha_sm100/")
@@ -139,9 +140,11 @@ def units_of(files: dict[str, list[str]]) -> dict[str, list[str]]:
     return units
 
 
-def write_chunk(site: Path, names: list[str], out: Path) -> None:
-    """A deterministic tar.xz (xz -6) of `names`: sorted, fixed time and owner."""
+def write_chunk(site: Path, names: list[str], out: Path) -> int:
+    """A deterministic tar.xz (xz -6) of `names`: sorted, fixed time and owner. Returns the sum of
+    its members' sizes, which the manifest declares so that receiving can refuse an xz bomb."""
     partial = out.with_name(out.name + ".partial")
+    unpacked = 0
     with lzma.open(partial, "wb", preset=6) as compressed, tarfile.open(fileobj=compressed, mode="w",
                                                                         format=tarfile.PAX_FORMAT) as tar:
         for name in sorted(names):
@@ -150,7 +153,9 @@ def write_chunk(site: Path, names: list[str], out: Path) -> None:
             info.size, info.mtime, info.mode = path.stat().st_size, MTIME, path.stat().st_mode & 0o755
             with path.open("rb") as f:
                 tar.addfile(info, f)
+            unpacked += info.size
     partial.replace(out)
+    return unpacked
 
 
 def fill_parts(chunk_sizes: dict[str, int], limit: int) -> list[list[str]]:
@@ -180,11 +185,13 @@ def fill_parts(chunk_sizes: dict[str, int], limit: int) -> list[list[str]]:
     return [sorted(part) for part in (even if max(filled) <= limit else parts)]
 
 
-def write_manifests(out: Path, parts: list[list[str]], chunks: Path, extra: dict) -> list[dict]:
-    """Copy each part's chunks into OUT/partN/ and write its manifest.json; all share a set id."""
+def write_manifests(out: Path, parts: list[list[str]], chunks: Path, unpacked: dict[str, int],
+                    extra: dict) -> list[dict]:
+    """Copy each part's chunks into OUT/partN/ and write its manifest.json (each chunk's size,
+    sha256 and the sum of its members' sizes, `unpacked`); all share a set id."""
     names = [f"part{n + 1}" for n in range(len(parts))]
-    entries = [[{"file": chunk, "bytes": (chunks / chunk).stat().st_size, "sha256": sha256(chunks / chunk)}
-                for chunk in part] for part in parts]
+    entries = [[{"file": chunk, "bytes": (chunks / chunk).stat().st_size, "sha256": sha256(chunks / chunk),
+                 "unpacked_bytes": unpacked[chunk]} for chunk in part] for part in parts]
     set_id = hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()[:16]
     manifests = []
     for name, files in zip(names, entries):
@@ -232,8 +239,9 @@ def build(requirements: list[Path], downloads: Path, work: Path, out: Path, limi
     files = unpack_wheels(downloads, wheels, site)
     prune = prune_libraries(site, files)
     units = units_of(files)
+    unpacked = {}
     for n, (unit, names) in enumerate(sorted(units.items())):
-        write_chunk(site, names, chunks / f"{unit}.tar.xz")
+        unpacked[f"{unit}.tar.xz"] = write_chunk(site, names, chunks / f"{unit}.tar.xz")
         print(f"vllm_pack: [{n + 1}/{len(units)}] {unit}.tar.xz {(chunks / f'{unit}.tar.xz').stat().st_size / 2**20:.2f} MiB",
               flush=True)
     sizes = {path.name: path.stat().st_size for path in chunks.glob("*.tar.xz")}
@@ -241,8 +249,8 @@ def build(requirements: list[Path], downloads: Path, work: Path, out: Path, limi
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     extra = {"vllm": next(w.split("-")[1] for w in wheels if w.startswith("vllm-")), "wheels": len(wheels),
-             "unpacked_bytes": sum((site / f).stat().st_size for names in files.values() for f in names)}
-    manifests = write_manifests(out, parts, chunks, extra)
+             "set_unpacked_bytes": sum(unpacked.values())}
+    manifests = write_manifests(out, parts, chunks, unpacked, extra)
     (out / "prune.json").write_text(json.dumps(prune, indent=1) + "\n")
     write_overview(out, manifests, prune, limit)
     (out / "stamp.json").write_text(json.dumps({"stamp": stamp, "parts": [m["part"] for m in manifests]}) + "\n")

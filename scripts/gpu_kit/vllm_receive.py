@@ -10,28 +10,27 @@ folder of the working tree, which stays while the machine is warm): RECEIVED/sit
 site folder run.sh puts on PYTHONPATH, RECEIVED/received.json what has arrived. A part is
 unpacked only when every one of its files has the size and sha256 its manifest names; a missing
 or changed file is refused by name, and nothing of that part is unpacked. A part of another set
-(packed again since) starts the folder afresh. Standard library only: it runs under the GPU
-machine's bare Python.
+(packed again since) starts the folder afresh. The archives are unpacked into a scratch folder
+first and moved into the site only when every member of the part passed: a manifest file name
+other than a plain name, a member that is not a plain file or folder (a link), whose name is
+absolute or climbs out with `..`, or that takes its archive past the unpacked size its manifest
+declares (an xz bomb) refuses the part by name. Standard library only (and its sibling kit.py):
+it runs under the GPU machine's bare Python.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import os
 import shutil
 import sys
 import tarfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
-CHUNK = 1 << 24
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kit import sha256  # noqa: E402  (a sibling script, not a package)
 
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+USAGE = {"receive": "receive PART_DIR RECEIVED", "status": "status RECEIVED", "verify": "verify PART_DIR"}
 
 
 def read_manifest(part: Path) -> dict:
@@ -46,6 +45,15 @@ def read_manifest(part: Path) -> dict:
         raise SystemExit(f"{path}: not valid JSON ({error}); carry the part again") from None
     if not {"set", "part", "parts", "files"} <= set(manifest):
         raise SystemExit(f"{path}: not a vLLM part's manifest (no set/part/parts/files); run pack.sh again")
+    for entry in manifest["files"]:
+        name = entry.get("file")
+        # A path of the manifest's own would name files outside the part (part / "../..").
+        if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
+            raise SystemExit(f"{path}: file {name!r} is not a plain file name in the part's folder; refused "
+                             "(run scripts/gpu_kit/pack.sh again)")
+        if not isinstance(entry.get("unpacked_bytes"), int):
+            raise SystemExit(f"{path}: {name} has no unpacked_bytes (a manifest of an older pack.sh); "
+                             "run scripts/gpu_kit/pack.sh again")
     return manifest
 
 
@@ -96,20 +104,56 @@ def receive(part: Path, received: Path) -> dict:
             print(f"{received}: held set {state.get('set')}; this part is of set {manifest['set']}: starting afresh")
         shutil.rmtree(received / "site", ignore_errors=True)
         state = {"set": manifest["set"], "parts": manifest["parts"], "received": []}
-    site = received / "site"
-    site.mkdir(parents=True, exist_ok=True)
-    for entry in manifest["files"]:
-        with tarfile.open(part / entry["file"], "r:xz") as tar:
-            tar.extractall(site, filter="data")  # no absolute paths, links out of site, devices
+    site, scratch = received / "site", received / "unpacking"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    try:
+        for entry in manifest["files"]:
+            unpack_archive(part / entry["file"], scratch, entry["unpacked_bytes"], f"{manifest['part']}/{entry['file']}")
+        move_into(scratch, site)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     if manifest["part"] not in state["received"]:
         state["received"] = sorted(state["received"] + [manifest["part"]], key=state["parts"].index)
     (received / "received.json").write_text(json.dumps(state, indent=1) + "\n")
     return state
 
 
+def unpack_archive(archive: Path, into: Path, declared: int, where: str) -> None:
+    """Unpack one tar.xz into `into`, member by member (one pass over the stream), refusing a
+    member that is not a plain file or folder, leaves `into`, or passes the declared size."""
+    total = 0
+    with tarfile.open(archive, "r|xz") as tar:
+        for member in tar:
+            name = PurePosixPath(member.name)
+            if not (member.isfile() or member.isdir()):
+                problem = "is a link or special file; the parts hold only files and folders"
+            elif name.is_absolute() or ".." in name.parts:
+                problem = "is an absolute path or climbs out with '..'"
+            elif total + member.size > declared:
+                problem = (f"takes the unpacked size to {total + member.size} bytes, over the {declared} "
+                           "its manifest declares")
+            else:
+                total += member.size
+                tar.extract(member, into, filter="data")  # the data filter too: no device, no setuid
+                continue
+            raise SystemExit(f"{where}: member {member.name!r} {problem}: refused, nothing of the part "
+                             "unpacked (run scripts/gpu_kit/pack.sh again and carry the part again)")
+
+
+def move_into(scratch: Path, site: Path) -> None:
+    """Every file of `scratch` into the same place under `site` (a rename: the same disk)."""
+    for path in sorted(scratch.rglob("*")):
+        if path.is_file():
+            target = site / path.relative_to(scratch)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(path, target)
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) < 2 or argv[0] not in ("receive", "status", "verify"):
-        print(__doc__.split("\n\n")[1], file=sys.stderr)
+    if not argv or argv[0] not in USAGE or len(argv) != len(USAGE[argv[0]].split()):
+        wanted = USAGE.get(argv[0]) if argv else None
+        print(f"usage: python vllm_receive.py {wanted}" if wanted else __doc__.split("\n\n")[1], file=sys.stderr)
         return 2
     command, *paths = argv
     if command == "verify":

@@ -120,24 +120,90 @@ def test_parts_are_filled_evenly_under_the_limit_and_the_dropped_files_never_unp
 
 def fake_part_set(tmp_path: Path) -> Path:
     """A fake set of three parts as vllm_pack writes them: tar.xz chunks of a few small files."""
-    chunks, out = tmp_path / "chunks", tmp_path / "packed_vllm"
+    site, chunks, out = tmp_path / "fake_site", tmp_path / "chunks", tmp_path / "packed_vllm"
     chunks.mkdir()
     contents = {"vllm.tar.xz": {"vllm/__init__.py": b"version = 'fake'\n", "vllm/_C.abi3.so": os.urandom(3000)},
                 "numpy.tar.xz": {"numpy/__init__.py": b"# fake\n"},
                 "transformers.tar.xz": {"transformers/__init__.py": b"# fake\n"}}
+    unpacked = {}
     for chunk, files in contents.items():
-        with lzma.open(chunks / chunk, "wb") as xz, tarfile.open(fileobj=xz, mode="w") as tar:
-            for name, data in files.items():
-                info = tarfile.TarInfo(name)
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
+        for name, data in files.items():
+            (site / name).parent.mkdir(parents=True, exist_ok=True)
+            (site / name).write_bytes(data)
+        unpacked[chunk] = vllm_pack.write_chunk(site, list(files), chunks / chunk)
+    assert unpacked == {chunk: sum(map(len, files.values())) for chunk, files in contents.items()}
     sizes = {chunk: (chunks / chunk).stat().st_size for chunk in contents}
     parts = [["vllm.tar.xz"], ["numpy.tar.xz"], ["transformers.tar.xz"]]
-    manifests = vllm_pack.write_manifests(out, parts, chunks, {"vllm": "fake"})
+    manifests = vllm_pack.write_manifests(out, parts, chunks, unpacked, {"vllm": "fake"})
     assert [m["part"] for m in manifests] == ["part1", "part2", "part3"]
     assert [m["files"][0]["bytes"] for m in manifests] == [sizes[p[0]] for p in parts]
+    assert [m["files"][0]["unpacked_bytes"] for m in manifests] == [3017, 7, 7]
     assert len({m["set"] for m in manifests}) == 1
     return out
+
+
+def crafted_part(folder: Path, member: tarfile.TarInfo, data: bytes = b"", declared: int | None = None) -> Path:
+    """A part of one archive holding one crafted member, its manifest as vllm_pack writes it."""
+    chunks = folder / "chunks"
+    chunks.mkdir(parents=True)
+    with lzma.open(chunks / "evil.tar.xz", "wb") as xz, tarfile.open(fileobj=xz, mode="w") as tar:
+        tar.addfile(member, io.BytesIO(data) if data else None)
+    declared = len(data) if declared is None else declared
+    vllm_pack.write_manifests(folder / "packed", [["evil.tar.xz"]], chunks, {"evil.tar.xz": declared}, {})
+    return folder / "packed" / "part1"
+
+
+def test_a_part_whose_archive_would_write_outside_the_site_or_past_its_declared_size_is_refused_by_member(
+        tmp_path, capsys):
+    outside = file_member("../escaped", b"x")
+    absolute = file_member(str(tmp_path / "absolute"), b"x")
+    link = tarfile.TarInfo("vllm/link")
+    link.type, link.linkname = tarfile.SYMTYPE, "../../../escaped"
+    bomb = file_member("vllm/big.bin", b"y" * 4096)
+    cases = [(outside, b"x", None, "member '../escaped' is an absolute path or climbs out with '..'"),
+             (absolute, b"x", None, f"member {str(tmp_path / 'absolute')!r} is an absolute path"),
+             (link, b"", None, "member 'vllm/link' is a link or special file"),
+             (bomb, b"y" * 4096, 1000, "member 'vllm/big.bin' takes the unpacked size to 4096 bytes, over the 1000")]
+    for n, (member, data, declared, expected) in enumerate(cases):
+        part = crafted_part(tmp_path / f"case{n}", member, data, declared)
+        received = tmp_path / f"case{n}" / "deep" / "received"
+        with pytest.raises(SystemExit) as refused:
+            vllm_receive.receive(part, received)
+        assert str(refused.value).startswith(f"part1/evil.tar.xz: {expected}"), str(refused.value)
+        assert "nothing of the part unpacked" in str(refused.value)
+        # Nothing written: no file in the site, the scratch folder gone, nothing beside or above it.
+        assert [p for p in received.rglob("*") if not p.is_dir()] == [] and not (received / "unpacking").exists()
+        assert not any(tmp_path.rglob("escaped")) and not (tmp_path / "absolute").exists()
+
+    # A manifest naming a file outside its part, or of an older pack.sh without unpacked sizes.
+    part = crafted_part(tmp_path / "named", file_member("vllm/ok.py", b"ok"), b"ok")
+    manifest = json.loads((part / "manifest.json").read_text())
+    for name in ("../evil.tar.xz", "sub/evil.tar.xz", ".."):
+        manifest["files"][0]["file"] = name
+        (part / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(SystemExit, match=f"manifest.json: file {name!r} is not a plain file name"):
+            vllm_receive.verify_part(part)
+    manifest["files"][0]["file"] = "evil.tar.xz"
+    del manifest["files"][0]["unpacked_bytes"]
+    (part / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SystemExit, match="evil.tar.xz has no unpacked_bytes"):
+        vllm_receive.receive(part, tmp_path / "named" / "received")
+    # The same member within its declared size is received.
+    manifest["files"][0]["unpacked_bytes"] = 2
+    (part / "manifest.json").write_text(json.dumps(manifest))
+    vllm_receive.receive(part, tmp_path / "named" / "received")
+    assert (tmp_path / "named" / "received" / "site" / "vllm" / "ok.py").read_bytes() == b"ok"
+
+    # Each command with the wrong number of paths: its usage line, exit 2 (not an IndexError).
+    assert vllm_receive.main(["receive", str(part)]) == 2
+    assert capsys.readouterr().err == "usage: python vllm_receive.py receive PART_DIR RECEIVED\n"
+    assert vllm_receive.main(["status"]) == 2 and "status RECEIVED" in capsys.readouterr().err
+
+
+def file_member(name: str, data: bytes) -> tarfile.TarInfo:
+    member = tarfile.TarInfo(name)
+    member.size = len(data)
+    return member
 
 
 def run_kit(*args, received: Path, python: str = "python3") -> subprocess.CompletedProcess:
