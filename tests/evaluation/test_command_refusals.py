@@ -1,7 +1,9 @@
 """`megatron-rl eval` refuses bad input by name before any engine starts: a set whose column is
 missing (the set, the file, the field and the option to set), k > n (both), a checkpoint path that
 is not one (the path and the kinds accepted), n < 1, an unknown set option, an output directory
-that cannot be written, two sets with one name, a reward that needs a field the set lacks.
+that cannot be written, two sets with one name, a reward that needs a field the set lacks, the set
+PATH `heldout` for checkpoints whose runs' held-out sets differ or with a reading option (and,
+read without an engine, what `heldout` is: the checkpoint's run's held-out set, else --config's).
 
 Each case runs the CLI in this process with the engine stage replaced by one that fails the test
 if reached (`command.evaluate`), and must end in under 2 s (before torch is imported) with exit

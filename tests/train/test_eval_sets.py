@@ -2,7 +2,8 @@
 refusal naming rl.eval.sets.NAME: a path that does not exist, `heldout` in a run without a
 held-out set, a set without the field its reward reads, a prompt too long for the engine's
 context next to the evaluation's response budget. A HumanEval-format set brings its own reward
-(code_tests in the sandbox); `heldout` is the run's held-out records, cut to rl.eval.prompts."""
+(code_tests in the sandbox); `heldout` is the run's held-out records, cut to rl.eval.prompts. The
+refusals name the run's data.* keys, never `megatron-rl eval`'s set.NAME.OPTION."""
 
 from __future__ import annotations
 
