@@ -284,7 +284,7 @@ def set_data_config(spec: SetSpec, data, naming: SetNaming | None = None) -> Any
     is read and its prompts shown to the model."""
     naming = naming or SetNaming.command(spec.name)
     changes = {"train": spec.path, "train_split": spec.split or data.heldout_split}
-    for option in READ_OPTIONS[1:] + ("prompt_format", "system_prompt"):
+    for option in [o for o in READ_OPTIONS if o != "split"] + ["prompt_format", "system_prompt"]:  # split: above
         if getattr(spec, option) is not None:
             changes[option] = getattr(spec, option)
     config = dataclasses.replace(data, **changes)
