@@ -59,7 +59,8 @@ def stand_in_run(tmp_path: Path, config: dict) -> Path:
     step = tmp_path / "run" / "checkpoints" / "step_000001"
     (step / "hf_config").mkdir(parents=True)
     shutil.copy(PRESETS / "tiny-qwen3-moe.json", step / "hf_config" / "config.json")
-    (step / "megatron_rl.json").write_text(json.dumps({"format": "megatron_rl.torch_dist.v1", "weights_dir": "weights"}))
+    metadata = {"format": "megatron_rl.torch_dist.v1", "weights_dir": "weights"}
+    (step / "megatron_rl.json").write_text(json.dumps(metadata))
     (step / "trainer_state.json").write_text(json.dumps({"step": 1, "config": config}))
     (step.parent / "latest").write_text("step_000001")
     return tmp_path / "run"

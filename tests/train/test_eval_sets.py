@@ -47,8 +47,8 @@ def test_bad_sets_are_refused_naming_the_set(tmp_path):
     long_prompt = tmp_path / "long.jsonl"
     long_prompt.write_text(json.dumps({"prompt": "1+1=" * 300, "answer": "2"}) + "\n")
     with pytest.raises(ConfigError, match=r"rl\.eval\.sets\.long: .*long\.jsonl line 1: the prompt is 1201 tokens "
-                                          r"\(raw format\), over the limit of 1014 \(rollout\.max_model_len=1024 - a response budget "
-                                          r"of 10\)"):
+                                          r"\(raw format\), over the limit of 1014 \(rollout\.max_model_len=1024 - "
+                                          r"a response budget of 10\)"):
         loaded(f"rl.eval.sets.long={long_prompt}", "rl.eval.max_tokens=10")
 
 
