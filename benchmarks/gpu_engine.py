@@ -31,16 +31,14 @@ import argparse
 import datetime
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
+from check_process import check_lines, error_report, run_child  # noqa: E402  (benchmarks/ is on sys.path)
 
 TITLES = {
     "push": "engine == trainer logprobs after every push (fp32, colocated, in-process bucket stream)",
@@ -61,41 +59,11 @@ DRY_RUN_TIMEOUTS = {name: 600 for name in TITLES}
 
 def run_check(name: str, args, budget: float) -> dict:
     """One check in its own process (and process group: a timeout ends its engines too)."""
-    logs, reports = Path(args.out) / "logs", Path(args.out) / "checks"
-    logs.mkdir(parents=True, exist_ok=True)
-    reports.mkdir(exist_ok=True)
-    report = reports / f"{name}.json"
-    report.unlink(missing_ok=True)
     command = [sys.executable, __file__, "--child", name, "--out", args.out, "--device", args.device]
     command += ["--server-url", args.server_url] if args.server_url else []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))
-    started = time.perf_counter()
-    with (logs / f"{name}.log").open("w") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            code = proc.wait(timeout=budget)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            code = None
-    seconds = round(time.perf_counter() - started, 1)
-    if code is None:
-        return {"status": "timed out", "seconds": seconds, "error": f"killed after its limit of {budget:.0f} s",
-                "log_tail": log_tail(logs / f"{name}.log")}
-    if not report.exists():
-        return {"status": "error", "seconds": seconds, "error": f"the check's process exited with {code} and no report",
-                "log_tail": log_tail(logs / f"{name}.log")}
-    result = {**json.loads(report.read_text()), "seconds": seconds}
-    if "error" in result:
-        result["status"] = "error"
-        result["log_tail"] = log_tail(logs / f"{name}.log")
-    else:
-        result["status"] = "passed" if all(c["ok"] for c in result["checks"]) else "failed"
-    return result
-
-
-def log_tail(path: Path, lines: int = 20) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+    out = Path(args.out)
+    return run_child(command, env, out / "logs" / f"{name}.log", out / "checks" / f"{name}.json", budget, "check's")
 
 
 def child(name: str, args) -> int:
@@ -111,9 +79,7 @@ def child(name: str, args) -> int:
     try:
         report = checks[name](args.device, options)
     except Exception as exc:  # recorded in the results; the next check runs
-        traceback.print_exc()
-        report = {"error": f"{type(exc).__name__}: {exc}"[:2000],
-                  "traceback": "".join(traceback.format_exc().splitlines(keepends=True)[-8:])}
+        report = error_report(exc)
     (Path(args.out) / "checks" / f"{name}.json").write_text(json.dumps(report, indent=1, default=str))
     sys.stdout.flush()
     os._exit(0)  # engines' and process groups' teardown at exit can hang; the report is written
@@ -153,12 +119,7 @@ def markdown(data: dict) -> str:
             lines.append(f"- {key}: {json.dumps(value) if isinstance(value, (dict, list)) else value}")
         for part, reason in result.get("gpu_only", {}).items():
             lines.append(f"- {part}: gpu-only: {reason}")
-        if result.get("checks"):
-            lines += ["", "| check | value | tolerance | ok |", "| --- | --- | --- | --- |"]
-            lines += [f"| {c['check']} | {c['value']:.4g} | {c['tolerance']:g} | {c['ok']} |" for c in result["checks"]]
-        for key in ("error", "traceback", "log_tail"):
-            if result.get(key):
-                lines += ["", f"{key.replace('_', ' ')}:", "", "```", result[key].rstrip(), "```"]
+        lines += check_lines(result)
     return "\n".join(lines) + "\n"
 
 

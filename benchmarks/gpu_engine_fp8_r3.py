@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from gpu_engine_sync import BF16_TOLERANCE, FP32_TOLERANCE, Step, check, generate, precision_of, spread
+from route_probe import RouteProbe, perturb_routers
 
 # vLLM loads block-FP8 weights only when every fused piece and TP shard of a linear is whole
 # 128-row blocks (bridge/fp8_export.py): the tiny default (hidden 64) is not, so this check runs a
@@ -149,54 +150,12 @@ def off_policy_effect(differences: list[torch.Tensor]) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 
-USED: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (mode, micro-batch, router) -> (used, own)
-
-
-def probe_used_routes() -> None:
-    """Record, per forward, the experts each router used and those it would have chosen itself."""
-    from megatron_rl.model import routing
-
-    make_topk = routing.RouterTrace._make_topk
-
-    def probed(self, layer, original):
-        inner = make_topk(self, layer, original)
-
-        def topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-            probs, indices = inner(scores, topk, num_groups, group_topk, default_compute_topk)
-            if self.mode is not None and self._current is not None:
-                own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)[1]
-                USED[(self.mode, self._current, layer)] = (indices.detach().cpu(), own.detach().cpu())
-            return probs, indices
-
-        return topk
-
-    routing.RouterTrace._make_topk = probed
-
-
-def compare_routes(batches, trace, mode: str) -> dict:
-    """On the tokens the engine routed: how many (token, MoE layer) routes the forward USED differ
-    from the engine's, and how many of its OWN choices do; the engine never ran the others."""
-    used_differ = own_differ = total = unrouted_kept = unrouted = 0
-    for index in range(len(batches)):
-        targets, mask = trace._rollout[index]
-        mask = mask.cpu()
-        for layer, moe_layer in enumerate(trace._moe_layer):
-            used, own = (routes.sort(dim=-1).values for routes in USED[(mode, index, layer)])
-            engine = targets[:, moe_layer].long().cpu().sort(dim=-1).values
-            used_differ += int((~(used == engine).all(dim=-1) & mask).sum())
-            own_differ += int((~(own == engine).all(dim=-1) & mask).sum())
-            total += int(mask.sum())
-            unrouted_kept += int(((used == own).all(dim=-1) & ~mask).sum())
-            unrouted += int((~mask).sum())
-    return {"used_differ": used_differ, "own_differ": own_differ, "total": total,
-            "unrouted_kept": unrouted_kept, "unrouted": unrouted}
-
-
 def check_r3(device: str, options: dict) -> dict:
     from megatron_rl.model import routing
     from megatron_rl.train.experience import Trajectory, pack_minibatch
 
-    probe_used_routes()
+    probe = RouteProbe()
+    probe.install()
     precision = precision_of(device)
     step = Step(device, Path(options["out_dir"]) / "r3", [f"model.precision={precision}", "rollout.mode=colocated",
                                                            "rl.routing_replay=rollout", "rollout.gpu_memory_utilization=0.3"])
@@ -225,23 +184,18 @@ def check_r3(device: str, options: dict) -> dict:
         trace.start("record")
         figures["engine vs trainer logprobs, trainer's own routes"] = step.mismatch(samples, batches, trace)
         trace.stop()
-        same = compare_routes(batches, trace, "record")
+        same = probe.compare(batches, trace, "record")
         figures["same weights: trainer's own routes differing from the engine's"] = f"{same['own_differ']} of {same['total']}"
         trace.start("rollout")
         figures["engine vs trainer logprobs, R3 (the engine's routes)"] = step.mismatch(samples, batches, trace)
         trace.stop()
 
-        with torch.no_grad():  # the trainer's own choice moves away from the engine's
-            generator = torch.Generator().manual_seed(0)
-            for name, param in step.policy.module.named_parameters():
-                if name.endswith("router.weight"):
-                    noise = torch.randn(param.shape, generator=generator).to(param.device, param.dtype)
-                    param.add_(0.5 * param.float().std().to(param.dtype) * noise)
+        perturb_routers(step.policy.module)  # the trainer's own choice moves away from the engine's
         trace.reset_counts("rollout")
         trace.start("rollout", counter="rollout")
         step.trainer_logprobs(samples, batches, trace)
         trace.stop()
-        replayed = compare_routes(batches, trace, "rollout")
+        replayed = probe.compare(batches, trace, "rollout")
         figures["perturbed routers, R3 forward"] = replayed
         checks.append(check("perturbed routers choose other experts on some routed tokens (the check can fail)",
                             replayed["own_differ"], 0, ok=replayed["own_differ"] > 0))

@@ -30,16 +30,14 @@ import argparse
 import datetime
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
+from check_process import check_lines, error_report, run_child  # noqa: E402  (benchmarks/ is on sys.path)
 
 TITLES = {
     "a": "versions, GPU",
@@ -70,42 +68,12 @@ def stage_env(stage: str, te_site: str | None) -> dict:
 
 def run_stage(stage: str, args, budget: float) -> dict:
     """One stage in its own process (and process group: a timeout ends its children too)."""
-    logs = Path(args.out) / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    report = Path(args.out) / "stages" / f"{stage}.json"
-    report.parent.mkdir(exist_ok=True)
-    report.unlink(missing_ok=True)
     command = [sys.executable, __file__, "--child", stage, "--out", args.out, "--device", args.device,
                "--timeout", f"{stage}={budget}"] + (["--te-build-rc", args.te_build_rc] if args.te_build_rc else []) \
         + (["--te-site", args.te_site] if args.te_site else [])
-    started = time.perf_counter()
-    with (logs / f"{stage}.log").open("w") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=stage_env(stage, args.te_site),
-                                start_new_session=True)
-        try:
-            code = proc.wait(timeout=budget)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            code = None
-    seconds = time.perf_counter() - started
-    if code is None:
-        return {"status": "timed out", "seconds": seconds, "error": f"killed after its limit of {budget:g} s",
-                "log_tail": log_tail(logs / f"{stage}.log")}
-    if not report.exists():
-        return {"status": "error", "seconds": seconds, "error": f"the stage process exited with {code} and no report",
-                "log_tail": log_tail(logs / f"{stage}.log")}
-    result = json.loads(report.read_text())
-    result["seconds"] = seconds
-    if "error" in result:
-        result["status"] = "error"
-    else:
-        result["status"] = "passed" if all(c["ok"] for c in result["checks"]) else "failed"
-    return result
-
-
-def log_tail(path: Path, lines: int = 15) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+    out = Path(args.out)
+    return run_child(command, stage_env(stage, args.te_site), out / "logs" / f"{stage}.log",
+                     out / "stages" / f"{stage}.json", budget, "stage")
 
 
 def child(stage: str, args) -> int:
@@ -120,9 +88,7 @@ def child(stage: str, args) -> int:
             stages.wait_for_te_build(options)
         report = stages.STAGES[stage](args.device, options)
     except Exception as exc:  # recorded in the results; the next stage runs
-        traceback.print_exc()
-        report = {"error": f"{type(exc).__name__}: {exc}"[:2000],
-                  "traceback": "".join(traceback.format_exc().splitlines(keepends=True)[-8:])}
+        report = error_report(exc)
     report_path.write_text(json.dumps(report, indent=1, default=str))
     return 0
 
@@ -157,12 +123,7 @@ def markdown(data: dict) -> str:
         lines += ["", f"## {stage}. {TITLES[stage]}: {result['status']}", ""]
         for name, value in result.get("figures", {}).items():
             lines.append(f"- {name}: {json.dumps(value) if isinstance(value, (dict, list)) else value}")
-        if result.get("checks"):
-            lines += ["", "| check | value | tolerance | ok |", "| --- | --- | --- | --- |"]
-            lines += [f"| {c['check']} | {c['value']:.4g} | {c['tolerance']:g} | {c['ok']} |" for c in result["checks"]]
-        for key in ("error", "traceback", "log_tail"):
-            if result.get(key):
-                lines += ["", f"{key.replace('_', ' ')}:", "", "```", result[key].rstrip(), "```"]
+        lines += check_lines(result)
     lines += ["", f"Not shown by this kit on one GPU: {data['not_shown_on_one_gpu']}."]
     return "\n".join(lines) + "\n"
 

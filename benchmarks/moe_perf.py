@@ -28,8 +28,6 @@ import dataclasses
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,6 +37,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 
+from check_process import log_tail, run_process  # noqa: E402  (its slice cases' processes, as the GPU stages')
 import moe_perf_gemm  # noqa: E402
 import moe_perf_report  # noqa: E402
 
@@ -153,24 +152,6 @@ def slice_args(args, case: dict, json_path: Path) -> list[str]:
     return command
 
 
-def run_process(command: list[str], log: Path, limit: float, env: dict) -> tuple[int | None, float]:
-    """A process in its own session, killed with its children at `limit` seconds: (exit code or None, seconds)."""
-    started = time.perf_counter()
-    with log.open("w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            code = proc.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            code = None
-    return code, time.perf_counter() - started
-
-
-def log_tail(path: Path, lines: int = 8) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
-
-
 class Sweep:
     def __init__(self, args):
         self.args, self.out = args, Path(args.out)
@@ -237,9 +218,9 @@ class Sweep:
         row["seconds"] = seconds
         if code is None:
             return self.record({**row, "status": f"timed out: killed at its limit of {limit:g} s",
-                                "log_tail": log_tail(log)})
+                                "log_tail": log_tail(log, 8)})
         if code != 0 or not report_path.exists():
-            return self.record({**row, "status": f"error: exit {code}", "log_tail": log_tail(log)})
+            return self.record({**row, "status": f"error: exit {code}", "log_tail": log_tail(log, 8)})
         report = json.loads(report_path.read_text())
         if "refused" in report:  # a check against this machine, before the model was built
             if new and not case.get("fp8"):

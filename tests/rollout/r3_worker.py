@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -31,45 +32,8 @@ from megatron_rl.model.policy import Policy
 from megatron_rl.runtime import start_runtime
 from megatron_rl.rollout import SamplingParams
 
-# (mode, micro-batch, router) -> ([tokens, k] experts the forward used, those it would choose itself)
-USED: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def probe_used_routes() -> None:
-    make_topk = routing.RouterTrace._make_topk
-
-    def probed(self, layer, original):
-        inner = make_topk(self, layer, original)
-
-        def topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-            probs, indices = inner(scores, topk, num_groups, group_topk, default_compute_topk)
-            if self.mode is not None and self._current is not None:
-                own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)[1]
-                USED[(self.mode, self._current, layer)] = (indices.detach().clone(), own.detach().clone())
-            return probs, indices
-
-        return topk
-
-    routing.RouterTrace._make_topk = probed
-
-
-def compare(batches, trace, mode: str) -> dict:
-    """Over the (token, MoE layer) routes of `mode`'s forward: on the tokens the engine routed,
-    how many experts the forward USED differ from the engine's, and how many of its OWN choices
-    do; on the tokens the engine never ran, how many kept the forward's own choice."""
-    used_differ = own_differ = total = unrouted_kept = unrouted = 0
-    for index in range(len(batches)):
-        targets, mask = trace._rollout[index]
-        for layer, moe_layer in enumerate(trace._moe_layer):
-            used, own = (routes.sort(dim=-1).values for routes in USED[(mode, index, layer)])
-            engine = targets[:, moe_layer].long().sort(dim=-1).values
-            used_differ += int((~(used == engine).all(dim=-1) & mask).sum())
-            own_differ += int((~(own == engine).all(dim=-1) & mask).sum())
-            total += int(mask.sum())
-            unrouted_kept += int(((used == own).all(dim=-1) & ~mask).sum())
-            unrouted += int((~mask).sum())
-    return {"used_differ": used_differ, "own_differ": own_differ, "total": total,
-            "unrouted_kept": unrouted_kept, "unrouted": unrouted}
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from route_probe import RouteProbe, perturb_routers  # noqa: E402
 
 
 def main() -> None:
@@ -81,7 +45,8 @@ def main() -> None:
     config = load_config(None, ["device=cpu", f"model.hf_config={args.hf}", "optimizer.lr=0.001",
                                 f"output_dir={out.parent}"])
     runtime = start_runtime(config)
-    probe_used_routes()
+    probe = RouteProbe()
+    probe.install()
     policy = Policy(config, runtime)
     load_hf_weights(policy.module, policy.arch, args.hf)
     policy.optimizer.reload_model_params()
@@ -118,24 +83,20 @@ def main() -> None:
         trace.start("record")
         policy.logprobs(batches, with_entropy=False, routing=trace)
         trace.stop()
-        return compare(batches, trace, "record")
+        return probe.compare(batches, trace, "record")
 
     # The engine's weights: the trainer's own routes are the engine's, up to near-ties.
     report["same_weights"] = own_routes()
 
     # The trainer's routers move away from the engine's: its own choice now differs on some tokens.
-    with torch.no_grad():
-        generator = torch.Generator().manual_seed(0)
-        for name, param in policy.module.named_parameters():
-            if name.endswith("router.weight"):
-                param.add_(0.5 * param.std() * torch.randn(param.shape, generator=generator))
+    perturb_routers(policy.module)
     report["perturbed_own"] = own_routes()
 
     trace.reset_counts("rollout")
     trace.start("rollout", counter="rollout")
     policy.logprobs(batches, with_entropy=False, routing=trace)
     trace.stop()
-    report["r3_logprobs"] = compare(batches, trace, "rollout")
+    report["r3_logprobs"] = probe.compare(batches, trace, "rollout")
     report["rollout_counts"] = list(trace.counts("rollout"))
 
     trace.reset_counts()
@@ -143,7 +104,7 @@ def main() -> None:
     normalizer = max(1.0, float(sum(b.loss_mask.sum() for b in batches)))
     policy.train_step(batches, lambda lp, ent, b: (-(lp * b.loss_mask[0]).sum() / normalizer, {}), routing=trace)
     trace.stop()
-    report["r3_train"] = compare(batches, trace, "rollout")
+    report["r3_train"] = probe.compare(batches, trace, "rollout")
     report["train_counts"] = list(trace.counts())
     if dist.get_rank() == 0:
         out.write_text(json.dumps(report, indent=1))
