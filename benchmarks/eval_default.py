@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "eval_cpu.md"))
     args = parser.parse_args(argv)
     args.argv = shown_arguments(argv if argv is not None else sys.argv[1:])
-    run, out = Path(args.run), Path(args.out)
+    run, out = Path(args.run), Path(args.out).resolve()  # the report names the figure relative to the repository
     walls = {}
     state = run / "run_state.json"
     if not (state.is_file() and json.loads(state.read_text()).get("finished")):
