@@ -270,8 +270,8 @@ def check_sampling(spec: SetSpec, ks: list[int] | None) -> None:
                               f"(pass@k and maj@k use k of the n samples): ask for k <= {spec.n}, or more samples "
                               f"(--n, or set.{spec.name}.n)" if isinstance(k, int) and k > spec.n else
                               f"{where}: --k {k!r} must be an integer from 1 to n={spec.n}")
-    if not spec.temperature >= 0:
-        raise ConfigError(f"{where}: temperature must be >= 0 (0: greedy), got {spec.temperature}")
+    if not 0 <= spec.temperature < float("inf"):
+        raise ConfigError(f"{where}: temperature must be a finite number >= 0 (0: greedy), got {spec.temperature}")
     if not 0 < spec.top_p <= 1:
         raise ConfigError(f"{where}: top_p must be in (0, 1], got {spec.top_p}")
 

@@ -106,6 +106,15 @@ def test_a_set_n_below_k_names_the_set_option(no_engine, capsys, hf_dir, prompts
     assert "--k 4" in err and "n=2" in err and "set.add.n" in err
 
 
+@pytest.mark.parametrize("value", [".inf", ".nan", "-1"])
+def test_a_temperature_that_is_not_a_finite_number_from_zero(no_engine, capsys, hf_dir, prompts, tmp_path, value):
+    """A sets file's YAML reads .inf and .nan as floats (the command line refuses them as text)."""
+    sets = tmp_path / "sets.yaml"
+    sets.write_text(f"add: {{path: {prompts}, temperature: {value}}}\n")
+    err = refused(capsys, "--ckpt", str(hf_dir), "--sets", str(sets), "--out", str(tmp_path / "out"))
+    assert "set 'add': temperature must be a finite number >= 0 (0: greedy)" in err
+
+
 @pytest.mark.parametrize("flag", [["--n", "0"], ["set.add.n=0"]])
 def test_n_below_one(no_engine, capsys, hf_dir, prompts, tmp_path, flag):
     err = refused(capsys, "--ckpt", str(hf_dir), "--set", f"add={prompts}", *flag, "--out", str(tmp_path / "out"))
