@@ -126,12 +126,19 @@ def tiny_vllm_server(tiny_server_handle):
     """One vLLM CPU server of the built-in tiny model (dummy weights), shared by the tests that
     push their own weights into it first (partial rollouts, asynchronous RL, agents, the teacher),
     under the names a checkpoint has on disk as the trainer's export does (a push is applied in
-    place against the names of the push before it, whoever made that one): one start-up
+    place against the names of the push before it; each module starts from a full reload): one start-up
     (about 15 s on 2 cores, forked with its engine process from the worker's pre-imported Python,
     tests/_support/zygote.py) for the modules that use it, which run one after the other
     (tests/_support/scheduling.py). Yields (url, model directory)."""
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
-    yield tiny_server_handle.get()
+    from megatron_rl.rollout.engines.vllm_server import VllmServerEngine
+
+    url, model_dir = tiny_server_handle.get()
+    # Each module starts from a full reload: the server plans its in-place copies from the names of
+    # the push before, and the module before may have pushed another naming (transformers' own
+    # tensors, not the bridge's), which this module's first push would not match.
+    VllmServerEngine(url, name="tiny-vllm-server")._rpc("set_in_place_weight_updates", True)
+    yield url, model_dir
 
 
 @pytest.hookimpl(hookwrapper=True, trylast=True)

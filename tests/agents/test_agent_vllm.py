@@ -61,12 +61,8 @@ def served(tiny_vllm_server, tmp_path_factory):
     config.initializer_range = 0.1
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
     engine = VllmServerEngine(url, name="vllm-0", staging_dir=tmp_path_factory.mktemp("staging"))
-    # The shared server may have planned its in-place updates from another test's push (the
-    # bridge's names): transformers' names need a full reload first.
-    engine._rpc("set_in_place_weight_updates", True)
-    engine.update_weights(model.state_dict().items())
+    engine.update_weights(model.state_dict().items())  # a full reload: tiny_vllm_server dropped the last plan
     yield engine, model, AutoTokenizer.from_pretrained(model_dir)
-    engine._rpc("set_in_place_weight_updates", True)  # the next test pushes the bridge's names
 
 
 def rollout(served, agent_class=AgentRollout):

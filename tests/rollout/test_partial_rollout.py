@@ -99,9 +99,6 @@ def test_a_sequence_continued_across_a_weight_update_carries_two_versions(tiny_v
         batch = producer.take(1)
     finally:
         producer.close()
-        # The shared server planned its in-place updates from transformers' tensor names; the
-        # next test's trainer pushes the bridge's, so it starts from a full reload.
-        engine._rpc("set_in_place_weight_updates", True)
 
     (group,) = batch.groups
     continued = [t for t in group if 0 in t.versions and 1 in t.versions]
