@@ -201,23 +201,15 @@ def render_markdown(report: Mapping, examples: int = 3) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; never a window
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker  # noqa: F401  (plt does not import it as an attribute)
-
-    return plt
-
-
 def pass_at_k_figure(report: Mapping):
     """pass@k against k (log x), one panel per set (its axis labelled with the set's name), one
     line per checkpoint (labelled with its label) with its interval as a band; the caller saves
     and closes it."""
-    import matplotlib
+    import matplotlib.ticker
 
-    plt = _pyplot()
+    from megatron_rl.observability.plotting import pyplot
+
+    plt = pyplot()
     set_names = [s["figures"]["set"] for s in report["checkpoints"][0]["sets"]]
     columns = min(3, len(set_names))
     rows = -(-len(set_names) // columns)
@@ -251,13 +243,9 @@ def pass_at_k_figure(report: Mapping):
 
 def plot_pass_at_k(report: Mapping, png_path: str | Path) -> Path:
     """Draws ``pass_at_k_figure`` to `png_path`."""
-    figure = pass_at_k_figure(report)
-    png_path = Path(png_path)
-    try:
-        figure.savefig(png_path)
-    finally:
-        _pyplot().close(figure)
-    return png_path
+    from megatron_rl.observability.plotting import save_figure
+
+    return save_figure(pass_at_k_figure(report), png_path)
 
 
 def _write_atomically(path: Path, text: str) -> None:

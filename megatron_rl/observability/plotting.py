@@ -46,13 +46,25 @@ PANELS = (
 X_LABEL = "RL step (0 = after the warm start)"
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend: the project's figures go to files, never a window."""
     import matplotlib
 
-    matplotlib.use("Agg")  # files only; never a window
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(figure, png_path: str | Path) -> Path:
+    """Writes `figure` to `png_path` and closes it, written or not (an open figure keeps its memory
+    until the process ends)."""
+    png_path = Path(png_path)
+    try:
+        figure.savefig(png_path)
+    finally:
+        pyplot().close(figure)
+    return png_path
 
 
 def _series(records: Sequence[dict[str, Any]], key: str) -> list[tuple[float, float]]:
@@ -74,7 +86,7 @@ def _eval_set_lines(records: Sequence[dict[str, Any]]) -> tuple:
 def learning_curve_figure(records: Sequence[dict[str, Any]], title: str = ""):
     """The learning-curve figure of a run's metric records (``read_metrics``); the caller saves
     and closes it. Three panels sharing the x axis (module docstring)."""
-    figure, axes = _pyplot().subplots(3, 1, sharex=True, figsize=(7, 9), dpi=110)
+    figure, axes = pyplot().subplots(3, 1, sharex=True, figsize=(7, 9), dpi=110)
     for axis, (name, y_label, left, right_label, right) in zip(axes, PANELS):
         axis.set_label(name)
         handles = []
@@ -114,13 +126,7 @@ def learning_curve_figure(records: Sequence[dict[str, Any]], title: str = ""):
 
 def plot_learning_curve(metrics_path: str | Path, png_path: str | Path, title: str = "") -> Path:
     """Draws the metrics.jsonl at ``metrics_path`` (``learning_curve_figure``) to ``png_path``."""
-    figure = learning_curve_figure(read_metrics(metrics_path), title=title)
-    png_path = Path(png_path)
-    try:
-        figure.savefig(png_path)
-    finally:
-        _pyplot().close(figure)
-    return png_path
+    return save_figure(learning_curve_figure(read_metrics(metrics_path), title=title), png_path)
 
 
 def learning_summary(run_dir: str | Path, last_step: int, title: str = "") -> tuple[float | None, float | None, Path | None]:

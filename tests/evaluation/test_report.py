@@ -49,7 +49,9 @@ CONFIG = {"seed": 1, "sets": {"math": "sets/math.jsonl", "gsm8k": "sets/gsm8k.js
 
 
 def test_the_report_files_hold_every_figure_and_re_derive_from_eval_json(tmp_path):
-    evaluated = checkpoints()
+    import matplotlib.pyplot as plt
+
+    evaluated, open_before = checkpoints(), set(plt.get_fignums())
     paths = write_report(tmp_path / "out", evaluated, CONFIG, [1, 2, 4], resamples=100, seed=3)
     assert paths == {"json": tmp_path / "out" / "eval.json", "md": tmp_path / "out" / "eval.md",
                      "png": tmp_path / "out" / "pass_at_k.png"}
@@ -71,7 +73,7 @@ def test_the_report_files_hold_every_figure_and_re_derive_from_eval_json(tmp_pat
     # A figure edited by hand no longer matches its outcomes.
     report["checkpoints"][0]["sets"][1]["figures"]["figures"]["pass@2"]["value"] += 0.01
     assert rederive(report) != report
-    assert paths["png"].read_bytes()[:8] == PNG_MAGIC
+    assert paths["png"].read_bytes()[:8] == PNG_MAGIC and set(plt.get_fignums()) == open_before
     assert paths["md"].read_text() == render_markdown(json.loads(paths["json"].read_text()))
 
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 import io
 
 import matplotlib
+import pytest
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from megatron_rl.observability.metrics_log import MetricsLog, read_metrics  # noqa: E402
-from megatron_rl.observability.plotting import learning_curve_figure, learning_summary, plot_learning_curve  # noqa: E402
+from megatron_rl.observability.plotting import (learning_curve_figure, learning_summary,  # noqa: E402
+                                                plot_learning_curve, save_figure)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FULL_LABELS = {
@@ -132,3 +134,14 @@ def test_each_rl_eval_set_gets_a_pass_at_1_line_on_the_reward_panel(tmp_path):
         assert list(line.get_xdata()) == [0, 4] and list(line.get_ydata()) == [0.1, 0.5]
     finally:
         plt.close(figure)
+
+
+def test_save_figure_closes_the_figure_written_or_not(tmp_path):
+    """The one writer of the learning curve and of the evaluation's pass@k figure: a figure it could
+    not write (no such directory) is closed too, not left holding its memory."""
+    open_before = set(plt.get_fignums())
+    with pytest.raises(FileNotFoundError):
+        save_figure(plt.figure(), tmp_path / "missing" / "curve.png")
+    assert set(plt.get_fignums()) == open_before
+    assert save_figure(plt.figure(), tmp_path / "curve.png").read_bytes()[:8] == PNG_MAGIC
+    assert set(plt.get_fignums()) == open_before
