@@ -294,15 +294,18 @@ def set_data_config(spec: SetSpec, data, naming: SetNaming | None = None) -> Any
         raise ConfigError(str(exc).replace(f"{naming.where}.", naming.options or "data.")) from None
 
 
-def load_set(spec: SetSpec, data, naming: SetNaming | None = None) -> LoadedSet:
+def load_set(spec: SetSpec, data, naming: SetNaming | None = None,
+             read_heldout: Callable[[], Any] | None = None) -> LoadedSet:
     """The set's records (the first spec.prompts of them), read as the run's data section says
-    with the set's own fields over it; for the PATH `heldout`, the run's held-out set. ConfigError
-    naming the set (in `naming`'s words: the command's by default), the file and what to set."""
+    with the set's own fields over it; for the PATH `heldout`, the run's held-out set
+    (`read_heldout()`, default data.load_heldout(data); a run that has it already passes it in).
+    ConfigError naming the set (in `naming`'s words: the command's by default), the file and what
+    to set."""
     from megatron_rl.data.prompts import load_source
 
     naming = naming or SetNaming.command(spec.name)
     if spec.path == HELDOUT:
-        return _first(heldout_set(spec, data, naming))
+        return _first(heldout_set(spec, data, naming, read_heldout))
     path = Path(spec.path)
     if not path.exists():
         raise ConfigError(f"{naming.where}: {spec.path} does not exist; it must be a .jsonl / .parquet / .json / "
@@ -320,10 +323,11 @@ def load_set(spec: SetSpec, data, naming: SetNaming | None = None) -> LoadedSet:
     return _first(LoadedSet(spec, records))
 
 
-def heldout_set(spec: SetSpec, data, naming: SetNaming) -> LoadedSet:
+def heldout_set(spec: SetSpec, data, naming: SetNaming, read_heldout: Callable[[], Any] | None = None) -> LoadedSet:
     """The run's held-out set (`data`: the run's DataConfig) as training builds it for its
     eval/accuracy (data.load_heldout): data.heldout's prompts or the synthetic task's held-out
-    split, read with the run's fields; ConfigError where the run has none."""
+    split, read with the run's fields (by `read_heldout()` where given); ConfigError where the run
+    has none."""
     from megatron_rl.data.prompts import load_heldout
 
     own = [option for option in READ_OPTIONS if getattr(spec, option) is not None]
@@ -331,7 +335,7 @@ def heldout_set(spec: SetSpec, data, naming: SetNaming) -> LoadedSet:
         raise ConfigError(f"{naming.where}: {HELDOUT!r} is the run's held-out set, read as the run reads it; "
                           f"{naming.key(own[0])} does not apply to it (data.{own[0]} changes how the run reads it)")
     try:
-        heldout = load_heldout(data)
+        heldout = read_heldout() if read_heldout is not None else load_heldout(data)
     except ConfigError as exc:
         raise ConfigError(f"{naming.where}: the run's held-out set: {exc}") from None
     if heldout is None or len(heldout) == 0:

@@ -2,7 +2,7 @@
 `megatron-rl eval` runs, evaluation/runner.py's evaluate_set and evaluation/metrics.py's figures,
 on the training engines and with the weights the next step samples from.
 
-    sets = load_eval_sets(config)                # before the runtime: each set read and checked
+    sets = load_eval_sets(config, heldout)       # before the runtime: each set read and checked
     evals = TrainingEvals(config, sets, tokenizer, runtime)
     metrics.update(evals.run(step, generation, scorer))   # collective; {} where the step is not due
     evals.close()
@@ -29,19 +29,22 @@ class EvalSet:
     rewards: object | None  # a rewards.RewardConfig of the set's format; None: the run's rewards
 
 
-def load_eval_sets(config) -> list[EvalSet]:
+def load_eval_sets(config, heldout) -> list[EvalSet]:
     """Every rl.eval set read and checked by the code that reads and checks a `megatron-rl eval
     --set` (evaluation/sets.py): the file, its rows, the fields its reward reads, a reward of its
-    own resolved (a HumanEval set's sandbox), its prompts' length against the engine's context;
-    `heldout`, the run's held-out set as data.load_heldout builds it (what eval/accuracy measures).
-    ConfigError naming rl.eval.sets.NAME and the run's keys (data.*, rl.eval.*) that fix it."""
+    own resolved (a HumanEval set's sandbox), its prompts' length against the engine's context.
+    `heldout`: the run's held-out dataset as preflight read it (data.load_datasets' second, what
+    eval/accuracy measures; None: the run has none), which the set PATH `heldout` names: not
+    read a second time. ConfigError naming rl.eval.sets.NAME and the run's keys (data.*,
+    rl.eval.*) that fix it."""
     from megatron_rl.evaluation.sets import SetNaming, SetSpec, check_prompt_lengths, load_set, set_rewards
     from megatron_rl.train.preflight import run_tokenizer
 
     settings, found = config.rl.eval, {}
     for name, path in settings.sets.items():
         naming = SetNaming.training(name)
-        found[name] = load_set(SetSpec(name=name, path=path, prompts=settings.prompts), config.data, naming)
+        found[name] = load_set(SetSpec(name=name, path=path, prompts=settings.prompts), config.data, naming,
+                               read_heldout=lambda: heldout)
         # The run's rewards were resolved by preflight; a set format's own (code_tests) is resolved here.
         set_rewards(found[name], config.rewards, naming, run_rewards_resolved=True)
     if found:  # counted with the run's tokenizer, once every set is read

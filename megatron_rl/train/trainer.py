@@ -85,7 +85,8 @@ def train(config: RunConfig) -> TrainResult:
             refusal = str(exc)
     try:
         datasets = preflight(config) if refusal is None else None
-        eval_sets = load_eval_sets(config) if refusal is None else None  # rl.eval's, read and checked
+        # rl.eval's sets, read and checked; `heldout` among them is preflight's held-out dataset, not read again
+        eval_sets = load_eval_sets(config, datasets[1]) if refusal is None else None
         runtime = start_runtime(config)
         try:
             refusal = runtime.from_driver(refusal)

@@ -21,8 +21,9 @@ HUMANEVAL_ROW = {"task_id": "t/0", "prompt": "def f(x):\n", "test": "def check(c
 
 
 def loaded(*overrides: str):
+    """rl.eval's sets as the trainer reads them: with the held-out dataset preflight read."""
     config = load_config(None, ["data.num_heldout=16", *overrides])
-    return load_eval_sets(config)
+    return load_eval_sets(config, load_datasets(config.data)[1])
 
 
 def test_heldout_and_a_humaneval_set_are_read_with_their_rewards(tmp_path):
@@ -58,7 +59,24 @@ def test_heldout_without_a_heldout_set_is_refused(tmp_path):
     config = load_config(None, [f"data.train={train}", "rl.eval.sets.heldout=heldout"])
     with pytest.raises(ConfigError, match=r"rl\.eval\.sets\.heldout: 'heldout' names the run's held-out set, and "
                                           r"this run has none"):
-        load_eval_sets(config)
+        load_eval_sets(config, load_datasets(config.data)[1])
+
+
+def test_the_held_out_file_is_read_once_for_training_and_its_heldout_set(tmp_path, monkeypatch):
+    """The trainer's startup reads the held-out file in preflight (data.load_datasets) and hands the
+    dataset to load_eval_sets: the set `heldout` is those records, cut to rl.eval.prompts, and the
+    file is not read a second time (data.load_source, the one reader of a prompt file, counts)."""
+    import megatron_rl.data.prompts as prompts
+
+    path = tmp_path / "heldout.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) + "\n" for a in range(6)))
+    config = load_config(None, [f"data.heldout={path}", "rl.eval.sets.held=heldout", "rl.eval.prompts=4"])
+    reads, read = [], prompts.load_source
+    monkeypatch.setattr(prompts, "load_source", lambda data, key: reads.append(key) or read(data, key))
+    _, heldout = load_datasets(config.data)  # preflight's read
+    (held,) = load_eval_sets(config, heldout)
+    assert reads == ["heldout"]  # the synthetic train set reads no file
+    assert held.records == list(heldout)[:4] and len(heldout) == 6 and held.path == str(path)
 
 
 def test_a_missing_field_is_named_with_the_runs_data_key_not_a_set_option(tmp_path):
