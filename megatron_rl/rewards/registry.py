@@ -52,7 +52,7 @@ from megatron_rl.rewards.functions import RewardFunction, is_batched
 from megatron_rl.rewards.math_answer import math_fast_path, math_reward, math_verify_available, prepare_math_verify
 from megatron_rl.rewards.synthetic import TASKS, make_task, verify_synthetic
 
-__all__ = ["BUILTIN_REWARDS", "resolve_reward", "absolute_reward_name", "WithParams"]
+__all__ = ["BUILTIN_REWARDS", "resolve_reward", "absolute_reward_name", "WithParams", "NoSandbox"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,15 @@ def _format(name: str, params: Mapping[str, Any]) -> RewardFunction:
     return RewardFunction(name, fn, inline_safe=params.get("pattern") is None)
 
 
+class NoSandbox(ConfigError):
+    """code_tests asks for the namespace sandbox and this machine cannot build it (`why`): a caller
+    whose user sets the reward's params elsewhere (an eval set's option) names its own fix."""
+
+    def __init__(self, message: str, why: str):
+        super().__init__(message)
+        self.why = why
+
+
 # code_tests' params that are the scorer's to set, every one bound (module docstring); `harness`
 # is not among them: a record may carry its own when no param sets one (the param then wins).
 CODE_TESTS_SETTINGS = ("wall_seconds", "cpu_seconds", "memory_mb", "mode", "isolation", "cache_entries")
@@ -147,9 +156,9 @@ def _code_tests(name: str, params: Mapping[str, Any]) -> RewardFunction:
 
         why = namespaces_available()  # refused here, before any rollout, not at the first sample
         if why is not None:
-            raise ConfigError(f"reward {name!r} runs model-written code in a sandbox, which this machine cannot "
-                              f"build: {why}. Allow user namespaces, or set params: {{isolation: none}} to run the "
-                              "code with resource limits only (it can then use the network and this user's files)")
+            raise NoSandbox(f"reward {name!r} runs model-written code in a sandbox, which this machine cannot "
+                            f"build: {why}. Allow user namespaces, or set params: {{isolation: none}} to run the "
+                            "code with resource limits only (it can then use the network and this user's files)", why)
     # Not inline-safe: every test is a sandboxed process (tens of ms); the scorer's workers run it.
     bound = {**_keyword_defaults(code_tests_reward, CODE_TESTS_SETTINGS), **params}
     return RewardFunction(name, WithParams(code_tests_reward, bound, name), inline_safe=False)

@@ -96,12 +96,19 @@ def test_a_missing_field_is_named_with_the_runs_data_key_not_a_set_option(tmp_pa
 
 def test_a_humaneval_set_on_a_machine_without_the_sandbox_is_refused_before_any_model(tmp_path, monkeypatch):
     """Its code_tests reward is resolved with the set: where the namespace sandbox cannot be built,
-    the run stops here (not after the model and engines are up)."""
+    the run stops here (not after the model and engines are up), naming a way out that reaches the
+    set's reward (rl.eval's sets have no reward params; the run's rewards.terms[].params do not
+    score it): the command's per-set option, after training."""
     import megatron_rl.sandbox
 
     path = tmp_path / "he.jsonl"
     path.write_text(json.dumps(HUMANEVAL_ROW) + "\n")
     monkeypatch.setattr(megatron_rl.sandbox, "namespaces_available", lambda: "no user namespaces here (a test)")
-    with pytest.raises(ConfigError, match=r"rl\.eval\.sets\.he: .*reward 'code_tests' runs model-written code in a "
-                                          r"sandbox, which this machine cannot build: no user namespaces here"):
+    with pytest.raises(ConfigError) as refused:
         loaded(f"rl.eval.sets.he={path}")
+    message = str(refused.value)
+    assert message.startswith("rl.eval.sets.he: its reward code_tests runs the model's programs in a namespace "
+                              "sandbox, which this machine cannot build: no user namespaces here (a test)")
+    assert message.endswith(f"take the set out of rl.eval.sets and evaluate the run's checkpoints on it with "
+                            f"`megatron-rl eval --ckpt RUN --set he={path} set.he.reward_params.isolation=none`")
+    assert "params: {isolation: none}" not in message

@@ -1,0 +1,55 @@
+"""A set's options as `megatron-rl eval` reads them (evaluation/sets.py), in process and without
+an engine: a HumanEval-format set's reward where the namespace sandbox cannot be built (refused
+naming the set's own option, which then resolves), reward_params without a reward."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_rl.config import load_config
+from megatron_rl.errors import ConfigError
+from megatron_rl.evaluation.humaneval import SANDBOX_PARAMS
+from megatron_rl.evaluation.sets import SamplingDefaults, SetNaming, load_set, parse_sets, set_rewards
+
+HUMANEVAL_ROW = {"task_id": "t/0", "prompt": "def f(x):\n", "test": "def check(c):\n    assert c(1) == 2\n",
+                 "entry_point": "f"}
+
+
+def resolved(set_args: list[str], options: list[str] = ()):
+    """Each named set read and its reward resolved as `megatron-rl eval` does before any engine."""
+    run = load_config(None, [])
+    specs = parse_sets(set_args, None, list(options), SamplingDefaults())
+    return [set_rewards(load_set(spec, run.data), run.rewards, SetNaming.command(spec.name)) for spec in specs]
+
+
+def test_a_humaneval_set_without_the_sandbox_names_its_own_option_which_then_resolves(tmp_path, monkeypatch):
+    """rewards.terms[].params (the registry's own advice) does not reach a HumanEval set's reward:
+    the refusal names set.NAME.reward_params.isolation=none, and with it the set's code_tests
+    resolves outside the namespace sandbox with the format's other limits kept."""
+    import megatron_rl.sandbox
+
+    path = tmp_path / "he.jsonl"
+    path.write_text(json.dumps(HUMANEVAL_ROW) + "\n")
+    monkeypatch.setattr(megatron_rl.sandbox, "namespaces_available", lambda: "no user namespaces here (a test)")
+    with pytest.raises(ConfigError) as refused:
+        resolved([f"he={path}"])
+    message = str(refused.value)
+    assert message.startswith("set 'he': its reward code_tests runs the model's programs in a namespace sandbox, "
+                              "which this machine cannot build: no user namespaces here (a test). Allow user "
+                              "namespaces, or run them with resource limits only")
+    assert message.endswith(": set.he.reward_params.isolation=none") and "rewards.terms" not in message
+    (rewards,) = resolved([f"he={path}"], ["set.he.reward_params.isolation=none"])
+    (term,) = rewards.terms
+    assert (term.name, term.params) == ("code_tests", {**SANDBOX_PARAMS, "isolation": "none"})
+
+
+def test_reward_params_without_a_reward_are_refused_not_ignored(tmp_path):
+    path = tmp_path / "add.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    with pytest.raises(ConfigError, match=r"set 'add': reward_params are the parameters of the set's own reward, and "
+                                          r"it names none: name it with set\.add\.reward=NAME"):
+        resolved([f"add={path}"], ["set.add.reward_params.require_boxed=true"])
+    (rewards,) = resolved([f"add={path}"], ["set.add.reward=math", "set.add.reward_params.require_boxed=true"])
+    assert [(t.name, t.params) for t in rewards.terms] == [("math", {"require_boxed": True})]
