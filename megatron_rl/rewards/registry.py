@@ -123,7 +123,7 @@ class NoSandbox(ConfigError):
     """code_tests asks for the namespace sandbox and this machine cannot build it (`why`): a caller
     whose user sets the reward's params elsewhere (an eval set's option) names its own fix."""
 
-    def __init__(self, message: str, why: str):
+    def __init__(self, message: str, why: str = ""):  # why's default: an unpickled one (args hold the message)
         super().__init__(message)
         self.why = why
 
