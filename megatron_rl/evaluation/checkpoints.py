@@ -23,6 +23,7 @@ unless the overrides name one.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,7 @@ ACCEPTED = ("a run directory (RUN: its latest checkpoint), a training checkpoint
 # The sections a run's checkpoint brings with it: what the weights are and how the run asked and scored.
 RUN_SECTIONS = ("model", "data", "rewards", "rl")
 TRAINER_STATE = "trainer_state.json"  # checkpoint/store.py's STATE (that module imports torch)
+EXPORT = "megatron_rl_export.json"  # in a run's hf_model/: how the run prompted the model, its step
 
 
 @dataclass
@@ -76,14 +78,14 @@ def identify(path: str, label: str) -> CheckpointSource:
                               "it, or pass another checkpoint")
         if "weights_dir" not in metadata:
             return CheckpointSource(label, path, "converted Megatron checkpoint", resolved, None, None, None)
-        state = _trainer_state(resolved)
+        state = _trainer_state(resolved, path)
         run_dir = resolved.parent.parent
         kind = "run directory" if (where / "checkpoints").is_dir() and not is_megatron_checkpoint(where) \
             else "training checkpoint"
         return CheckpointSource(label, path, kind, resolved, str(run_dir), state.get("step"), state.get("config"))
     if (where / "config.json").is_file() and (any(where.glob("*.safetensors"))
                                               or (where / "model.safetensors.index.json").is_file()):
-        export = _json_or_none(where / "megatron_rl_export.json")
+        export = _export_record(where / EXPORT, path)
         run_dir = export.get("run") if export else None
         return CheckpointSource(label, path, "Hugging Face directory", where, run_dir,
                                 export.get("step") if export else None, None, export)
@@ -92,12 +94,73 @@ def identify(path: str, label: str) -> CheckpointSource:
                       f"config.json with *.safetensors (it holds {found}); pass {ACCEPTED}")
 
 
-def _trainer_state(ckpt: Path) -> dict:
-    state = _json_or_none(ckpt / TRAINER_STATE)
+def _trainer_state(ckpt: Path, given: str) -> dict:
+    """The checkpoint's trainer_state.json, with the keys eval takes from it checked by type: its
+    step (into the report) and its run's config sections (over --config's). Untrusted: a wrong
+    kind failed with a TypeError here, or (a NaN step) only when eval.json was written, after
+    every checkpoint had been evaluated."""
+    path = ckpt / TRAINER_STATE
+    state = _json_or_none(path)
     if state is None:
-        raise ConfigError(f"{ckpt / TRAINER_STATE} is missing or unreadable: the checkpoint is incomplete; pass another "
+        raise ConfigError(f"{path} is missing or unreadable: the checkpoint is incomplete; pass another "
                           "step directory of the run")
+    step, config = state.get("step"), state.get("config")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"--ckpt {given}: {path}: 'step' must be an integer >= 0, not {_shown(step)}; the checkpoint "
+                          "is damaged: pass another step directory of the run")
+    if config is not None and not isinstance(config, dict):
+        raise ConfigError(f"--ckpt {given}: {path}: 'config' must be an object (the run's config), not "
+                          f"{_shown(config)}; pass another step directory of the run")
+    for section in RUN_SECTIONS:
+        if config is not None and config.get(section) is not None and not isinstance(config[section], dict):
+            raise ConfigError(f"--ckpt {given}: {path}: 'config.{section}' must be an object (the run's {section} "
+                              f"section), not {_shown(config[section])}; pass another step directory of the run")
     return state
+
+
+def _export_record(path: Path, given: str) -> dict | None:
+    """A run's Hugging Face export record (checkpoint/manager.py writes it), None when there is
+    none; the keys eval takes from it checked by type: `run` and `step` go into the report,
+    prompt_format and system_prompt into the config (which checks their values). JSON's own
+    numbers only: a NaN or Infinity (which Python's json reads) could not be written back to
+    eval.json, and failed the command after every checkpoint had been evaluated."""
+    from megatron_rl.data.config import PROMPT_FORMATS
+
+    if not path.exists():
+        return None
+    fix = "fix it or remove it (it records only how the run prompted the model)"
+    try:
+        export = json.loads(path.read_text(), parse_constant=_no_constant, parse_float=_finite)
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ConfigError(f"--ckpt {given}: {path} is unreadable ({exc}); {fix}") from None
+    if not isinstance(export, dict):
+        raise ConfigError(f"--ckpt {given}: {path} must be a JSON object, not {type(export).__name__}; {fix}")
+    step = export.get("step")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ConfigError(f"--ckpt {given}: {path}: 'step' must be an integer >= 0 or null, not {_shown(step)}; {fix}")
+    for key in ("run", "system_prompt"):
+        if export.get(key) is not None and not isinstance(export[key], str):
+            raise ConfigError(f"--ckpt {given}: {path}: {key!r} must be a string or null, not {_shown(export[key])}; "
+                              f"{fix}")
+    if "prompt_format" in export and export["prompt_format"] not in PROMPT_FORMATS:
+        raise ConfigError(f"--ckpt {given}: {path}: 'prompt_format' must be one of {', '.join(PROMPT_FORMATS)}, not "
+                          f"{_shown(export['prompt_format'])}; {fix}")
+    return export
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is beyond the largest float")
+    return value
+
+
+def _shown(value) -> str:
+    return json.dumps(value)[:40] if isinstance(value, (dict, list, str)) else repr(value)
 
 
 def _json_or_none(path: Path) -> dict | None:

@@ -19,12 +19,13 @@ import dataclasses
 import functools
 import gc
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_rl.errors import ConfigError
 from megatron_rl.evaluation.checkpoints import CheckpointSource, check_same_model, checkpoint_config, identify
-from megatron_rl.config.evaluation import HELDOUT
+from megatron_rl.config.evaluation import HELDOUT, MAX_SAMPLES
 from megatron_rl.evaluation.sets import (LoadedSet, SamplingDefaults, SetNaming, SetSpec, check_prompt_lengths,
                                          is_set_option, load_set, parse_sets, set_rewards)
 
@@ -121,6 +122,10 @@ def prepare(args) -> EvalPlan:
     for flag, value in (("--n", args.n), ("--max-tokens", args.max_tokens), ("--prompts", args.prompts)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if args.n > MAX_SAMPLES:  # rl.eval.n's bound: a typo's 10**8 samples per prompt reached the engine
+        raise ConfigError(f"--n must be at most {MAX_SAMPLES} samples per prompt, got {args.n}")
+    if args.seed < 0:  # numpy's bootstrap generator refused it, but only when the report was written
+        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
     options = [item for item in args.overrides if is_set_option(item)]
     overrides = [item for item in args.overrides if not is_set_option(item)]
     specs = parse_sets(args.sets, args.sets_file, options, defaults)
@@ -132,8 +137,6 @@ def prepare(args) -> EvalPlan:
     configs = [checkpoint_config(source, base, overrides, str(out)) for source in sources]
     check_same_model(sources, configs)
     sets = [_eval_set(_load_set(spec, sources, configs), sources, configs) for spec in specs]
-    _check_engine(configs[0])  # last: it imports torch (seconds), the checks above do not
-    _check_prompt_lengths(sets, configs)
     record = {"checkpoints": [dataclasses.asdict(s) | {"resolved": str(s.resolved)} for s in sources],
               "sets": [dataclasses.asdict(s.loaded.spec) | {"prompts_read": len(s.loaded.records),
                                                             "max_tokens": s.max_tokens,
@@ -142,7 +145,36 @@ def prepare(args) -> EvalPlan:
               "rollout": base["rollout"]}
     for entry in record["checkpoints"]:
         entry.pop("run_config", None)  # in the checkpoint itself; eval.json names it
+    _check_finite(record)
+    _check_engine(configs[0])  # last: it imports torch (seconds), the checks above do not
+    _check_prompt_lengths(sets, configs)
     return EvalPlan(sources, configs, sets, ks, args.seed, out, record)
+
+
+def _check_finite(record: dict) -> None:
+    """eval.json is strict JSON (no NaN or Infinity), written after every checkpoint is evaluated:
+    a non-finite number among the settings it records (a set's reward_params, a run's reward
+    params) failed the command only then, losing the evaluation. Refused now, by its place."""
+    parts = [(f"set {entry['name']!r}: ", entry) for entry in record["sets"]]
+    parts += [(f"--ckpt {entry['path']}: ", entry) for entry in record["checkpoints"]]
+    parts.append(("", {key: value for key, value in record.items() if key not in ("sets", "checkpoints")}))
+    for where, part in parts:
+        found = _first_non_finite(part, "")
+        if found is not None:
+            place, value = found
+            raise ConfigError(f"{where}{place} is {value}, not a finite number; the report (eval.json, strict JSON) "
+                              "could not record it: give a finite value")
+
+
+def _first_non_finite(value, place: str):
+    if isinstance(value, float) and not math.isfinite(value):
+        return place.lstrip("."), value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for key, item in items:
+        found = _first_non_finite(item, f"{place}[{key}]" if isinstance(key, int) else f"{place}.{key}")
+        if found is not None:
+            return found
+    return None
 
 
 def _parse_ks(text: str | None) -> list[int] | None:

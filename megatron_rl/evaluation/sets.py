@@ -28,11 +28,12 @@ The same reading, checks and reward resolution serve rl.eval's sets during train
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from megatron_rl.config.evaluation import HELDOUT, is_set_name
+from megatron_rl.config.evaluation import HELDOUT, MAX_SAMPLES, is_set_name
 from megatron_rl.errors import ConfigError
 
 # Options whose value is text as written (a path, a name, a prompt), never YAML-parsed.
@@ -254,6 +255,12 @@ def _spec(name: str, options: dict, defaults: SamplingDefaults) -> SetSpec:
         value = getattr(spec, option)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ConfigError(f"{where}: {option} must be a number, got {value!r}")
+    if not -math.inf < spec.threshold < math.inf:  # NaN or infinite: no sample correct, and no eval.json
+        raise ConfigError(f"{where}: threshold must be a finite number (reward >= threshold: correct), got "
+                          f"{spec.threshold}")
+    if spec.n is not None and spec.n > MAX_SAMPLES:
+        raise ConfigError(f"{where}: n must be at most {MAX_SAMPLES} samples per prompt (rl.eval.n's bound), got "
+                          f"{spec.n}")
     if spec.greedy is not None and not isinstance(spec.greedy, bool):
         raise ConfigError(f"{where}: greedy must be true or false, got {spec.greedy!r}")
     for option in ("columns", "reward_params"):

@@ -1,0 +1,120 @@
+"""`megatron-rl eval` reads checkpoints and settings it did not write; what it takes from them
+(a run's trainer_state.json, an export's megatron_rl_export.json, a set's threshold and params,
+--n, --seed) is checked by type and bound before any engine starts, each refusal one line naming
+the file or option, the key and the value.
+
+Before, each of these passed `prepare`: a `config` of the wrong kind failed with a TypeError
+traceback, and a NaN step, a NaN or infinite threshold, a NaN reward param or a negative seed
+ran the whole evaluation and failed only when eval.json (strict JSON) or the bootstrap's
+generator met them, the evaluation lost; --n 10**8 reached the engine. Each case runs the CLI in
+this process with the engine stage replaced by one that fails the test if reached."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_rl import cli
+from megatron_rl.evaluation import command
+
+PRESETS = Path(cli.__file__).parent / "model" / "presets"
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    def reached(plan):
+        raise AssertionError("the engine stage was reached: the bad input was not refused before it")
+
+    monkeypatch.setattr(command, "evaluate", reached)
+
+
+@pytest.fixture
+def prompts(tmp_path) -> Path:
+    path = tmp_path / "add.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{a}+2=", "answer": str(a + 2)}) + "\n" for a in range(3)))
+    return path
+
+
+def hf_dir(tmp_path: Path, export: str | None = None) -> Path:
+    """A stand-in Hugging Face directory (its weights never read), with `export` as its
+    megatron_rl_export.json."""
+    directory = tmp_path / "hf"
+    directory.mkdir()
+    shutil.copy(PRESETS / "tiny-qwen3-moe.json", directory / "config.json")
+    (directory / "model.safetensors").write_bytes(b"")
+    if export is not None:
+        (directory / "megatron_rl_export.json").write_text(export)
+    return directory
+
+
+def run_dir(tmp_path: Path, state: str) -> Path:
+    """A stand-in run directory whose one checkpoint's trainer_state.json is `state`."""
+    step = tmp_path / "run" / "checkpoints" / "step_000001"
+    (step / "hf_config").mkdir(parents=True)
+    shutil.copy(PRESETS / "tiny-qwen3-moe.json", step / "hf_config" / "config.json")
+    (step / "megatron_rl.json").write_text(json.dumps({"format": "megatron_rl.torch_dist.v1", "weights_dir": "weights"}))
+    (step / "trainer_state.json").write_text(state)
+    (step.parent / "latest").write_text("step_000001")
+    return tmp_path / "run"
+
+
+def refused(capsys, *argv: str) -> str:
+    tick = time.perf_counter()
+    status = cli.main(["eval", *argv])
+    elapsed = time.perf_counter() - tick
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert elapsed < 2.0, f"refused after {elapsed:.2f} s"
+    assert err.startswith("megatron-rl: configuration error: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize("state, named", [
+    ('{"step": NaN, "config": {}}', "'step' must be an integer >= 0, not nan"),
+    ('{"step": 1, "config": "model data"}', "'config' must be an object"),
+    ('{"step": 1, "config": {"rewards": [1, 2]}}', "'config.rewards' must be an object"),
+])
+def test_a_trainer_state_of_the_wrong_kind_is_refused_by_file_and_key(no_engine, capsys, prompts, tmp_path, state,
+                                                                       named):
+    run = run_dir(tmp_path, state)
+    err = refused(capsys, "--ckpt", str(run), "--set", f"a={prompts}", "--out", str(tmp_path / "out"))
+    assert f"--ckpt {run}: {run}/checkpoints/step_000001/trainer_state.json: {named}" in err, err
+
+
+@pytest.mark.parametrize("export, named", [
+    ('{"step": NaN}', "megatron_rl_export.json is unreadable (NaN is not a JSON number)"),
+    ('{"step": 3, "eval_temperature": 1e999}', "megatron_rl_export.json is unreadable (1e999 is beyond"),
+    ('{"step": "7"}', "megatron_rl_export.json: 'step' must be an integer >= 0 or null, not \"7\""),
+    ('{"run": {"a": 1}}', "megatron_rl_export.json: 'run' must be a string or null"),
+    ('{"prompt_format": "markdown"}', "megatron_rl_export.json: 'prompt_format' must be one of raw, chat"),
+    ('[1, 2]', "megatron_rl_export.json must be a JSON object, not list"),
+])
+def test_an_export_record_of_the_wrong_kind_is_refused_by_file_and_key(no_engine, capsys, prompts, tmp_path, export,
+                                                                        named):
+    model = hf_dir(tmp_path, export)
+    err = refused(capsys, "--ckpt", str(model), "--set", f"a={prompts}", "--out", str(tmp_path / "out"))
+    assert f"--ckpt {model}: {model}/{named}" in err, err
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["set.a.threshold=.nan"], "set 'a': threshold must be a finite number (reward >= threshold: correct), got nan"),
+    (["set.a.threshold=.inf"], "set 'a': threshold must be a finite number (reward >= threshold: correct), got inf"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--n", "100000000", "--k", "1"], "--n must be at most 1024 samples per prompt, got 100000000"),
+    (["set.a.n=5000"], "set 'a': n must be at most 1024 samples per prompt (rl.eval.n's bound), got 5000"),
+    (["set.a.reward={reward}:score", "set.a.reward_params.scale=.nan"],
+     "set 'a': reward_params.scale is nan, not a finite number; the report (eval.json, strict JSON) could not "
+     "record it"),
+])
+def test_settings_the_report_cannot_hold_or_the_engine_should_not_run_are_refused(no_engine, capsys, prompts,
+                                                                                  tmp_path, argv, named):
+    reward = tmp_path / "scale_reward.py"
+    reward.write_text("def score(prompt, response, answer, scale=1.0, **metadata):\n    return scale\n")
+    model = hf_dir(tmp_path)
+    argv = [item.format(reward=reward) for item in argv]
+    err = refused(capsys, "--ckpt", str(model), "--set", f"a={prompts}", "--out", str(tmp_path / "out"), *argv)
+    assert named in err, err
