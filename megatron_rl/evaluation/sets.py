@@ -2,10 +2,11 @@
 model or engine exists.
 
     --set gsm8k=data/gsm8k_test.jsonl --set hard=data/hard.parquet     NAME=PATH, repeatable
-    set.hard.reward=math  set.hard.n=16  set.hard.columns.level=difficulty   per-set options
+    set.hard.reward=math  set.hard.n=16  set.hard.k=1,16  set.hard.columns.level=difficulty   per-set options
     --sets sets.yaml                                                    the same as a YAML mapping:
 
-        gsm8k: {path: data/gsm8k_test.jsonl, reward: math, n: 16, temperature: 0.6}
+        gsm8k: {path: data/gsm8k_test.jsonl, reward: math, n: 16, k: [1, 4, 16], temperature: 0.6}
+        quick: {path: data/quick.jsonl, n: 1, k: [1]}                  one sample a prompt, whatever --k asks
         mbpp:  {path: data/mbpp, split: test, reward: code_tests, columns: {test_list: tests}}
 
 A PATH is what `data.train` takes: a .jsonl or .parquet file, a .json / .csv / .arrow file or a
@@ -21,8 +22,9 @@ split), read as that run reads it.
 A set in a format the generic reader does not know (HumanEval's prompt / test / entry_point rows)
 is read by its own loader in FORMAT_LOADERS, which also says which reward scores it.
 
-The same reading, checks and reward resolution serve rl.eval's sets during training
-(train/eval_sets.py): a SetNaming says in whose words the errors name the set and what to set.
+The same reading and checks, and the reward resolution of evaluation/set_rewards.py, serve
+rl.eval's sets during training (train/eval_sets.py): a SetNaming says in whose words the errors
+name the set and what to set.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class SetSpec:
     reward: str | None = None  # a reward name ("math", "code_tests", "synthetic", "module:fn", "file.py:fn")
     reward_params: dict[str, Any] = field(default_factory=dict)
     n: int | None = None
+    k: list[int] | None = None  # the ks of pass@k and maj@k, each 1..n (None here and in --k: default_ks(n))
     temperature: float | None = None
     top_p: float | None = None
     greedy: bool | None = None
@@ -118,7 +121,7 @@ class SamplingDefaults:
     """The command's flags every set takes unless it sets its own."""
 
     n: int = 8
-    k: list[int] | None = None  # the ks of pass@k and maj@k, every set's (None: metrics.default_ks(n) per set)
+    k: list[int] | None = None  # the ks of pass@k and maj@k of every set without its own (None: default_ks(n))
     temperature: float = 1.0
     top_p: float = 1.0
     greedy: bool = True
@@ -163,7 +166,8 @@ def parse_sets(set_args: list[str], sets_file: str | None, option_items: list[st
     """The sets the command line names: `--set NAME=PATH` items, the `--sets` YAML file's, then
     `set.NAME.OPTION=VALUE` items over either. Refuses (ConfigError, naming the set): a NAME or
     PATH missing, two sets with one name, an unknown option, an option for no set, a value of the
-    wrong type, n < 1, a k outside 1..n, a temperature < 0, a top_p outside (0, 1]."""
+    wrong type, n < 1, a k outside 1..n (the set's own, else --k), a temperature < 0, a top_p
+    outside (0, 1]."""
     raw: dict[str, dict[str, Any]] = {}
     for item in set_args:
         name, sep, path = item.partition("=")
@@ -247,6 +251,7 @@ def _spec(name: str, options: dict, defaults: SamplingDefaults) -> SetSpec:
     if unknown:
         raise ConfigError(f"{where}: unknown option {unknown[0]!r} (options: {', '.join(known)})")
     spec = SetSpec(name=name, **options)
+    spec.k = _set_ks(spec.k, where)
     for option, kind in (("n", int), ("max_tokens", int), ("prompts", int)):
         value = getattr(spec, option)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -268,24 +273,46 @@ def _spec(name: str, options: dict, defaults: SamplingDefaults) -> SetSpec:
             raise ConfigError(f"{where}: {option} must be a mapping, got {getattr(spec, option)!r}")
     spec.reward_params = spec.reward_params or {}
     # The command's defaults where the set has none: the spec then holds what it will run with.
-    for option in ("n", "temperature", "top_p", "greedy", "max_tokens", "prompts"):
+    k_key = "--k" if spec.k is None else f"set.{name}.k"
+    for option in ("n", "k", "temperature", "top_p", "greedy", "max_tokens", "prompts"):
         if getattr(spec, option) is None:
             setattr(spec, option, getattr(defaults, option))
-    check_sampling(spec, defaults.k)
+    check_sampling(spec, k_key)
     return spec
 
 
-def check_sampling(spec: SetSpec, ks: list[int] | None) -> None:
-    """n >= 1, every k (--k) in 1..n, temperature >= 0, top_p in (0, 1]: ConfigError naming the set."""
+def _set_ks(value: Any, where: str) -> list[int] | None:
+    """A set's own k as given (a list, one integer, or "1,4,16" as set.NAME.k=1,4,16 reads),
+    sorted and deduplicated; the range against n is check_sampling's."""
+    if value is None:
+        return None
+    items = [part.strip() for part in value.split(",")] if isinstance(value, str) else value
+    items = items if isinstance(items, list) else [items]
+    try:
+        ks = [int(k) if isinstance(k, str) else k for k in items]
+    except ValueError:
+        ks = []
+    if not ks or not all(isinstance(k, int) and not isinstance(k, bool) for k in ks):
+        raise ConfigError(f"{where}: k must be integers from 1 to n, e.g. [1, 4, 16] (set.NAME.k=1,4,16), "
+                          f"got {value!r}")
+    return sorted(set(ks))
+
+
+def check_sampling(spec: SetSpec, k_key: str = "--k") -> None:
+    """n >= 1, every k in 1..n, temperature >= 0, top_p in (0, 1]: ConfigError naming the set, and
+    `k_key`, where its ks came from (the set's own set.NAME.k, or --k)."""
     where = f"set {spec.name!r}"
     if spec.n < 1:
         raise ConfigError(f"{where}: n (samples per prompt) must be >= 1, got {spec.n}")
-    for k in ks or ():
+    # Where the fix goes: the set's own keys, and for --k's ks also the command's flags.
+    k_keys, n_keys = ((k_key, f"set.{spec.name}.n") if k_key != "--k" else
+                      (f"--k for every set, set.{spec.name}.k for this one", f"--n, or set.{spec.name}.n"))
+    for k in spec.k or ():
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= spec.n:
-            raise ConfigError(f"{where}: --k {k} is more than n={spec.n}, the samples per prompt it draws from "
-                              f"(pass@k and maj@k use k of the n samples): ask for k <= {spec.n}, or more samples "
-                              f"(--n, or set.{spec.name}.n)" if isinstance(k, int) and k > spec.n else
-                              f"{where}: --k {k!r} must be an integer from 1 to n={spec.n}")
+            raise ConfigError(f"{where}: {k_key} {k} is more than n={spec.n}, the samples per prompt it draws from "
+                              f"(pass@k and maj@k use k of the n samples): ask for k <= {spec.n} ({k_keys}), or "
+                              f"more samples ({n_keys})" if isinstance(k, int) and k > spec.n else
+                              f"{where}: {k_key} {k!r} must be an integer from 1 to n={spec.n}")
     if not 0 <= spec.temperature < float("inf"):
         raise ConfigError(f"{where}: temperature must be a finite number >= 0 (0: greedy), got {spec.temperature}")
     if not 0 < spec.top_p <= 1:
@@ -380,78 +407,6 @@ def _explained(spec: SetSpec, message: str, naming: SetNaming) -> str:
     else:
         hint = ""
     return f"{naming.where}: {message}" + (f"; {hint}" if hint else "")
-
-
-def set_rewards(loaded: LoadedSet, run_rewards, naming: SetNaming, *, run_rewards_resolved: bool = False):
-    """The reward terms (a rewards.RewardConfig) that score the set: its own (spec.reward with
-    spec.reward_params), its format's (HumanEval's code_tests, spec.reward_params over the format's
-    params), else the run's (`run_rewards`); each function resolved now, not at the first sample
-    (unless they are the run's and the caller resolved them), and the fields they read checked in
-    the set's records."""
-    from megatron_rl.rewards import build_scorer
-    from megatron_rl.rewards.config import RewardConfig
-    from megatron_rl.rewards.scoring import RewardTerm
-
-    spec = loaded.spec
-    if loaded.rewards is not None and not isinstance(loaded.rewards, RewardConfig):
-        raise TypeError(f"{naming.where}: a set format's loader returned {type(loaded.rewards).__name__} as its "
-                        "rewards")
-    if spec.reward is not None:
-        rewards = dataclasses.replace(run_rewards, terms=[RewardTerm(spec.reward, params=spec.reward_params)])
-    elif loaded.rewards is not None:  # the format's terms (HumanEval's code_tests), the set's reward_params over theirs
-        rewards = dataclasses.replace(loaded.rewards, terms=[
-            dataclasses.replace(term, params={**term.params, **spec.reward_params}) for term in loaded.rewards.terms])
-    elif spec.reward_params:
-        raise ConfigError(f"{naming.where}: reward_params are the parameters of the set's own reward, and it names "
-                          f"none: name it with set.{spec.name}.reward=NAME (the run's rewards take "
-                          "rewards.terms[].params)")
-    else:
-        rewards = run_rewards
-    if rewards is not run_rewards or not run_rewards_resolved:
-        try:
-            build_scorer(rewards).close()
-        except ConfigError as exc:
-            raise ConfigError(_resolve_error(exc, loaded, own=rewards is not run_rewards, naming=naming)) from None
-    check_reward_columns(loaded, [term.name for term in rewards.terms], naming)
-    return rewards
-
-
-def _resolve_error(exc: ConfigError, loaded: LoadedSet, own: bool, naming: SetNaming) -> str:
-    """A set's reward that could not be resolved, in the set's words. code_tests refused for want of
-    the namespace sandbox names the set's own way out when the reward is the set's (its option or
-    its format's): rewards.terms[].params, which the registry names, does not reach it."""
-    from megatron_rl.rewards.registry import NoSandbox
-
-    cause: BaseException | None = exc
-    while cause is not None and not isinstance(cause, NoSandbox):
-        cause = cause.__cause__  # the scorer re-raises the registry's error naming its term
-    if not own or cause is None:
-        return f"{naming.where}: {exc}"
-    return (f"{naming.where}: its reward code_tests runs the model's programs in a namespace sandbox, which this "
-            f"machine cannot build: {cause.why}. Allow user namespaces, or run them with resource limits only (they "
-            f"can then use the network and this user's files): "
-            f"{naming.sandbox_opt_out(loaded.spec.name, loaded.spec.path)}")
-
-
-def check_reward_columns(loaded: LoadedSet, reward_names: list[str], naming: SetNaming | None = None) -> None:
-    """The fields the set's reward functions read are in its records: a reference answer for
-    "math" and the synthetic verifiers, `tests` for "code_tests". ConfigError naming the set, the
-    file, the field and the key to set."""
-    spec, records = loaded.spec, loaded.records
-    naming = naming or SetNaming.command(spec.name)
-    if not records:
-        raise ConfigError(f"{naming.where}: {loaded.source} holds no prompts")
-    first = records[0]
-    for name in reward_names:
-        if name == "code_tests" and "tests" not in first.metadata:
-            fields = ", ".join(sorted(first.metadata)) or "none"
-            raise ConfigError(f"{naming.where}: the reward code_tests reads each record's 'tests', and "
-                              f"{first.location or loaded.source} has no such field (its other fields: {fields}); "
-                              f"map the field that holds the tests with {naming.fix('columns.FIELD', 'tests')}")
-        if (name == "math" or name.startswith("synthetic")) and first.answer is None:
-            raise ConfigError(f"{naming.where}: the reward {name} compares each response with the record's answer, "
-                              f"and {loaded.source} is read without one (answer_key null); name the answer field "
-                              f"with {naming.key('answer_key')}=FIELD")
 
 
 def check_prompt_lengths(loaded: LoadedSet, tokenizer, data, context: int, budget: int, naming: SetNaming) -> None:

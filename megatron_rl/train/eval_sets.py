@@ -37,7 +37,8 @@ def load_eval_sets(config, heldout) -> list[EvalSet]:
     eval/accuracy measures; None: the run has none), which the set PATH `heldout` names: not
     read a second time. ConfigError naming rl.eval.sets.NAME and the run's keys (data.*,
     rl.eval.*) that fix it."""
-    from megatron_rl.evaluation.sets import SetNaming, SetSpec, check_prompt_lengths, load_set, set_rewards
+    from megatron_rl.evaluation.set_rewards import set_rewards
+    from megatron_rl.evaluation.sets import SetNaming, SetSpec, check_prompt_lengths, load_set
     from megatron_rl.train.preflight import run_tokenizer
 
     settings, found = config.rl.eval, {}

@@ -216,6 +216,20 @@ def test_a_sets_file_gives_sets_and_options_as_the_command_line_does(no_engine, 
     assert "--k 4 is more than n=2" in err  # the file's n, checked as set.add.n=2 would be
 
 
+def test_each_sets_own_n_and_k_reach_the_engine_stage(monkeypatch, hf_dir, prompts, tmp_path):
+    """Not a refusal: a sets file's set with n and k of its own, and a --set with the command's --n
+    and --k, pass the checks; the engine stage gets each set's own (the report's per-set ks)."""
+    plans = []
+    monkeypatch.setattr(command, "evaluate", plans.append)  # returns None: as on a rank that is not the driver
+    sets = tmp_path / "sets.yaml"
+    sets.write_text(f"quick: {{path: {prompts}, n: 1, k: [1]}}\n")
+    assert cli.main(["eval", "--ckpt", str(hf_dir), "--sets", str(sets), "--set", f"add={prompts}", "--n", "4",
+                     "--k", "1,4", "--out", str(tmp_path / "out")]) == 0
+    (plan,) = plans
+    assert [(s.loaded.spec.name, s.loaded.spec.n) for s in plan.sets] == [("add", 4), ("quick", 1)]
+    assert plan.ks == {"add": [1, 4], "quick": [1]}
+
+
 def heldout_records(*overrides: str) -> list:
     """The held-out records training measures eval/accuracy on, for the tiny default with `overrides`."""
     from megatron_rl.config import load_config

@@ -133,3 +133,27 @@ def test_a_report_refuses_checkpoints_evaluated_on_different_sets_and_a_file_as_
     occupied.write_text("")
     with pytest.raises(ConfigError, match="exists and is not a directory"):
         write_report(occupied, [a], CONFIG)
+
+
+def test_each_set_is_reported_with_its_own_ks_and_re_derives_from_eval_json(tmp_path):
+    """`megatron-rl eval` hands the report each set's own ks (set.NAME.k, else --k; None: the
+    defaults for the set's n): eval.json stores them per set, eval.md heads each set's table with
+    them, the differences use them, and a set left out gets the defaults."""
+    asked = {"math": [8, 1], "gsm8k": [2]}
+    paths = write_report(tmp_path, checkpoints(), CONFIG, asked, resamples=50)
+    report = json.loads(paths["json"].read_text())
+    assert report["ks"] == {"math": [1, 8], "gsm8k": [2]}
+    for c in report["checkpoints"]:
+        math, gsm8k = (s["figures"] for s in c["sets"])
+        assert (math["ks"], gsm8k["ks"]) == ([1, 8], [2])
+        assert [f for f in math["figures"] if f.startswith(("pass@", "maj@"))] == ["pass@1", "pass@8", "maj@1",
+                                                                                   "maj@8"]
+    assert [s["ks"] for s in report["differences"][0]["sets"]] == [[1, 8], [2]]
+    assert rederive(report) == report
+    text = paths["md"].read_text()
+    assert "### math (12 prompts, n=8, k=1,8)" in text and "### gsm8k (12 prompts, n=4, k=2)" in text
+    defaults = build_report(checkpoints(), CONFIG, {"gsm8k": [2]}, resamples=10)
+    assert defaults["ks"] == {"math": None, "gsm8k": [2]}
+    assert defaults["checkpoints"][0]["sets"][0]["figures"]["ks"] == [1, 2, 4, 8]
+    with pytest.raises(ValueError, match=r"ks are given for \['hard'\], which are not among the evaluated sets"):
+        build_report(checkpoints(), CONFIG, {"hard": [1]})

@@ -11,7 +11,8 @@ import pytest
 from megatron_rl.config import load_config
 from megatron_rl.errors import ConfigError
 from megatron_rl.evaluation.humaneval import SANDBOX_PARAMS
-from megatron_rl.evaluation.sets import SamplingDefaults, SetNaming, load_set, parse_sets, set_rewards
+from megatron_rl.evaluation.set_rewards import set_rewards
+from megatron_rl.evaluation.sets import SamplingDefaults, SetNaming, load_set, parse_sets
 
 HUMANEVAL_ROW = {"task_id": "t/0", "prompt": "def f(x):\n", "test": "def check(c):\n    assert c(1) == 2\n",
                  "entry_point": "f"}
@@ -53,3 +54,38 @@ def test_reward_params_without_a_reward_are_refused_not_ignored(tmp_path):
         resolved([f"add={path}"], ["set.add.reward_params.require_boxed=true"])
     (rewards,) = resolved([f"add={path}"], ["set.add.reward=math", "set.add.reward_params.require_boxed=true"])
     assert [(t.name, t.params) for t in rewards.terms] == [("math", {"require_boxed": True})]
+
+
+def test_each_set_carries_its_own_n_and_k_and_a_set_without_them_the_commands(tmp_path):
+    """A sets file's n and k (one greedy-ish sample, or 64 with ks of its own), set.NAME.k as the
+    command line writes it, and --set NAME=PATH with the command's --n / --k."""
+    path = tmp_path / "add.jsonl"
+    sets = tmp_path / "sets.yaml"
+    sets.write_text(f"quick: {{path: {path}, n: 1, k: [1]}}\nwide: {{path: {path}, n: 64, k: [64, 1, 8]}}\n")
+    specs = parse_sets([f"plain={path}", f"own={path}"], str(sets), ["set.own.k=2,1"], SamplingDefaults(n=4, k=[1, 4]))
+    assert [(s.name, s.n, s.k) for s in specs] == [("plain", 4, [1, 4]), ("own", 4, [1, 2]), ("quick", 1, [1]),
+                                                  ("wide", 64, [1, 8, 64])]
+    (alone,) = parse_sets([f"plain={path}"], None, ["set.plain.k=3"], SamplingDefaults())
+    assert (alone.n, alone.k) == (8, [3])
+    (default,) = parse_sets([f"plain={path}"], None, [], SamplingDefaults(n=16))
+    assert (default.n, default.k) == (16, None)  # the report's default_ks(16)
+
+
+@pytest.mark.parametrize("set_args,options,k,refusal", [
+    (["quick=q.jsonl"], ["set.quick.n=1", "set.quick.k=1,4"], None,
+     "set 'quick': set.quick.k 4 is more than n=1, the samples per prompt it draws from (pass@k and maj@k use k of "
+     "the n samples): ask for k <= 1 (set.quick.k), or more samples (set.quick.n)"),
+    (["quick=q.jsonl", "wide=w.jsonl"], ["set.quick.n=1", "set.wide.n=64"], [1, 4],
+     "set 'quick': --k 4 is more than n=1, the samples per prompt it draws from (pass@k and maj@k use k of the n "
+     "samples): ask for k <= 1 (--k for every set, set.quick.k for this one), or more samples (--n, or set.quick.n)"),
+    (["quick=q.jsonl"], ["set.quick.k=0"], None, "set 'quick': set.quick.k 0 must be an integer from 1 to n=8"),
+    (["quick=q.jsonl"], ["set.quick.k=1,two"], None,
+     "set 'quick': k must be integers from 1 to n, e.g. [1, 4, 16] (set.NAME.k=1,4,16), got '1,two'"),
+    (["quick=q.jsonl"], ["set.quick.k=[]"], None,
+     "set 'quick': k must be integers from 1 to n, e.g. [1, 4, 16] (set.NAME.k=1,4,16), got []"),
+])
+def test_a_k_outside_a_sets_n_is_refused_naming_the_set_and_where_the_k_came_from(set_args, options, k, refusal):
+    """Checked as the command line is parsed, before any file, checkpoint or engine is touched."""
+    with pytest.raises(ConfigError) as refused:
+        parse_sets(set_args, None, options, SamplingDefaults(k=k))
+    assert str(refused.value) == refusal
