@@ -30,13 +30,27 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 
 
 def copy_tokenizer_files(source: str | Path | None, target: str | Path) -> list[str]:
+    """The TOKENIZER_FILES `source` holds, copied into `target` (an engine's model directory, a
+    checkpoint's hf_config/, an export), which are kept and shared. A file that is a symbolic link
+    out of `source` (a downloaded model's `tokenizer_config.json -> ~/.netrc`) is refused by name:
+    copied, the linked file's bytes would land in those outputs. A hub cache snapshot's links
+    into its repository's blobs/ are followed (bridge/checked_read.outside)."""
+    from megatron_rl.bridge.checked_read import outside
+    from megatron_rl.errors import ConfigError
+
     if source is None:
         return []
     copied = []
     for name in TOKENIZER_FILES:
-        if (Path(source) / name).is_file():
-            shutil.copy2(Path(source) / name, Path(target) / name)
-            copied.append(name)
+        path = Path(source) / name
+        if not path.is_file():
+            continue
+        problem = outside(Path(source), name)
+        if problem is not None:
+            raise ConfigError(f"tokenizer file {path} {problem} (to {path.resolve()}); its bytes would be copied into "
+                              f"{target}: put the file itself into {source}")
+        shutil.copy2(path, Path(target) / name)
+        copied.append(name)
     return copied
 
 

@@ -11,6 +11,7 @@ from megatron_rl.errors import ConfigError
 
 METADATA = "megatron_rl.json"
 LATEST = "latest"  # in a checkpoints directory: the name of the newest step directory
+LATEST_BYTES = 4096  # far above a step directory's name; what is read of a `latest` file at most
 
 
 def is_megatron_checkpoint(path: str | Path) -> bool:
@@ -55,7 +56,7 @@ def _newest_step(root: Path, run: Path | None = None) -> Path:
             raise ConfigError(f"run directory {run} has no checkpoints yet ({latest} does not exist)")
         hint = f"; pass a step directory instead, e.g. {root / steps[-1]}" if steps else ""
         raise ConfigError(f"{latest} does not exist, so the newest checkpoint is unknown{hint}")
-    name = latest.read_text().strip()
+    name = latest_name(latest)
     if not name or Path(name).name != name or name in (".", ".."):
         raise ConfigError(f"{latest} should hold the name of a step directory, not {name!r}; "
                           "pass a step directory (e.g. step_000030) instead")
@@ -67,3 +68,20 @@ def _newest_step(root: Path, run: Path | None = None) -> Path:
         raise ConfigError(f"{step} holds no {METADATA}: the save did not finish, or an older megatron-rl "
                           "wrote it; pass another step directory")
     return step
+
+
+def latest_name(latest: Path) -> str:
+    """The step name a `latest` file holds (what the store writes: one short line), read at most
+    LATEST_BYTES of it: a damaged or foreign one (not UTF-8, gigabytes) is refused by name, not a
+    UnicodeDecodeError or a whole-file read."""
+    with latest.open("rb") as handle:
+        raw = handle.read(LATEST_BYTES + 1)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{latest} is not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start}); it should "
+                          "hold the name of a step directory: pass a step directory (e.g. step_000030) instead") from None
+    if len(raw) > LATEST_BYTES:
+        raise ConfigError(f"{latest} holds more than {LATEST_BYTES} bytes; it should hold the name of a step "
+                          "directory: pass a step directory (e.g. step_000030) instead")
+    return text.strip()

@@ -49,8 +49,9 @@ import torch.distributed as dist
 from megatron_rl.checkpoint.manifest import MANIFEST, _write_json, file_crc32, read_manifest, verify_files, write_manifest  # noqa: F401  (store's callers use them from here too)
 from megatron_rl.checkpoint.write_results import start_write_results_queue  # noqa: F401  (also used from here)
 from megatron_rl.checkpoint.rng_state import capture_rng, restore_rng  # noqa: F401  (also used from here)
+from megatron_rl.checkpoint.locate import latest_name
 from megatron_rl.checkpoint.unpickling import read_rng_state
-from megatron_rl.errors import TrainingStopped
+from megatron_rl.errors import ConfigError, TrainingStopped
 
 STATE = "trainer_state.json"
 LATEST = "latest"
@@ -278,8 +279,8 @@ def save_failed(final: Path, problem: str) -> TrainingStopped:
     """The run's stop when checkpoint `final` could not be written: what failed, what is kept."""
     latest = final.parent / LATEST
     try:
-        kept = latest.read_text().strip()
-    except OSError:
+        kept = latest_name(latest)
+    except (OSError, ConfigError):
         kept = None
     kept = (f"the checkpoints before it are kept ({final.parent / kept} is the latest)" if kept else
             "no earlier checkpoint of this run exists")
@@ -392,7 +393,10 @@ def candidates(root: Path) -> list[Path]:
                    key=lambda p: p.name, reverse=True)
     latest = root / LATEST
     if latest.is_file():
-        named = root / latest.read_text().strip()
+        try:
+            named = root / latest_name(latest)
+        except ConfigError:  # damaged (not UTF-8, oversized): the names' order alone, and verify() decides
+            named = None
         if named in found:
             found.remove(named)
             found.insert(0, named)
