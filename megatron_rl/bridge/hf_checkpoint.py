@@ -40,18 +40,16 @@ def copy_tokenizer_files(source: str | Path | None, target: str | Path) -> list[
 
     if source is None:
         return []
-    copied = []
-    for name in TOKENIZER_FILES:
-        path = Path(source) / name
-        if not path.is_file():
-            continue
+    present = [name for name in TOKENIZER_FILES if (Path(source) / name).is_file()]
+    for name in present:  # every one checked before any is copied
         problem = outside(Path(source), name)
         if problem is not None:
+            path = Path(source) / name
             raise ConfigError(f"tokenizer file {path} {problem} (to {path.resolve()}); its bytes would be copied into "
                               f"{target}: put the file itself into {source}")
-        shutil.copy2(path, Path(target) / name)
-        copied.append(name)
-    return copied
+    for name in present:
+        shutil.copy2(Path(source) / name, Path(target) / name)
+    return present
 
 
 def write_hf_checkpoint(

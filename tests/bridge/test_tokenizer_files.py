@@ -26,7 +26,7 @@ def test_a_tokenizer_file_linked_out_of_the_model_is_refused_and_not_copied(tmp_
         copy_tokenizer_files(model, out)
     assert str(refused.value).startswith(f"tokenizer file {model}/tokenizer_config.json leads outside {model} "
                                          f"(through a symbolic link) (to {secret})"), refused.value
-    assert not any("hunter2" in path.read_text() for path in out.iterdir())
+    assert list(out.iterdir()) == []  # not even the plain tokenizer.json: checked before any is copied
 
 
 def test_plain_files_and_a_hub_cache_snapshots_links_are_copied(tmp_path):
