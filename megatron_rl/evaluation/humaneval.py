@@ -18,7 +18,8 @@ else: no code from the file runs outside the sandbox. The row's `canonical_solut
 not kept (a reward never sees the reference).
 
 Untrusted files are bounded as the prompt reader bounds them: a line longer than `max_line_bytes`
-(after decompression) is refused after reading that much of it, a row nested deeper than
+(after decompression) is refused after reading that much of it, a .jsonl.gz that decompresses
+to more than MAX_GZIP_BYTES in all (a decompression bomb) after decompressing that much, a row nested deeper than
 data.prompts.MAX_JSON_DEPTH is refused by its line; a row without the three fields as strings, or
 whose entry_point is not a Python name, is refused naming the file, line and field.
 """
@@ -46,6 +47,11 @@ SUFFIXES = (".jsonl", ".jsonl.gz")
 # (cache_entries): n samples of an easy problem often repeat one response. A few checks draw
 # unseeded random inputs (HumanEval/38, 50, 53); a repeated response then keeps its first
 # verdict, one verdict per distinct program, where running it again could flip a wrong one.
+# What a .jsonl.gz set may decompress to, all its lines together: far above the sets of this
+# format (HumanEval: 0.2 MB from 44 KB), far below what a few megabytes of gzip can expand to
+# (each line within max_line_bytes, a 16 MB file holds 16 GB). A plain .jsonl is read uncapped:
+# its size is what is on disk.
+MAX_GZIP_BYTES = 1 << 30
 SANDBOX_PARAMS = {"wall_seconds": 10.0, "cpu_seconds": 10, "memory_mb": 1024, "mode": "all", "cache_entries": 4096}
 
 
@@ -55,6 +61,7 @@ def _open(path: Path) -> IO[bytes]:
 
 def _rows(path: Path, max_line_bytes: int) -> Iterator[tuple[str, Any]]:
     """(where, parsed row) of each non-blank line, bounded as the module docstring says."""
+    gzipped, total = path.name.endswith(".gz"), 0
     try:
         with _open(path) as handle:
             for number in itertools.count(1):
@@ -62,6 +69,11 @@ def _rows(path: Path, max_line_bytes: int) -> Iterator[tuple[str, Any]]:
                 if not raw:
                     return
                 where = f"{path} line {number}"
+                total += len(raw)
+                if gzipped and total > MAX_GZIP_BYTES:
+                    raise ConfigError(f"{where}: the file decompresses to more than {MAX_GZIP_BYTES} bytes (refused "
+                                      "after decompressing that much of it), more than a set of this format holds; if "
+                                      "it really is that large, decompress it and pass the .jsonl")
                 if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
                     raise ConfigError(f"{where}: longer than data.max_line_bytes={max_line_bytes} bytes (refused after "
                                       "reading that much of it); a JSON Lines file holds one problem per line")
