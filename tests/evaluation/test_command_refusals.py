@@ -14,68 +14,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
-from pathlib import Path
 
 import pytest
 
 from megatron_rl import cli
 from megatron_rl.evaluation import command
-
-PRESETS = Path(cli.__file__).parent / "model" / "presets"
-
-
-@pytest.fixture
-def no_engine(monkeypatch):
-    """The engine stage (runtime, policy, rollout engine) fails the test if any case reaches it."""
-    def reached(plan):
-        raise AssertionError("the engine stage was reached: the bad input was not refused before it")
-
-    monkeypatch.setattr(command, "evaluate", reached)
-
-
-@pytest.fixture
-def hf_dir(tmp_path) -> Path:
-    """A stand-in Hugging Face directory (the tiny model's config.json and an empty weights file):
-    only its files are looked at before the engine stage, which these cases never reach."""
-    directory = tmp_path / "hf"
-    directory.mkdir()
-    shutil.copy(PRESETS / "tiny-qwen3-moe.json", directory / "config.json")
-    (directory / "model.safetensors").write_bytes(b"")
-    return directory
-
-
-@pytest.fixture
-def prompts(tmp_path) -> Path:
-    path = tmp_path / "add.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"{a}+2=", "answer": str(a + 2), "task": "add"}) + "\n"
-                            for a in range(3)))
-    return path
-
-
-def stand_in_run(tmp_path: Path, config: dict) -> Path:
-    """A stand-in run directory: the files a training checkpoint is told apart by, with `config` as
-    its recorded run config (its weights are never read: the cases stop before the engine stage)."""
-    step = tmp_path / "run" / "checkpoints" / "step_000001"
-    (step / "hf_config").mkdir(parents=True)
-    shutil.copy(PRESETS / "tiny-qwen3-moe.json", step / "hf_config" / "config.json")
-    metadata = {"format": "megatron_rl.torch_dist.v1", "weights_dir": "weights"}
-    (step / "megatron_rl.json").write_text(json.dumps(metadata))
-    (step / "trainer_state.json").write_text(json.dumps({"step": 1, "config": config}))
-    (step.parent / "latest").write_text("step_000001")
-    return tmp_path / "run"
-
-
-
-def refused(capsys, *argv: str, within: float = 2.0) -> str:
-    tick = time.perf_counter()
-    status = cli.main(["eval", *argv])
-    elapsed = time.perf_counter() - tick
-    err = capsys.readouterr().err
-    assert status == 2, err
-    assert elapsed < within, f"refused after {elapsed:.2f} s"
-    assert err.startswith("megatron-rl: configuration error: ") and err.count("\n") == 1, err
-    return err
+from stand_ins import PRESETS, refused, stand_in_run
 
 
 def test_a_set_whose_prompt_column_is_missing_is_named_with_the_option_to_set(no_engine, capsys, hf_dir, tmp_path):
@@ -196,7 +140,7 @@ def test_checkpoints_of_two_models_are_refused_before_one_engine_serves_both(no_
 def test_runs_with_different_rewards_need_the_sets_reward(no_engine, capsys, hf_dir, prompts, tmp_path):
     """A stand-in run directory (the files a training checkpoint is told apart by, its recorded config
     scoring with `math`) next to a Hugging Face directory under the tiny default (`synthetic`)."""
-    stand_in_run(tmp_path, {"rewards": {"terms": [{"name": "math"}]}})
+    stand_in_run(tmp_path, json.dumps({"step": 1, "config": {"rewards": {"terms": [{"name": "math"}]}}}))
     argv = ["--ckpt", str(tmp_path / "run"), "--ckpt", str(hf_dir), "--set", f"add={prompts}", "--out",
             str(tmp_path / "out")]
     err = refused(capsys, *argv)
@@ -243,7 +187,7 @@ def test_heldout_is_the_checkpoints_runs_held_out_set_or_the_configs(monkeypatch
     section: 3 prompts of the synthetic task), a Hugging Face directory the tiny default's."""
     plans = []
     monkeypatch.setattr(command, "evaluate", plans.append)  # the checked plan, and no engine
-    run = stand_in_run(tmp_path, {"data": {"num_heldout": 3}})
+    run = stand_in_run(tmp_path, json.dumps({"step": 1, "config": {"data": {"num_heldout": 3}}}))
     for ckpt in (run, hf_dir):
         assert cli.main(["eval", "--ckpt", str(ckpt), "--set", "held=heldout", "--prompts", "5",
                          "--out", str(tmp_path / "out")]) == 0
@@ -255,7 +199,7 @@ def test_heldout_is_the_checkpoints_runs_held_out_set_or_the_configs(monkeypatch
 
 def test_checkpoints_whose_runs_have_different_held_out_sets_are_refused_for_heldout(no_engine, capsys, hf_dir,
                                                                                    tmp_path):
-    run = stand_in_run(tmp_path, {"data": {"num_heldout": 3}})
+    run = stand_in_run(tmp_path, json.dumps({"step": 1, "config": {"data": {"num_heldout": 3}}}))
     err = refused(capsys, "--ckpt", str(run), "--ckpt", str(hf_dir), "--set", "held=heldout",
                   "--out", str(tmp_path / "out"))
     assert "set 'held': 'heldout' names each checkpoint's run's held-out set" in err

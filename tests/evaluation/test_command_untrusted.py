@@ -11,66 +11,9 @@ this process with the engine stage replaced by one that fails the test if reache
 
 from __future__ import annotations
 
-import json
-import shutil
-import time
-from pathlib import Path
-
 import pytest
 
-from megatron_rl import cli
-from megatron_rl.evaluation import command
-
-PRESETS = Path(cli.__file__).parent / "model" / "presets"
-
-
-@pytest.fixture
-def no_engine(monkeypatch):
-    def reached(plan):
-        raise AssertionError("the engine stage was reached: the bad input was not refused before it")
-
-    monkeypatch.setattr(command, "evaluate", reached)
-
-
-@pytest.fixture
-def prompts(tmp_path) -> Path:
-    path = tmp_path / "add.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"{a}+2=", "answer": str(a + 2)}) + "\n" for a in range(3)))
-    return path
-
-
-def hf_dir(tmp_path: Path, export: str | None = None) -> Path:
-    """A stand-in Hugging Face directory (its weights never read), with `export` as its
-    megatron_rl_export.json."""
-    directory = tmp_path / "hf"
-    directory.mkdir()
-    shutil.copy(PRESETS / "tiny-qwen3-moe.json", directory / "config.json")
-    (directory / "model.safetensors").write_bytes(b"")
-    if export is not None:
-        (directory / "megatron_rl_export.json").write_text(export)
-    return directory
-
-
-def run_dir(tmp_path: Path, state: str) -> Path:
-    """A stand-in run directory whose one checkpoint's trainer_state.json is `state`."""
-    step = tmp_path / "run" / "checkpoints" / "step_000001"
-    (step / "hf_config").mkdir(parents=True)
-    shutil.copy(PRESETS / "tiny-qwen3-moe.json", step / "hf_config" / "config.json")
-    (step / "megatron_rl.json").write_text(json.dumps({"format": "megatron_rl.torch_dist.v1", "weights_dir": "weights"}))
-    (step / "trainer_state.json").write_text(state)
-    (step.parent / "latest").write_text("step_000001")
-    return tmp_path / "run"
-
-
-def refused(capsys, *argv: str) -> str:
-    tick = time.perf_counter()
-    status = cli.main(["eval", *argv])
-    elapsed = time.perf_counter() - tick
-    err = capsys.readouterr().err
-    assert status == 2, err
-    assert elapsed < 2.0, f"refused after {elapsed:.2f} s"
-    assert err.startswith("megatron-rl: configuration error: ") and err.count("\n") == 1, err
-    return err
+from stand_ins import refused, stand_in_hf, stand_in_run
 
 
 @pytest.mark.parametrize("state, named", [
@@ -80,7 +23,7 @@ def refused(capsys, *argv: str) -> str:
 ])
 def test_a_trainer_state_of_the_wrong_kind_is_refused_by_file_and_key(no_engine, capsys, prompts, tmp_path, state,
                                                                        named):
-    run = run_dir(tmp_path, state)
+    run = stand_in_run(tmp_path, state)
     err = refused(capsys, "--ckpt", str(run), "--set", f"a={prompts}", "--out", str(tmp_path / "out"))
     assert f"--ckpt {run}: {run}/checkpoints/step_000001/trainer_state.json: {named}" in err, err
 
@@ -95,7 +38,7 @@ def test_a_trainer_state_of_the_wrong_kind_is_refused_by_file_and_key(no_engine,
 ])
 def test_an_export_record_of_the_wrong_kind_is_refused_by_file_and_key(no_engine, capsys, prompts, tmp_path, export,
                                                                         named):
-    model = hf_dir(tmp_path, export)
+    model = stand_in_hf(tmp_path, export)
     err = refused(capsys, "--ckpt", str(model), "--set", f"a={prompts}", "--out", str(tmp_path / "out"))
     assert f"--ckpt {model}: {model}/{named}" in err, err
 
@@ -114,7 +57,7 @@ def test_settings_the_report_cannot_hold_or_the_engine_should_not_run_are_refuse
                                                                                   tmp_path, argv, named):
     reward = tmp_path / "scale_reward.py"
     reward.write_text("def score(prompt, response, answer, scale=1.0, **metadata):\n    return scale\n")
-    model = hf_dir(tmp_path)
+    model = stand_in_hf(tmp_path)
     argv = [item.format(reward=reward) for item in argv]
     err = refused(capsys, "--ckpt", str(model), "--set", f"a={prompts}", "--out", str(tmp_path / "out"), *argv)
     assert named in err, err
