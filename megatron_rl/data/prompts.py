@@ -213,6 +213,17 @@ def load_source(config: DataConfig, key: Literal["train", "heldout"]) -> PromptD
     return load_hf_prompts(path, key=key, split=getattr(config, f"{key}_split"), **fields)
 
 
+def check_sources_exist(config: DataConfig) -> None:
+    """data.train and data.heldout name paths that exist, nothing read: what `launch slurm` checks
+    before a job waits in the queue only to find its prompt file missing (the job reads them whole)."""
+    for key in ("train", "heldout"):
+        value = getattr(config, key)
+        if value is None or (key == "train" and value == "synthetic"):
+            continue
+        if not Path(value).exists():
+            raise _missing_path(f"data.{key}", Path(value))
+
+
 def load_datasets(config: DataConfig) -> tuple[PromptDataset, PromptDataset | None]:
     """The run's train dataset and optional held-out dataset, as the data config describes."""
     config.validate()

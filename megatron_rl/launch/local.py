@@ -24,6 +24,7 @@ import sys
 
 import psutil
 
+from megatron_rl.errors import ConfigError
 from megatron_rl.runtime import torchrun
 from megatron_rl.launch.slurm import resolve_config
 from megatron_rl.runtime.launch_env import free_port
@@ -42,6 +43,8 @@ def torchrun_command(nproc_per_node: int, train_args: list[str], python: str | N
 
 
 def run_local(config_path: str | None, overrides: list[str], nproc_per_node: int, *, dry_run: bool = False) -> int:
+    if nproc_per_node < 1:  # before the layout checks, which divide by it
+        raise ConfigError(f"--nproc-per-node must be >= 1 (trainer processes on this machine), got {nproc_per_node}")
     resolve_config(config_path, overrides, nproc_per_node, disaggregated=False)
     train_args = (["--config", config_path] if config_path else []) + list(overrides)
     command = torchrun_command(nproc_per_node, train_args)

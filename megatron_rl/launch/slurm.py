@@ -99,6 +99,7 @@ def disaggregated_transport(config: RunConfig) -> str:
 def resolve_config(config_path: str | None, overrides: list[str], world_size: int, *, disaggregated: bool) -> RunConfig:
     """Load and check the config for a job of `world_size` trainer ranks (no torch import).
     Disaggregated: the config as the job runs it (servers, the weight transport resolved)."""
+    from megatron_rl.data.prompts import check_sources_exist
     from megatron_rl.train.preflight import check_layout_and_paths
 
     if disaggregated:
@@ -128,6 +129,7 @@ def resolve_config(config_path: str | None, overrides: list[str], world_size: in
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+    check_sources_exist(checked.data)  # a missing prompt file, named before the job waits in a queue
     return config
 
 

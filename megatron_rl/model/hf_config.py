@@ -135,8 +135,9 @@ class ArchitectureSpec:
         return bool(self.num_experts)
 
 
-def load_hf_config(source: str | Path) -> tuple[dict[str, Any], str]:
-    """Return (raw config dict, where it came from) for a preset name, a file or a directory."""
+def load_hf_config(source: str | Path, key: str = "model.hf_config") -> tuple[dict[str, Any], str]:
+    """Return (raw config dict, where it came from) for a preset name, a file or a directory.
+    `key`: what the user set it with, for the error (a command's flag, e.g. --hf-dir)."""
     name = str(source)
     if name in PRESETS:
         text = resources.files("megatron_rl.model.presets").joinpath(f"{name}.json").read_text()
@@ -146,7 +147,7 @@ def load_hf_config(source: str | Path) -> tuple[dict[str, Any], str]:
         path = path / "config.json"
     if not path.is_file():
         raise ConfigError(
-            f"model.hf_config: {source} is neither a preset ({', '.join(PRESETS)}) "
+            f"{key}: {source} is neither a preset ({', '.join(PRESETS)}) "
             "nor a config.json file or a directory holding one"
         )
     try:

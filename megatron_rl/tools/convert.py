@@ -312,7 +312,7 @@ def hf_to_megatron(argv: list[str], prog: str = "megatron-rl convert hf-to-megat
     args = (PeftInput.parser if peft else hf_to_megatron_parser)(prog).parse_args(argv)
     output = check_output_location(args.out, args.force, f"megatron-rl convert {command}",
                                    {"--hf-dir": args.hf_dir, **({"--adapter": args.adapter} if peft else {})})
-    raw, _ = load_hf_config(args.hf_dir)  # a clear error for a missing or unsupported config
+    raw, _ = load_hf_config(args.hf_dir, "--hf-dir")  # a clear error for a missing or unsupported config
     precision = args.precision or _precision_of(raw)
     adapter = PeftInput(args, raw) if peft else None  # the adapter, checked whole before anything heavy
     config = hf_model_config(args.hf_dir, args, precision, adapter.overrides() if adapter else ())

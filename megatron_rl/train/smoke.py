@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from megatron_rl.config import RunConfig
+from megatron_rl.errors import ConfigError
 from megatron_rl.model.packing import pack_by_token_budget
 from megatron_rl.algorithms import compute_step_normalizer
 from megatron_rl.model.policy import Policy
@@ -38,6 +39,8 @@ def synthetic_samples(vocab_size: int, count: int, seed: int, dp_rank: int, dp_s
 
 
 def run_smoke(config: RunConfig, steps: int = 5, num_samples: int = 16) -> list[dict]:
+    if steps < 1:  # before the runtime and the model: a run of no steps would still report "done"
+        raise ConfigError(f"--steps must be >= 1 (forward/backward steps of the smoke run), got {steps}")
     started = time.time()
     runtime = start_runtime(config)
     try:

@@ -127,7 +127,10 @@ def test_launch_script_renders_with_dry_run(tmp_path, script):
     overrides = []
     if path.stem + ".yaml" in MODELS:
         (tmp_path / "config.json").write_text(json.dumps(MODELS[path.stem + ".yaml"][0]))
+        for split in ("train", "heldout"):  # `launch slurm` refuses prompt files that are not there
+            (tmp_path / f"{split}.parquet").touch()
         overrides = [f"model.hf_config={tmp_path}", "checkpoint.init_from=null", f"output_dir={tmp_path / 'run'}",
+                     f"data.train={tmp_path / 'train.parquet'}", f"data.heldout={tmp_path / 'heldout.parquet'}",
                      *USER_SERVERS.get(path.stem + ".yaml", [])]
     env = dict(os.environ, MEGATRON_RL_VENV=sys.prefix, PYTHONPATH=str(REPO))
     result = subprocess.run(["bash", str(path), "--dry-run", *overrides], capture_output=True, text=True,
