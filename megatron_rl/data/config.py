@@ -156,7 +156,7 @@ class DataConfig:
     # dataset and print how many went from which file. Held-out prompts included.
     overlong_prompts: Literal["error", "drop"] = "error"
     # JSON Lines files: the longest line read, in bytes (a longer one is refused by file and line
-    # after reading this much of it). 16 MiB holds a million-token prompt at 16 bytes a token with
+    # after reading this much of it); Parquet files: the largest row (its fields' text). 16 MiB holds a million-token prompt at 16 bytes a token with
     # room for metadata; raise it for rows with larger metadata (test cases, documents).
     max_line_bytes: int = 16 * 1024 * 1024
     # Prompt order: reshuffled every epoch from this seed (None: the run's seed).

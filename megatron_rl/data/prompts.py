@@ -25,7 +25,8 @@ Untrusted lines are bounded before they are parsed: a JSONL line longer than
 refused after reading that many bytes of it, never the rest (a file without line breaks, a
 multi-GB line); a row nested deeper than MAX_JSON_DEPTH levels of arrays and objects (which
 Python's JSON parser and the code that copies and pickles metadata cannot recurse through) is
-refused by its line too.
+refused by its line too. A Parquet row is bounded by the same key (data/parquet_rows.py: its
+fields' text together, checked before a compressed file is decompressed whole).
 Parquet needs ``pyarrow`` (``pip install pyarrow``); JSONL needs nothing.
 """
 
@@ -39,6 +40,7 @@ from typing import Any, Iterator, Literal, Mapping
 from megatron_rl.data.config import RESERVED_NAMES, DataConfig
 # Imports `datasets` only when a dataset is read through it.
 from megatron_rl.data.hf_datasets import SUFFIX_BUILDERS, load_hf_prompts
+from megatron_rl.data.parquet_rows import parquet_rows
 from megatron_rl.data.records import PromptDataset, PromptRecord, get_field, prompt_text, record_from_row
 from megatron_rl.errors import ConfigError, nested_deeper, not_a_file
 from megatron_rl.rewards.synthetic import TaskConfig, make_task
@@ -111,20 +113,7 @@ def _jsonl_rows(path: Path, max_line_bytes: int) -> Iterator[tuple[str, Any]]:
             yield f"{path} line {number}", row
 
 
-def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ConfigError(f"{path}: reading Parquet needs pyarrow; install it with `pip install pyarrow`") from None
-    try:
-        table = pq.read_table(path)
-    except Exception as exc:  # pyarrow raises its own error types for corrupt or foreign files
-        raise ConfigError(f"{path}: not a readable Parquet file: {type(exc).__name__}: {exc}") from exc
-    for index, row in enumerate(table.to_pylist()):
-        yield f"{path} row index {index}", row
-
-
-_READERS = {".jsonl": _jsonl_rows, ".parquet": _parquet_rows}
+_READERS = {".jsonl": _jsonl_rows, ".parquet": parquet_rows}
 
 
 def load_prompts(path: str | Path, *, prompt_key: str = "prompt", answer_key: str | None = "answer",
@@ -139,7 +128,7 @@ def load_prompts(path: str | Path, *, prompt_key: str = "prompt", answer_key: st
     if problem:
         raise ConfigError(f"prompt file {path} {problem}")
     keep_other = other_columns == "keep"
-    rows = _jsonl_rows(path, max_line_bytes) if reader is _jsonl_rows else reader(path)
+    rows = reader(path, max_line_bytes)
     records = [record_from_row(row, where, prompt_key, answer_key, columns, keep_other) for where, row in rows]
     return PromptDataset(records, str(path))
 

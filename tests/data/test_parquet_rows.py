@@ -1,0 +1,44 @@
+"""A Parquet prompt file's rows are bounded by data.max_line_bytes as a JSONL line is, and a
+compressed file is not decompressed whole before its rows are measured. Before, read_table
+decompressed the whole file and no row was measured: a 2 KB file held a 50 MB prompt, accepted (a few
+megabytes of rows, each under the bound, are still read whole: the rows' count is not bounded,
+as a JSONL file's is not).
+The bound is lowered to 1 MiB here so that the files stay small."""
+
+from __future__ import annotations
+
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from megatron_rl.data.prompts import load_prompts  # noqa: E402  (after the importorskip)
+from megatron_rl.errors import ConfigError  # noqa: E402
+
+BOUND = 1 << 20
+
+
+def write(path, prompts, row_group_size=None):
+    table = pa.table({"prompt": prompts, "answer": ["2"] * len(prompts)})
+    pq.write_table(table, path, compression="zstd", row_group_size=row_group_size)
+    return path
+
+
+def test_a_row_group_whose_rows_are_over_the_bound_on_average_is_refused_before_it_is_decompressed(tmp_path):
+    path = write(tmp_path / "bomb.parquet", ["x" * (8 << 20)] + ["1+1="] * 4)
+    assert path.stat().st_size < 10_000  # 8 MB of prompt in a few kilobytes
+    with pytest.raises(ConfigError, match=r"bomb\.parquet rows 0 to 4: 8388\d{3} bytes uncompressed, more than "
+                                          r"data\.max_line_bytes=1048576 bytes a row \(refused before decompressing"):
+        load_prompts(path, max_line_bytes=BOUND)
+
+
+def test_one_row_over_the_bound_among_small_ones_is_refused_by_its_index(tmp_path):
+    prompts = ["1+1="] * 200
+    prompts[130] = "y" * (BOUND + 1)
+    path = write(tmp_path / "one.parquet", prompts)
+    with pytest.raises(ConfigError, match=r"one\.parquet row index 130: longer than data\.max_line_bytes=1048576 "
+                                          r"bytes \(its fields' text together\)"):
+        load_prompts(path, max_line_bytes=BOUND)
+    prompts[130] = "y" * (BOUND - 100)  # within the bound, with its answer: read
+    records = load_prompts(write(tmp_path / "within.parquet", prompts, row_group_size=50), max_line_bytes=BOUND)
+    assert len(records) == 200 and len(records[130].prompt) == BOUND - 100
