@@ -250,6 +250,9 @@ def _spec(name: str, options: dict, defaults: SamplingDefaults) -> SetSpec:
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise ConfigError(f"{where}: unknown option {unknown[0]!r} (options: {', '.join(known)})")
+    for option in TEXT_OPTIONS:  # a --sets file's YAML can give any type (path: 5 was a TypeError)
+        if options.get(option) is not None and not isinstance(options[option], str):
+            raise ConfigError(f"{where}: {option} must be text, got {options[option]!r}")
     spec = SetSpec(name=name, **options)
     spec.k = _set_ks(spec.k, where)
     for option, kind in (("n", int), ("max_tokens", int), ("prompts", int)):

@@ -61,3 +61,17 @@ def test_settings_the_report_cannot_hold_or_the_engine_should_not_run_are_refuse
     argv = [item.format(reward=reward) for item in argv]
     err = refused(capsys, "--ckpt", str(model), "--set", f"a={prompts}", "--out", str(tmp_path / "out"), *argv)
     assert named in err, err
+
+
+@pytest.mark.parametrize("options, named", [
+    ("{path: 5}", "set 'a': path must be text, got 5"),
+    ("{path: PROMPTS, reward: 5}", "set 'a': reward must be text, got 5"),
+    ("{path: PROMPTS, prompt_key: {x: 1}}", "set 'a': prompt_key must be text, got {'x': 1}"),
+])
+def test_a_sets_files_text_option_of_another_type_is_refused_by_name(no_engine, capsys, prompts, hf_dir, tmp_path,
+                                                                      options, named):
+    """YAML gives a --sets file's options any type; before, these were a TypeError or AttributeError."""
+    sets = tmp_path / "sets.yaml"
+    sets.write_text("a: " + options.replace("PROMPTS", str(prompts)) + "\n")
+    err = refused(capsys, "--ckpt", str(hf_dir), "--sets", str(sets), "--out", str(tmp_path / "out"))
+    assert named in err, err
