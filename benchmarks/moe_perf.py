@@ -14,7 +14,8 @@ FP8 with routing padding at the best BF16 setting, then the best case again unde
 Each case's loss is compared with its EP's baseline over the same steps (BF16 noise: 2^-8).
 
 RESULTS_DIR/moe_perf.jsonl gets one line per case as the case ends; RESULTS_DIR/moe_perf.md is
-written again after every case (benchmarks/moe_perf_report.py: the tables and the goals). A global
+written again after every case (benchmarks/moe_perf_report.py: the tables and the goals), and with it
+RESULTS_DIR/step_times.jsonl, the measured cases as `megatron-rl plan --measured`'s table. A global
 deadline (--deadline-s, run.sh passes what its budget leaves) bounds every process: a case cut by
 it is recorded as timed out, the cases after it as not run. Case logs: RESULTS_DIR/logs/.
 The dry run (CPU, tiny model) runs the cases whose levers apply on a CPU and records the others as
@@ -226,8 +227,7 @@ class Sweep:
             if new and not case.get("fp8"):
                 self.refused[new] = report["refused"]
             return self.record({**row, "status": f"refused on this machine: {report['refused']}"})
-        report.pop("model", None)
-        row.update(report, status="measured")
+        row.update(report, status="measured")  # with the slice's config.json ("model"): the step-time table's key
         if baseline is not None:
             row.update(moe_perf_report.against(row, baseline))
         return self.record(row)

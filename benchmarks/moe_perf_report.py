@@ -1,7 +1,8 @@
-"""benchmarks/moe_perf.py's results: each case against its baseline, the goals, moe_perf.md.
+"""benchmarks/moe_perf.py's results: each case against its baseline, the goals, moe_perf.md, and
+step_times.jsonl (the measured cases as `megatron-rl plan --measured`'s table).
 
-Everything here reads the rows moe_perf.jsonl holds (one per case), so the markdown can be written
-again after every case and from a JSONL alone."""
+Everything here reads the rows moe_perf.jsonl holds (one per case), so the markdown and the table
+can be written again after every case and from a JSONL alone."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 # unit in the last place of a BF16 number) of the baseline's, as a mean over the same steps.
 BF16_NOISE = 2.0 ** -8
 DRY_RUN_GOALS = "not measured (CPU dry run: the goals are GPU figures)"
+STEP_TIMES = "step_times.jsonl"
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -156,6 +158,9 @@ def markdown(rows: list[dict], args) -> str:
                  "model MFU leans on it; the MoE layers' MFU is apart." if head_share else ""), ""]
     lines += [f"- {r['layout']['derivation']} ({r['case']})" for r in b if measured(r) and r["levers"] == []]
     lines += [""] + phase_b_table(b)
+    lines += ["", f"The measured cases (those within BF16 noise of their baseline, not the profile) are `{STEP_TIMES}` "
+                  "beside this file: `megatron-rl plan --measured` ranks the layouts of their per-GPU shape by them "
+                  "(docs/planning.md)."]
     profile = next((r for r in b if r.get("profile") and measured(r)), None)
     if profile:
         p = profile["profile"]
@@ -169,5 +174,49 @@ def markdown(rows: list[dict], args) -> str:
     return "\n".join(lines) + "\n"
 
 
+def step_time_entries(rows: list[dict], source: str) -> list[dict]:
+    """The timed phase-B cases as lines of the planner's step-time table (megatron_rl/plan/measured.py):
+    keyed by the slice's layer, its local experts, micro-batch tokens and settings (the config the
+    case ran: the slice's own overrides, then its levers). Left out: cases not measured, the profiled
+    rerun, and a lever whose loss left the baseline's (it changed what is computed). The layer figure
+    is the decoder's CUDA-event time per layer and token; without that split (a CPU dry run) the
+    step less the optimizer, per layer and token: the head and embedding inside it."""
+    from megatron_rl.config import load_config
+    from megatron_rl.model.hf_config import parse_hf_config
+    from megatron_rl.plan import measured as table
+
+    entries = []
+    for r in rows:
+        if r.get("phase") != "B" or not measured(r) or r.get("profile") or r.get("loss_within_noise") is False:
+            continue
+        model, layout, tokens = r["model"], r["layout"], r["tokens_per_step"]
+        layers = model["num_hidden_layers"]
+        if r.get("split"):
+            layer, head = r["split"]["decoder_s"] / layers / tokens, r["split"]["head_s"] / tokens
+        else:
+            layer, head = (r["step_s"] - r["optimizer_s"]) / layers / tokens, None
+        config = load_config(None, ["model.precision=bf16", f"micro_batch_tokens={r['micro_batch_tokens']}", *r["set"]])
+        notes = [f"one GPU's compute at EP {r['ep']} (its {layout['local_experts']} experts), without the "
+                 "all-to-all: a lower bound on its time"] if r["ep"] > 1 else []
+        notes += ["routing forced to balance"] + ([] if head is not None else ["the head inside the layer figure"])
+        run = {"layer_seconds_per_token": layer, "head_seconds_per_token": head, "source": source, "case": r["case"],
+               "date": r.get("date") or "not recorded", "tokens_per_s": r["tokens_per_s"],
+               "routing_imbalance": r.get("routing_imbalance"), "versions": r.get("versions") or {}}
+        entries.append(table.entry(
+            gpu=r.get("gpu") or table.CPU_DRY_RUN,
+            layer=table.layer_identity(parse_hf_config(model, f"{source}: {r['case']}"), experts=layout["experts"]),
+            local_experts=layout["local_experts"], micro_batch_tokens=r["micro_batch_tokens"],
+            settings=table.step_settings(config, r["layers"], r["grouped_gemm"]), run=run, note="; ".join(notes)))
+    return entries
+
+
 def write(out: Path, args) -> None:
-    (Path(out) / "moe_perf.md").write_text(markdown(read_rows(Path(out) / "moe_perf.jsonl"), args))
+    from megatron_rl.plan.measured import write_table
+
+    rows = read_rows(Path(out) / "moe_perf.jsonl")
+    text = markdown(rows, args)
+    try:
+        write_table(Path(out) / STEP_TIMES, step_time_entries(rows, "moe_perf.jsonl"))
+    except (KeyError, TypeError, ValueError) as exc:  # a row short of a field: the sweep's figures go on
+        text += f"\n`{STEP_TIMES}` was NOT written: {type(exc).__name__}: {exc}\n"
+    (Path(out) / "moe_perf.md").write_text(text)

@@ -35,6 +35,7 @@ once per case.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import logging
 import math
@@ -177,6 +178,7 @@ def run(args) -> dict:
         if not math.isfinite(loss):
             break
     report = summarize(args, hf, layout, rows, policy)
+    report["micro_batch_tokens"] = config.micro_batch_tokens  # after the levers (one may set it)
     report["routing_imbalance"] = counter.imbalance()
     report["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     runtime.shutdown()
@@ -273,6 +275,7 @@ def main() -> int:
         print(f"refused: {exc}")
         return 0
     report["versions"] = fp8_moe.versions()
+    report["date"] = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
     report["gpu"] = torch.cuda.get_device_name(0) if args.device == "cuda" else None
     Path(args.json).write_text(json.dumps(report, indent=1))
     mfu_text = f", model MFU {report['mfu']:.1%}" if report["mfu"] is not None else ""

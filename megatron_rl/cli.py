@@ -79,6 +79,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="every layout as JSON")
     plan.add_argument("--recipe-header", metavar="COMMAND",
                       help="print the plan as a recipe's header comment, naming COMMAND (this command line)")
+    plan.add_argument("--measured", metavar="FILE", help="measured per-GPU step times (a sweep's step_times.jsonl): "
+                      "layouts of a measured shape rank by their estimated step time (docs/planning.md)")
+    plan.add_argument("--gpu-name", help="the GPU planned, as the --measured table names it (e.g. 'NVIDIA H200')")
+    plan.add_argument("--step-tokens", type=int, help="tokens one RL step trains, for --measured (default: "
+                      "prompts_per_step x group_size x max_model_len)")
     from megatron_rl.evaluation.command import add_parser as add_eval_parser
 
     add_eval_parser(commands)

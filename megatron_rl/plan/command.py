@@ -53,6 +53,8 @@ def resolve_architecture(config, hf_config: str | None):
 def run(args, config) -> int:
     from megatron_rl.plan import report
     from megatron_rl.plan.planner import Cluster, evaluate, plan_layouts, smallest_fix
+    from megatron_rl.plan import step_time
+    from megatron_rl.plan.measured import load_table
     from megatron_rl.model.layout_checks import check_layout
 
     if args.top < 1:
@@ -67,8 +69,12 @@ def run(args, config) -> int:
                       rollout_gpu_memory=rollout_memory, rollout_gpus=args.rollout_gpus,
                       colocated=config.rollout.mode == "colocated",
                       nvlink_gbs=args.nvlink_gbs, ib_gbs_per_node=args.ib_gbs_per_node).validate()
+    if (args.gpu_name is not None or args.step_tokens is not None) and not args.measured:
+        raise ConfigError("--gpu-name and --step-tokens choose what of a --measured table is used: give --measured FILE")
+    table = load_table(args.measured) if args.measured else None  # every line checked before the model is read
     arch, source = resolve_architecture(config, args.hf_config)
-    plan = plan_layouts(config, arch, cluster)
+    measured = step_time.select(table, config, arch, args.gpu_name, args.step_tokens) if table else None
+    plan = plan_layouts(config, arch, cluster, measured)
     own = fix = None
     try:
         check_layout(config, arch, cluster.gpus)
@@ -77,6 +83,8 @@ def run(args, config) -> int:
               file=sys.stderr)
     else:
         own = evaluate(config, arch, cluster)
+        if measured is not None:
+            own = dataclasses.replace(own, step=step_time.estimate(own, config, arch, measured))
         fix = None if own.fits else smallest_fix(config, arch, cluster, own)
     if args.json:
         print(json.dumps(report.as_json(config, arch, plan, own, fix), indent=1))

@@ -19,7 +19,10 @@ Ranking among the layouts that fit (a heuristic stated in `RANKING`, not a perfo
 those leaving at least 10% of the GPU (for what is not modelled: CUDA context, NCCL buffers,
 fragmentation), then fewer pipeline stages (the 1F1B bubble), then tensor parallelism within a node
 and smaller, then expert groups within a node, then the shorter weight push, then the most memory
-left.
+left. With `--measured FILE` (plan/step_time.py) the layouts whose per-GPU shape was timed on the
+GPU are then reordered among the places the heuristic gave them (within the same headroom tier),
+by their estimated training time per RL step: the ranking changes only where a measurement exists,
+and a measured time is never weighed against a layout nobody timed.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ HEADROOM = 0.1  # of GPU memory, for what is not modelled: CUDA context, NCCL bu
 RANKING = ("fits", f"at least {HEADROOM:.0%} of the GPU left", "fewer pipeline stages",
            "tensor parallel within a node, smaller", "expert group within a node",
            "shorter weight push", "more memory left")
+MEASURED_RANKING = (*RANKING, "then the layouts with a measured step time reordered among their own places by "
+                                "it, shortest first (the rest keep theirs)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +105,7 @@ class LayoutPlan:
     trainer_budget: int  # what the trainer may use on its GPUs
     push_seconds: float
     gpu_memory: int
+    step: object = None  # step_time.StepEstimate where a measurement times this layout (plan --measured)
 
     @property
     def fullest(self) -> StagePlan:
@@ -139,9 +145,13 @@ class LayoutPlan:
         p = self.parallel
         if not self.fits:  # those whose engines fit, then the nearest to fitting
             return (1, not self.engine_fits, -self.left)
-        return (0, self.left < HEADROOM * self.gpu_memory, p.pp, p.tp > cluster.gpus_per_node, p.tp,
+        return (0, self.low_headroom, p.pp, p.tp > cluster.gpus_per_node, p.tp,
                 p.ep * p.expert_tp > cluster.gpus_per_node,
                 round(self.push_seconds, 1), -self.left)
+
+    @property
+    def low_headroom(self) -> bool:
+        return self.left < HEADROOM * self.gpu_memory
 
 
 def _itemsize(config) -> int:
@@ -299,19 +309,43 @@ class Plan:
     cluster: Cluster
     layouts: list  # LayoutPlan, ranked
     considered: int
+    measured: object = None  # step_time.Selection (plan --measured)
+
+    @property
+    def ranking(self) -> tuple:
+        return RANKING if self.measured is None else MEASURED_RANKING
 
     @property
     def fitting(self) -> list:
         return [layout for layout in self.layouts if layout.fits]
 
 
-def plan_layouts(config, arch, cluster: Cluster) -> Plan:
+def plan_layouts(config, arch, cluster: Cluster, measured=None) -> Plan:
+    """`measured`: a step_time.Selection, whose measurements time the layouts of their shape."""
+    from megatron_rl.plan import step_time
+
     cluster.validate()
     plans = []
     for candidate in candidate_layouts(config, arch, cluster):
-        plans.append(evaluate(candidate, arch, cluster))
-    plans.sort(key=lambda layout: layout.sort_key(cluster))
-    return Plan(cluster, plans, len(plans))
+        layout = evaluate(candidate, arch, cluster)
+        if measured is not None:
+            layout = dataclasses.replace(layout, step=step_time.estimate(layout, config, arch, measured))
+        plans.append(layout)
+    return rank(Plan(cluster, plans, len(plans), measured))
+
+
+def rank(plan: Plan) -> Plan:
+    """The heuristic's order, then the measured layouts that fit reordered by their step time among
+    the places they hold, tier by tier (a stable sort: equal times keep the heuristic's order)."""
+    layouts = plan.layouts
+    layouts.sort(key=lambda layout: layout.sort_key(plan.cluster))
+    for low in (False, True):
+        places = [i for i, layout in enumerate(layouts)
+                  if layout.fits and layout.step is not None and layout.low_headroom == low]
+        by_time = sorted((layouts[i] for i in places), key=lambda layout: layout.step.seconds)
+        for i, layout in zip(places, by_time):
+            layouts[i] = layout
+    return plan
 
 
 def smallest_fix(config, arch, cluster: Cluster, layout: LayoutPlan) -> str | None:

@@ -34,8 +34,13 @@ def sweep(out, *extra):
 
 
 @pytest.fixture(scope="module")
-def dry_run(tmp_path_factory):
-    return sweep(tmp_path_factory.mktemp("moe-perf"))
+def dry_run_out(tmp_path_factory):
+    return tmp_path_factory.mktemp("moe-perf")
+
+
+@pytest.fixture(scope="module")
+def dry_run(dry_run_out):
+    return sweep(dry_run_out)
 
 
 def by_case(rows):
@@ -112,6 +117,25 @@ def test_markdown_has_the_goals_and_the_tables(dry_run):
     assert "one GPU's compute at EP 8, without the all-to-all: an upper bound" in md
     assert "| EP8 + one micro-batch | 4 | 256 | 1.0 |" in md
     assert "## Phase A: te.GroupedLinear alone" in md and "Profile of the best case" in md
+
+
+def test_the_measured_cases_become_the_planners_step_time_table(dry_run, dry_run_out):
+    """step_times.jsonl (megatron-rl plan --measured's table): a line per measured lever case, keyed by
+    its GPU (here the dry run's marker, which the planner refuses), layer, local experts and settings."""
+    from megatron_rl.plan.measured import CPU_DRY_RUN, load_table
+
+    _, rows, _ = dry_run
+    table = load_table(dry_run_out / "step_times.jsonl")
+    cases = by_case(rows)
+    names = ["EP8 baseline", "EP8 + one micro-batch", "EP1 baseline", "EP1 + one micro-batch"]
+    assert [m.runs[0]["case"] for m in table.measurements] == names  # not the profile's rerun
+    for m in table.measurements:
+        row = cases[m.runs[0]["case"]]
+        assert m.gpu == CPU_DRY_RUN and m.head_seconds_per_token is None  # no CUDA split: the head inside
+        # the step less the optimizer, per layer (2) and token (512)
+        assert m.layer_seconds_per_token == pytest.approx((row["step_s"] - row["optimizer_s"]) / 2 / 512, rel=1e-12)
+        assert json.loads(m.key)["local_experts"] == row["layout"]["local_experts"] and m.layer["num_experts"] == 32
+    assert [json.loads(m.key)["micro_batch_tokens"] for m in table.measurements] == [256, 512, 256, 512]
 
 
 def test_a_case_cut_by_the_deadline_is_recorded_and_the_rest_not_run(tmp_path):
