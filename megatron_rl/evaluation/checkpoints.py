@@ -196,9 +196,34 @@ def checkpoint_config(source: CheckpointSource, base: dict, overrides: list[str]
         own = source.resolved / "hf_config" if source.kind != "Hugging Face directory" else source.resolved
         raw.setdefault("model", {})["hf_config"] = str(own)
     try:
-        return load_config_dict(raw, overrides, origin)
+        config = load_config_dict(raw, overrides, origin)
     except ConfigError as exc:
         raise ConfigError(f"--ckpt {source.path}: {exc}") from None
+    if source.run_config is not None and not any(item.split("=", 1)[0].strip().startswith("rewards.terms")
+                                                 for item in overrides):
+        _check_recorded_rewards(source, config.rewards)
+    return config
+
+
+def _check_recorded_rewards(source: CheckpointSource, rewards) -> None:
+    """A checkpoint is untrusted, and so is the run config it records: its rewards may name only
+    built-in functions, and code_tests only in the namespace sandbox. Before, a recorded
+    `rewards.terms: [{name: some/file.py:fn}]` was imported and run by eval on the checkpoint's
+    say, and `params: {isolation: none}` ran the model's programs on this machine. The command's
+    own rewards.terms override is the user's word and is taken as it is."""
+    from megatron_rl.rewards.registry import BUILTIN_REWARDS
+
+    where = f"--ckpt {source.path}: the config recorded in {source.resolved / TRAINER_STATE}"
+    for index, term in enumerate(rewards.terms):
+        yours = f"rewards.terms='[{{name: \"{term.name}\"}}]'"
+        if term.name not in BUILTIN_REWARDS:
+            raise ConfigError(f"{where} names the reward {term.name!r} (rewards.terms[{index}]), code that eval does not "
+                              f"run on a checkpoint's say; if you trust it, name the reward yourself: {yours}")
+        isolation = term.params.get("isolation", "namespaces")
+        if term.name == "code_tests" and isolation != "namespaces":
+            raise ConfigError(f"{where} runs code_tests with isolation={isolation!r} (rewards.terms[{index}].params), "
+                              "which would run the model's programs outside the sandbox; eval takes that only from "
+                              f"you: {yours} with its params, or set.NAME.reward_params.isolation=none")
 
 
 def check_same_model(sources: list[CheckpointSource], configs: list) -> None:

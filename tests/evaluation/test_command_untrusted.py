@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_rl.config import load_config, to_dict
+from megatron_rl.evaluation.checkpoints import checkpoint_config, identify
 from stand_ins import refused, stand_in_hf, stand_in_run
 
 
@@ -75,3 +77,33 @@ def test_a_sets_files_text_option_of_another_type_is_refused_by_name(no_engine, 
     sets.write_text("a: " + options.replace("PROMPTS", str(prompts)) + "\n")
     err = refused(capsys, "--ckpt", str(hf_dir), "--sets", str(sets), "--out", str(tmp_path / "out"))
     assert named in err, err
+
+
+@pytest.mark.parametrize("terms, named", [
+    ('[{"name": "REWARD:score"}]', "names the reward 'REWARD:score' (rewards.terms[0]), code that eval does not run "
+                                   "on a checkpoint's say; if you trust it, name the reward yourself: "
+                                   "rewards.terms='[{name: \"REWARD:score\"}]'"),
+    ('[{"name": "math"}, {"name": "code_tests", "params": {"isolation": "none"}}]',
+     "runs code_tests with isolation='none' (rewards.terms[1].params), which would run the model's programs outside "
+     "the sandbox"),
+])
+def test_a_checkpoints_recorded_rewards_run_no_code_of_its_own(no_engine, capsys, prompts, tmp_path, terms, named):
+    """A stranger's run config (trainer_state.json) naming a reward file, or code_tests without the
+    sandbox: before, eval imported the file (its top level ran: here it would write `ran`) and
+    would have run the model's programs on this machine. The user's own override is taken."""
+    ran = tmp_path / "ran"
+    reward = tmp_path / "recorded_reward.py"
+    reward.write_text(f"open({str(ran)!r}, 'w').write('the checkpoint chose this code')\n\n"
+                      "def score(prompt, response, answer, **metadata):\n    return 1.0\n")
+    terms = terms.replace("REWARD", str(reward))
+    run = stand_in_run(tmp_path, '{"step": 1, "config": {"rewards": {"terms": %s}}}' % terms)
+    argv = ["--ckpt", str(run), "--set", f"a={prompts}", "--out", str(tmp_path / "out")]
+    err = refused(capsys, *argv)
+    assert f"--ckpt {run}: the config recorded in {run}/checkpoints/step_000001/trainer_state.json " in err, err
+    assert named.replace("REWARD", str(reward)) in err, err
+    assert not ran.exists()
+    if "isolation" not in terms:  # named by the user, the same reward is theirs: the config is made
+        overrides = [f'rewards.terms=[{{name: "{reward}:score"}}]']
+        config = checkpoint_config(identify(str(run), "A"), to_dict(load_config(None, overrides)), overrides,
+                                   str(tmp_path / "out"))
+        assert [term.name for term in config.rewards.terms] == [f"{reward}:score"]
