@@ -79,8 +79,9 @@ def latest_name(latest: Path) -> str:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{latest} is not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start}); it should "
-                          "hold the name of a step directory: pass a step directory (e.g. step_000030) instead") from None
+        raise ConfigError(f"{latest} is not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start}); it "
+                          "should hold the name of a step directory: pass a step directory (e.g. step_000030) "
+                          "instead") from None
     if len(raw) > LATEST_BYTES:
         raise ConfigError(f"{latest} holds more than {LATEST_BYTES} bytes; it should hold the name of a step "
                           "directory: pass a step directory (e.g. step_000030) instead")

@@ -217,8 +217,8 @@ def _check_recorded_rewards(source: CheckpointSource, rewards) -> None:
     for index, term in enumerate(rewards.terms):
         yours = f"rewards.terms='[{{name: \"{term.name}\"}}]'"
         if term.name not in BUILTIN_REWARDS:
-            raise ConfigError(f"{where} names the reward {term.name!r} (rewards.terms[{index}]), code that eval does not "
-                              f"run on a checkpoint's say; if you trust it, name the reward yourself: {yours}")
+            raise ConfigError(f"{where} names the reward {term.name!r} (rewards.terms[{index}]), code that eval does "
+                              f"not run on a checkpoint's say; if you trust it, name the reward yourself: {yours}")
         isolation = term.params.get("isolation", "namespaces")
         if term.name == "code_tests" and isolation != "namespaces":
             raise ConfigError(f"{where} runs code_tests with isolation={isolation!r} (rewards.terms[{index}].params), "

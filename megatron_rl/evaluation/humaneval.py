@@ -29,6 +29,7 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
+import keyword
 from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any, Iterator
@@ -119,7 +120,7 @@ def humaneval_record(row: Any, where: str) -> PromptRecord:
         if not isinstance(row.get(key), str) or not row[key].strip():
             raise ConfigError(f"{where}: a HumanEval-format row needs '{key}' as a non-empty string, got "
                               f"{row.get(key)!r:.80}")
-    if not row["entry_point"].isidentifier():
+    if not row["entry_point"].isidentifier() or keyword.iskeyword(row["entry_point"]):  # `check(class)`: no program
         raise ConfigError(f"{where}: entry_point {row['entry_point']!r:.80} is not a Python function name")
     task_id = row.get("task_id", where)
     # One sandboxed run of the whole program, which must run to its end (check() returned): a

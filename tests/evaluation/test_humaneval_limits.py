@@ -30,3 +30,14 @@ def test_a_gzipped_set_that_decompresses_past_the_cap_is_refused_by_line(tmp_pat
     plain = tmp_path / "plain.jsonl"
     plain.write_text(row * 40)
     assert len(humaneval.load_humaneval(plain)) == 40
+
+
+@pytest.mark.parametrize("entry_point", ["class", "None", "lambda"])
+def test_an_entry_point_that_is_a_python_keyword_is_refused_by_line(tmp_path, entry_point):
+    """`check(class)` is no program: every sample of such a row failed with a SyntaxError, and the
+    set scored 0 with no word of why (the name check took any identifier)."""
+    path = tmp_path / "set.jsonl"
+    path.write_text(json.dumps({"prompt": "def f():\n", "test": "def check(c):\n    pass\n",
+                                "entry_point": entry_point}) + "\n")
+    with pytest.raises(ConfigError, match=rf"set\.jsonl line 1: entry_point '{entry_point}' is not a Python function"):
+        humaneval.load_humaneval(path)
