@@ -9,8 +9,9 @@ output directory tried); then one runtime and one rollout engine (the project's:
 or rollout.server_urls), and per checkpoint a policy built and loaded as `checkpoint.init_from`
 loads it, its weights pushed into the engine as the trainer pushes them, and every set run by
 evaluation/runner.py with the same prompts and seeds. The report (evaluation/report.py) goes to
---out: eval.json, eval.md, pass_at_k.png; the tables (and the differences from the first
-checkpoint) are printed.
+--out: eval.json, eval.md, pass_at_k.png (an earlier report there is replaced only with
+--overwrite; a training run's directory is refused); the tables (and the differences from the
+first checkpoint) are printed.
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ def add_parser(commands) -> None:
     sub.add_argument("--no-greedy", action="store_true", help="no greedy (temperature 0) response per prompt")
     sub.add_argument("--seed", type=int, default=1234,
                      help="base seed of the samples: prompt i of a set gets the same seed for every checkpoint")
-    sub.add_argument("--out", default=DEFAULT_OUT, help=f"report directory (default: {DEFAULT_OUT})")
+    sub.add_argument("--out", default=DEFAULT_OUT, help=f"report directory (default: {DEFAULT_OUT}); one that holds "
+                                                         "an earlier report is refused unless --overwrite")
+    sub.add_argument("--overwrite", action="store_true",
+                     help="replace the report an earlier evaluation wrote into --out")
     sub.add_argument("--config", help="YAML recipe for a checkpoint no run wrote, and for the engine "
                                       "(default: the built-in tiny default)")
     sub.add_argument("overrides", nargs="*", metavar="key=value",
@@ -132,7 +136,7 @@ def prepare(args) -> EvalPlan:
     overrides = [item for item in args.overrides if not is_set_option(item)]
     specs = parse_sets(args.sets, args.sets_file, options, defaults)
     out = Path(args.out)
-    _check_out(out)
+    _check_out(out, overwrite=args.overwrite)
     base = to_dict(load_config(args.config, overrides))
     labels = _labels(args.ckpt, args.label)
     sources = [identify(path, label) for path, label in zip(args.ckpt, labels)]
@@ -203,10 +207,25 @@ def _labels(paths: list[str], given: list[str]) -> list[str]:
     return labels
 
 
-def _check_out(out: Path) -> None:
-    """The report directory and its files can be written (train/output_paths' probes)."""
-    from megatron_rl.train.output_paths import directory_problem, file_problem
+def _check_out(out: Path, overwrite: bool = False) -> None:
+    """The report directory is eval's own and its files can be written (train/output_paths'
+    probes). Nothing already written is lost: an earlier evaluation's report is replaced only
+    with --overwrite (before, a second eval into the same --out replaced it without a word), and a
+    training run's directory is refused even then (eval writes engine_model/, which is the run's:
+    a live run reads its engine from there)."""
+    from megatron_rl.train.output_paths import RUN_FILES, directory_problem, file_problem
+    from megatron_rl.train.run_lock import LOCK
 
+    if out.is_dir():
+        run_files = [name for name in (*RUN_FILES, LOCK, "checkpoints") if (out / name).exists()]
+        if run_files:
+            raise ConfigError(f"--out {out} is a training run's directory (it holds {', '.join(run_files)}): eval "
+                              f"would rewrite the run's engine_model/ there; give the report a directory of its own, "
+                              f"e.g. --out {out / 'eval'} (--overwrite does not change that)")
+        earlier = [name for name in REPORT_FILES if (out / name).exists()]
+        if earlier and not overwrite:
+            raise ConfigError(f"--out {out} already holds {', '.join(earlier)}, an earlier evaluation's report: pass "
+                              "another --out to keep it, or --overwrite to replace it")
     for directory in (out, out / "engine_model"):
         problem = directory_problem(directory)
         if problem is not None:
