@@ -43,6 +43,11 @@ TEXT_OPTIONS = ("path", "reward", "split", "prompt_key", "answer_key", "system_p
                 "prompt_format")
 # Options that say how a set's rows are read (the run's data.* keys of the same names by default).
 READ_OPTIONS = ("split", "prompt_key", "answer_key", "columns", "other_columns", "loader")
+# A set's answer_key that reads no reference answers (data.answer_key: null). A set's None is
+# "the run's data.answer_key", so a null is this word: set.NAME.answer_key=null as typed, and a
+# --sets file's `answer_key: null` (or ~), are turned into it.
+NO_ANSWERS = "null"
+NULL_WORDS = ("null", "Null", "NULL", "~")
 
 
 @dataclass(frozen=True)
@@ -254,6 +259,8 @@ def _spec(name: str, options: dict, defaults: SamplingDefaults) -> SetSpec:
         if options.get(option) is not None and not isinstance(options[option], str):
             raise ConfigError(f"{where}: {option} must be text, got {options[option]!r}")
     spec = SetSpec(name=name, **options)
+    if "answer_key" in options and (spec.answer_key is None or spec.answer_key in NULL_WORDS):
+        spec.answer_key = NO_ANSWERS  # given as null: no reference answers, not the run's field
     spec.k = _set_ks(spec.k, where)
     for option, kind in (("n", int), ("max_tokens", int), ("prompts", int)):
         value = getattr(spec, option)
@@ -333,6 +340,8 @@ def set_data_config(spec: SetSpec, data, naming: SetNaming | None = None) -> Any
     for option in [o for o in READ_OPTIONS if o != "split"] + ["prompt_format", "system_prompt"]:  # split: above
         if getattr(spec, option) is not None:
             changes[option] = getattr(spec, option)
+    if spec.answer_key == NO_ANSWERS:
+        changes["answer_key"] = None
     config = dataclasses.replace(data, **changes)
     try:
         return config.validate(naming.where)

@@ -89,3 +89,24 @@ def test_a_k_outside_a_sets_n_is_refused_naming_the_set_and_where_the_k_came_fro
     with pytest.raises(ConfigError) as refused:
         parse_sets(set_args, None, options, SamplingDefaults(k=k))
     assert str(refused.value) == refusal
+
+
+def test_the_advice_for_a_set_without_answers_can_be_typed_on_the_command_line_and_in_a_sets_file(tmp_path):
+    """`set.NAME.answer_key=null`, which the refusal advises, reads the set without reference
+    answers. Before, the command line's value was the text "null" (a field of that name, missing
+    again) and a --sets file's `answer_key: null` meant "the run's data.answer_key": the advice
+    could not be followed for one set."""
+    path = tmp_path / "open.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"say {i}"}) + "\n" for i in range(2)))
+    data = load_config(None, []).data
+    with pytest.raises(ConfigError, match=r"or set\.a\.answer_key=null for a set without answers"):
+        load_set(parse_sets([f"a={path}"], None, [], SamplingDefaults())[0], data)
+    sets = tmp_path / "sets.yaml"
+    for options, sets_text in ((["set.a.answer_key=null"], None), ([], f"a: {{path: {path}, answer_key: null}}\n"),
+                               ([], f"a: {{path: {path}, answer_key: ~}}\n")):
+        if sets_text is not None:
+            sets.write_text(sets_text)
+        spec = parse_sets([] if sets_text else [f"a={path}"], str(sets) if sets_text else None, options,
+                          SamplingDefaults())[0]
+        loaded = load_set(spec, data)
+        assert [(r.prompt, r.answer) for r in loaded.records] == [("say 0", None), ("say 1", None)], options
