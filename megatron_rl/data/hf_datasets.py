@@ -20,6 +20,12 @@ use it never pay for it. Rows become records by the built-in reader's rules (``r
 before that, every configured field (prompt_key, answer_key, the keys of data.columns) is looked
 up among the dataset's columns, so a misspelled key names the columns there are instead of
 failing on row 0. Errors name the path, the split and the row index (0-based).
+
+Each row is bounded by ``data.max_line_bytes`` as a JSONL line and a built-in Parquet row are
+(data/parquet_rows.py): rows are turned into Python BATCH_ROWS at a time and measured, and a
+Parquet file's footer is checked before ``load_dataset`` decompresses it into its cache. Before,
+the whole dataset became Python rows with none measured: a 2 KB Parquet file read this way held a
+50 MB prompt.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from megatron_rl.data.parquet_rows import BATCH_ROWS, check_row, check_row_groups
 from megatron_rl.data.records import PromptDataset, record_from_row
 from megatron_rl.errors import ConfigError
 
@@ -123,7 +130,8 @@ def _saved_split(path: Path, key: str, split: str) -> tuple[Any, str, bool]:
     return dataset, source, is_split
 
 
-def _file_rows(path: Path, key: str, fields: list[tuple[str, str]], keep_columns: list[str] | None) -> list[dict]:
+def _file_rows(path: Path, key: str, fields: list[tuple[str, str]], keep_columns: list[str] | None,
+               max_row_bytes: int) -> list[dict]:
     """Rows of a file read by ``load_dataset``, converted before its temporary cache goes away."""
     builder = SUFFIX_BUILDERS.get(path.suffix.lower())
     if builder is None:
@@ -134,6 +142,14 @@ def _file_rows(path: Path, key: str, fields: list[tuple[str, str]], keep_columns
     if path.stat().st_size == 0:
         raise _empty(str(path), key, split_hint=False)
     datasets = _import_datasets(path)
+    if builder == "parquet":  # the footer's sizes first: load_dataset decompresses the whole file into its cache
+        import pyarrow.parquet as pq
+
+        try:
+            metadata = pq.ParquetFile(path).metadata
+        except Exception as exc:  # pyarrow raises its own error types for corrupt or foreign files
+            raise _read_error(path, "parquet (the 'parquet' builder)", exc) from exc
+        check_row_groups(path, metadata, max_row_bytes)
     with tempfile.TemporaryDirectory(prefix="megatron-rl-datasets-") as cache, _quiet_progress(datasets):
         try:
             dataset = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache)
@@ -141,7 +157,7 @@ def _file_rows(path: Path, key: str, fields: list[tuple[str, str]], keep_columns
             if "corresponds to no data" in str(exc):  # a CSV with only its header line
                 raise _empty(str(path), key, split_hint=False) from None
             raise _read_error(path, f"{builder} (the {builder!r} builder)", exc) from exc
-        return _rows(dataset, str(path), key, fields, keep_columns, split_hint=False)
+        return _rows(dataset, str(path), key, fields, keep_columns, split_hint=False, max_row_bytes=max_row_bytes)
 
 
 def _top_column(field_key: str, column_names: list[str]) -> str:
@@ -162,14 +178,21 @@ def _check_columns(column_names: list[str], source: str, fields: list[tuple[str,
 
 
 def _rows(dataset, source: str, key: str, fields: list[tuple[str, str]], keep_columns: list[str] | None,
-          split_hint: bool) -> list[dict]:
+          split_hint: bool, max_row_bytes: int) -> list[dict]:
     if len(dataset) == 0:
         raise _empty(source, key, split_hint)
     _check_columns(dataset.column_names, source, fields)
     if keep_columns is not None:
         # data.other_columns=drop: skip decoding columns nobody reads (images, long documents).
         dataset = dataset.select_columns(sorted({_top_column(k, dataset.column_names) for k in keep_columns}))
-    return dataset.to_list()
+    rows: list[dict] = []
+    for start in range(0, len(dataset), BATCH_ROWS):  # a batch at a time: a refused dataset is never held whole
+        batch = dataset[start:start + BATCH_ROWS]  # columns of Python values
+        for offset, values in enumerate(zip(*batch.values())):
+            row = dict(zip(batch, values))
+            check_row(row, f"{source} row index {start + offset}", max_row_bytes)
+            rows.append(row)
+    return rows
 
 
 def _configured_fields(prompt_key: str, answer_key: str | None, columns: Mapping[str, str]) -> list[tuple[str, str]]:
@@ -182,8 +205,9 @@ def _configured_fields(prompt_key: str, answer_key: str | None, columns: Mapping
 
 def load_hf_prompts(path: str | Path, *, key: str = "train", split: str = "train", prompt_key: str = "prompt",
                     answer_key: str | None = "answer", columns: Mapping[str, str] | None = None,
-                    other_columns: str = "keep"):
-    """A PromptDataset of a save_to_disk directory or a file read by ``load_dataset``.
+                    other_columns: str = "keep", max_line_bytes: int = 16 << 20):
+    """A PromptDataset of a save_to_disk directory or a file read by ``load_dataset``, each row
+    at most ``max_line_bytes`` of text (data.max_line_bytes).
 
     ``key`` is the data config key the path came from ("train" / "heldout"), for messages.
     """
@@ -193,10 +217,10 @@ def load_hf_prompts(path: str | Path, *, key: str = "train", split: str = "train
     keep_columns = None if other_columns == "keep" else [field_key for _, field_key in fields]
     if path.is_dir():
         dataset, source, is_split = _saved_split(path, key, split)
-        rows = _rows(dataset, source, key, fields, keep_columns, split_hint=is_split)
+        rows = _rows(dataset, source, key, fields, keep_columns, split_hint=is_split, max_row_bytes=max_line_bytes)
     else:
         source = str(path)
-        rows = _file_rows(path, key, fields, keep_columns)
+        rows = _file_rows(path, key, fields, keep_columns, max_line_bytes)
     keep_other = other_columns == "keep"
     records = [record_from_row(row, f"{source} row index {index}", prompt_key, answer_key, columns, keep_other)
                for index, row in enumerate(rows)]

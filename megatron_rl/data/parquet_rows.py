@@ -34,14 +34,7 @@ def parquet_rows(path: Path, max_row_bytes: int) -> Iterator[tuple[str, Any]]:
         metadata = reader.metadata
     except Exception as exc:  # pyarrow raises its own error types for corrupt or foreign files
         raise ConfigError(f"{path}: not a readable Parquet file: {type(exc).__name__}: {exc}") from exc
-    first = 0
-    for group in range(metadata.num_row_groups):
-        rows, size = metadata.row_group(group).num_rows, metadata.row_group(group).total_byte_size
-        if size > rows * max_row_bytes:
-            raise ConfigError(f"{path} rows {first} to {first + rows - 1}: {size} bytes uncompressed, more than "
-                              f"data.max_line_bytes={max_row_bytes} bytes a row (refused before decompressing them); "
-                              "if a prompt row really is that large, raise data.max_line_bytes; otherwise fix the file")
-        first += rows
+    check_row_groups(path, metadata, max_row_bytes)
     index = 0
     batches = reader.iter_batches(batch_size=BATCH_ROWS)
     while True:
@@ -54,12 +47,31 @@ def parquet_rows(path: Path, max_row_bytes: int) -> Iterator[tuple[str, Any]]:
         rows = batch.to_pylist()
         heavy = batch.nbytes > max_row_bytes  # else no row of the batch can be over the bound
         for row in rows:
-            if heavy and _text_bytes(row) > max_row_bytes:
-                raise ConfigError(f"{path} row index {index}: longer than data.max_line_bytes={max_row_bytes} bytes "
-                                  "(its fields' text together); if a prompt row really is that large, raise "
-                                  "data.max_line_bytes; otherwise fix the file")
+            if heavy:
+                check_row(row, f"{path} row index {index}", max_row_bytes)
             yield f"{path} row index {index}", row
             index += 1
+
+
+def check_row_groups(path, metadata, max_row_bytes: int) -> None:
+    """The footer's row groups (pyarrow FileMetaData): ConfigError naming the file and rows of one
+    whose uncompressed size is over its rows times `max_row_bytes`, before any is decompressed."""
+    first = 0
+    for group in range(metadata.num_row_groups):
+        rows, size = metadata.row_group(group).num_rows, metadata.row_group(group).total_byte_size
+        if size > rows * max_row_bytes:
+            raise ConfigError(f"{path} rows {first} to {first + rows - 1}: {size} bytes uncompressed, more than "
+                              f"data.max_line_bytes={max_row_bytes} bytes a row (refused before decompressing them); "
+                              "if a prompt row really is that large, raise data.max_line_bytes; otherwise fix the file")
+        first += rows
+
+
+def check_row(row: Any, where: str, max_row_bytes: int) -> None:
+    """ConfigError naming `where` (the file and row) when the row's text is over `max_row_bytes`."""
+    if _text_bytes(row) > max_row_bytes:
+        raise ConfigError(f"{where}: longer than data.max_line_bytes={max_row_bytes} bytes (its fields' text "
+                          "together); if a prompt row really is that large, raise data.max_line_bytes; otherwise "
+                          "fix the file")
 
 
 def _text_bytes(value: Any) -> int:

@@ -26,7 +26,8 @@ refused after reading that many bytes of it, never the rest (a file without line
 multi-GB line); a row nested deeper than MAX_JSON_DEPTH levels of arrays and objects (which
 Python's JSON parser and the code that copies and pickles metadata cannot recurse through) is
 refused by its line too. A Parquet row is bounded by the same key (data/parquet_rows.py: its
-fields' text together, checked before a compressed file is decompressed whole).
+fields' text together, checked before a compressed file is decompressed whole), and so is a
+row read through `datasets` (data/hf_datasets.py).
 Parquet needs ``pyarrow`` (``pip install pyarrow``); JSONL needs nothing.
 """
 
@@ -199,7 +200,8 @@ def load_source(config: DataConfig, key: Literal["train", "heldout"]) -> PromptD
                   other_columns=config.other_columns)
     if not _uses_datasets(config, f"data.{key}", path):
         return load_prompts(path, max_line_bytes=config.max_line_bytes, **fields)
-    return load_hf_prompts(path, key=key, split=getattr(config, f"{key}_split"), **fields)
+    return load_hf_prompts(path, key=key, split=getattr(config, f"{key}_split"), max_line_bytes=config.max_line_bytes,
+                           **fields)
 
 
 def check_sources_exist(config: DataConfig) -> None:

@@ -42,3 +42,23 @@ def test_one_row_over_the_bound_among_small_ones_is_refused_by_its_index(tmp_pat
     prompts[130] = "y" * (BOUND - 100)  # within the bound, with its answer: read
     records = load_prompts(write(tmp_path / "within.parquet", prompts, row_group_size=50), max_line_bytes=BOUND)
     assert len(records) == 200 and len(records[130].prompt) == BOUND - 100
+
+
+def test_the_datasets_loader_bounds_a_parquet_files_rows_and_a_saved_datasets_rows_alike(tmp_path):
+    """data.loader=datasets (and a save_to_disk directory, which only `datasets` reads): the same
+    footer check before load_dataset decompresses the file into its cache, and the same bound on
+    every row. Before, the whole dataset became Python rows and none was measured."""
+    datasets = pytest.importorskip("datasets")
+    from megatron_rl.data.hf_datasets import load_hf_prompts
+
+    bomb = write(tmp_path / "bomb.parquet", ["x" * (8 << 20)] + ["1+1="] * 4)
+    with pytest.raises(ConfigError, match=r"bomb\.parquet rows 0 to 4: 8388\d{3} bytes uncompressed, more than "
+                                          r"data\.max_line_bytes=1048576 bytes a row \(refused before decompressing"):
+        load_hf_prompts(bomb, max_line_bytes=BOUND)
+    prompts = ["1+1="] * 100
+    prompts[70] = "y" * (BOUND + 1)
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_dict({"prompt": prompts, "answer": ["2"] * 100}).save_to_disk(str(saved))
+    with pytest.raises(ConfigError, match=r"saved row index 70: longer than data\.max_line_bytes=1048576 bytes"):
+        load_hf_prompts(saved, max_line_bytes=BOUND)
+    assert len(load_hf_prompts(saved, max_line_bytes=BOUND + 100)) == 100
