@@ -38,9 +38,22 @@ def synthetic_samples(vocab_size: int, count: int, seed: int, dp_rank: int, dp_s
     return samples, prompts
 
 
+def refuse_a_training_run(out: Path) -> None:
+    """The smoke run appends its rows (step 1, 2, ...) to OUTPUT_DIR/metrics.jsonl: in a training
+    run's directory they would join that run's curve and the rows its resume checks."""
+    from megatron_rl.train.run_lock import LOCK
+
+    held = [name for name in ("run.json", "run_state.json", LOCK, "checkpoints") if (out / name).exists()]
+    if held:
+        raise ConfigError(f"output_dir {out} is a training run's directory (it holds {', '.join(held)}): the smoke "
+                          "run would append its rows to that run's metrics.jsonl; pass another --output-dir "
+                          "(default: runs/smoke)")
+
+
 def run_smoke(config: RunConfig, steps: int = 5, num_samples: int = 16) -> list[dict]:
     if steps < 1:  # before the runtime and the model: a run of no steps would still report "done"
         raise ConfigError(f"--steps must be >= 1 (forward/backward steps of the smoke run), got {steps}")
+    refuse_a_training_run(Path(config.output_dir))
     started = time.time()
     runtime = start_runtime(config)
     try:
