@@ -32,6 +32,10 @@ class GroupScorer:
     def __init__(self, reward_config, tokenizer, runtime):
         self.tokenizer, self.runtime = tokenizer, runtime
         self._scorer = build_scorer(reward_config) if runtime.is_driver else None
+        if self._scorer is not None:
+            # Reward worker processes (and a code reward's first sandbox) start now, beside the
+            # warm start and the engine's start, not in the first scoring (~1.2 s on 2 cores).
+            self._scorer.start()
         self.first_error: str | None = None  # the driver's: the latest scoring's first failure, if any
         # The asynchronous producer and the held-out evaluation (the trainer's thread) share it.
         self._lock = threading.Lock()
