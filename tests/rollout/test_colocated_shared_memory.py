@@ -43,9 +43,11 @@ from megatron_rl.runtime.cpu.vllm_shm import RunSegments, remove_run_segments, r
 
 SHM = Path("/dev/shm")
 HOOK = Path(__file__).parent / "shm_hook"  # sitecustomize.py: vLLM's CPU shared-memory communicator on every CPU
+# One RL step and no Hugging Face export: the runs must start their engines, train, push and end
+# (what the segments are about), not export.
 SHORT = ["parallel.ep=2", "parallel.etp=1", "rl.prompts_per_step=4", "rl.group_size=2", "rl.updates_per_rollout=1",
-         "rl.max_response_tokens=4", "warm_start.steps=0", "data.num_heldout=4", "rl.eval_every=0",
-         "logging.wandb_mode=disabled"]
+         "rl.max_response_tokens=4", "warm_start.steps=0", "data.num_heldout=4", "rl.eval_every=0", "rl.steps=1",
+         "checkpoint.export_hf=false", "logging.wandb_mode=disabled"]
 
 
 def test_stale_segments_are_the_unmapped_old_ones(tmp_path):
@@ -328,12 +330,12 @@ def test_a_stopped_server_leaves_none_of_its_segments(tmp_path, how):
             path.unlink(missing_ok=True)
 
 
-def launch(out: Path, preloaded: bool = False, shm_log: Path | None = None) -> subprocess.Popen:
+def launch(out: Path, preloaded: bool = True, shm_log: Path | None = None) -> subprocess.Popen:
     """`megatron-rl launch local` on 2 ranks; preloaded: the launcher, its torchrun and the ranks
-    forked from the pre-imported server (not for the run whose rank the test finds and kills: its
-    ranks must be this process's descendants). shm_log: the run carries shm_hook/, which writes
-    there the shared-memory segments its ranks made."""
-    command = cli_command("launch", "local", "--nproc-per-node", "2", "--output-dir", str(out), *SHORT, "rl.steps=2",
+    forked from the pre-imported server. shm_log: the run carries shm_hook/, which writes there
+    the shared-memory segments its ranks made and each rank's pid (how the test finds the rank it
+    kills: a forked rank is not a descendant of the launcher's process)."""
+    command = cli_command("launch", "local", "--nproc-per-node", "2", "--output-dir", str(out), *SHORT,
                           preloaded=preloaded, children=preloaded)
     env = child_env() if shm_log is None else child_env(PYTHONPATH=f"{HOOK}{os.pathsep}{REPO}",
                                                         MEGATRON_RL_TEST_SHM_LOG=str(shm_log))
@@ -343,6 +345,12 @@ def launch(out: Path, preloaded: bool = False, shm_log: Path | None = None) -> s
 
 def segments_made(shm_log: Path) -> list[dict]:
     return [json.loads(line) for line in shm_log.read_text().splitlines()] if shm_log.is_file() else []
+
+
+def remove_segments_of(shm_log: Path) -> None:
+    for entry in segments_made(shm_log):
+        for name in entry["segments"]:
+            (SHM / name).unlink(missing_ok=True)
 
 
 def wait_for_first_metrics(process: subprocess.Popen, out: Path, timeout_s: float = 600) -> None:
@@ -359,15 +367,25 @@ def wait_for_first_metrics(process: subprocess.Popen, out: Path, timeout_s: floa
 def test_rank_killed_with_sigkill_then_the_same_command_and_another_run_both_work(tmp_path):
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[rollout-cpu])")
     crashed = tmp_path / "crashed"
-    first = launch(crashed)
-    # Killed once its engines are up (its step-0 evaluation is logged).
-    wait_for_first_metrics(first, crashed)
-    ranks = [child for child in psutil.Process(first.pid).children(recursive=True)
-             if "megatron_rl.cli" in " ".join(child.cmdline()) and "train" in child.cmdline()]
-    assert len(ranks) >= 2, [r.cmdline() for r in ranks]
-    os.kill(sorted(ranks, key=lambda r: r.pid)[-1].pid, signal.SIGKILL)
-    first.wait(timeout=300)
-    assert first.returncode != 0
+    crashed_log = tmp_path / "crashed-ranks.jsonl"  # not shm-*: the finished runs' logs are checked below
+    first = launch(crashed, shm_log=crashed_log)
+    try:
+        # Killed once its engines are up (its step-0 evaluation is logged): each rank has logged
+        # its engine's group with its pid.
+        wait_for_first_metrics(first, crashed)
+        ranks = {entry["rank"]: entry["pid"] for entry in segments_made(crashed_log)}
+        assert sorted(ranks) == [0, 1] and len(set(ranks.values())) == 2, segments_made(crashed_log)
+        assert all(psutil.pid_exists(pid) for pid in ranks.values()) and os.getpid() not in ranks.values(), ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        first.wait(timeout=300)
+        assert first.returncode != 0
+    except BaseException:
+        remove_segments_of(crashed_log)
+        raise
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
 
     # A dead run's segments under the old shared name and under ours: on an AVX-512 CPU the first
     # is exactly what blocked every later run.
@@ -385,11 +403,10 @@ def test_rank_killed_with_sigkill_then_the_same_command_and_another_run_both_wor
                 path.write_bytes(b"\0" * 4096)
                 os.utime(path, (old, old))
             if attempts == 1:  # the same command, and a second run beside it
-                runs = [launch(crashed, preloaded=True, shm_log=tmp_path / "shm-rerun.jsonl"),
-                        launch(tmp_path / "other", preloaded=True, shm_log=tmp_path / "shm-other.jsonl")]
+                runs = [launch(crashed, shm_log=tmp_path / "shm-rerun.jsonl"),
+                        launch(tmp_path / "other", shm_log=tmp_path / "shm-other.jsonl")]
             else:
-                runs = [launch(tmp_path / f"again-{attempts}", preloaded=True,
-                               shm_log=tmp_path / f"shm-again-{attempts}.jsonl")]
+                runs = [launch(tmp_path / f"again-{attempts}", shm_log=tmp_path / f"shm-again-{attempts}.jsonl")]
             outputs = [run.communicate(timeout=900)[0] for run in runs]
             for run, output in zip(runs, outputs):
                 assert run.returncode == 0, output[-5000:]
@@ -400,6 +417,7 @@ def test_rank_killed_with_sigkill_then_the_same_command_and_another_run_both_wor
     finally:
         for path in planted:
             path.unlink(missing_ok=True)
+        remove_segments_of(crashed_log)  # the killed run's, if the runs after it left them (younger than a stale one)
     assert "stale vLLM shared-memory segment(s)" in said, said[-3000:]
     for path in planted:
         assert path.name in said, f"after {attempts} run(s) of our own:\n{said[-3000:]}"

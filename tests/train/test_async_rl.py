@@ -9,6 +9,9 @@ pushing its own weights first:
 - the same run stopped by SIGTERM (samples of the next step already generated, the one after
   in flight) and resumed: the steps after its checkpoint log exactly the uninterrupted run's
   metrics, because the checkpoint carries the finished batch and where the next one starts.
+
+All three runs are forked from the tests' pre-imported server (the stopped one's client passes
+the SIGTERM on); test_train_loop.py's exact-resume test stops a fresh process.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def test_staleness_one_runs_off_policy_and_resumes_exactly(tiny_vllm_server, tmp
     assert min(reference[step]["mismatch/staleness_1/logp_abs_diff_mean"] for step in range(2, 6)) > 1e-3
 
     interrupted = tmp_path / "interrupted"
-    output = stop_with_sigterm(interrupted, *overrides, after_step=1)
+    output = stop_with_sigterm(interrupted, *overrides, after_step=1, preloaded=True)
     stopped_at = json.loads((interrupted / "run_state.json").read_text())["step"]
     assert 1 <= stopped_at < 5, output[-2000:]  # room for a late signal: stop_with_sigterm
 

@@ -41,8 +41,8 @@ def recipe_with_controls(path: Path) -> Path:
     recipe = yaml.safe_load((REPO / "configs/tiny_code.yaml").read_text())
     recipe["rewards"]["terms"] += [
         {"name": "synthetic:expr", "weight": 0.0},
-        {"name": "code_tests", "label": "code_skipped", "weight": 0.0,
-         "params": {"harness": "raise SystemExit(0)\n{code}", "mode": "all"}},
+        {"name": "code_tests", "label": "code_skipped", "weight": 0.0,  # a group's repeated answers: one call
+         "params": {"harness": "raise SystemExit(0)\n{code}", "mode": "all", "cache_entries": 4096}},
     ]
     path.write_text(yaml.safe_dump(recipe))
     return path

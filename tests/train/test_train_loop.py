@@ -19,6 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import pytest
 
 from _support.processes import REPO, child_env, children_cpu_seconds, cli_command, python_command
@@ -35,8 +36,8 @@ SHORT = ["rl.steps=5", "rl.prompts_per_step=8", "rl.group_size=4", "rl.max_respo
          "logging.wandb_mode=disabled"]
 
 
-def command(out: Path, *overrides: str) -> list[str]:
-    return cli_command("train", "--output-dir", str(out), *SHORT, *overrides)
+def command(out: Path, *overrides: str, preloaded: bool = False) -> list[str]:
+    return cli_command("train", "--output-dir", str(out), *SHORT, *overrides, preloaded=preloaded)
 
 
 def run(out: Path, *overrides: str, config: Path | None = None) -> subprocess.CompletedProcess:
@@ -47,20 +48,23 @@ def run(out: Path, *overrides: str, config: Path | None = None) -> subprocess.Co
     return result
 
 
-def stop_with_sigterm(out: Path, *overrides: str, after_step: int) -> str:
+def stop_with_sigterm(out: Path, *overrides: str, after_step: int, preloaded: bool = False) -> str:
     """Start a run and send it SIGTERM once it has logged `after_step`; its output (it must exit 0).
 
     The run stops after the step in progress when the signal lands, usually `after_step` + 1. A
     tiny step takes about 0.3 s, less than this loop may take to see the record and signal on a
-    loaded machine, so callers leave several steps of room before the run's end."""
-    process = subprocess.Popen(command(out, *overrides), env=child_env(), stdout=subprocess.PIPE,
+    loaded machine, so callers leave several steps of room before the run's end. preloaded: the
+    run forked from the pre-imported server (its client passes the SIGTERM on, zygote.py), for a
+    test whose claim is the stop and resume, not the trainer's own process (this module's keeps one)."""
+    process = subprocess.Popen(command(out, *overrides, preloaded=preloaded), env=child_env(), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and process.poll() is None:
         path = out / "metrics.jsonl"
         if path.is_file() and any(json.loads(line)["step"] >= after_step for line in path.read_text().splitlines() if line):
-            # the running trainer holds the directory (train/run_lock.py)
-            assert json.loads((out / "run.lock").read_text())["pid"] == process.pid
+            # the running trainer holds the directory (train/run_lock.py): the fork, when preloaded
+            holder = json.loads((out / "run.lock").read_text())["pid"]
+            assert holder == process.pid if not preloaded else holder != process.pid and psutil.pid_exists(holder)
             process.send_signal(signal.SIGTERM)
             break
         time.sleep(0.2)
