@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_rl.tools import verify_hf
 
         return verify_hf.main(argv[1:])
-    args = _parser().parse_args(argv)
+    args = parse_command_line(argv)
     if not getattr(args, "verbose", False):
         from megatron_rl.observability.console import quiet_dependencies
 
@@ -202,6 +202,20 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingStopped as exc:
         print(f"megatron-rl: training stopped: {exc}", file=sys.stderr)
         return 1
+
+
+def parse_command_line(argv: list[str]) -> argparse.Namespace:
+    """argparse takes one run of positionals: in `train rl.steps=3 --output-dir D rl.recipe=gspo`
+    the overrides after the option came back as "unrecognized arguments". They are overrides all
+    the same, kept in command-line order (a later value of a key wins); anything else left over is
+    still refused."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and (not hasattr(args, "overrides") or any(item.startswith("-") or "=" not in item for item in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
 
 
 def command_overrides(args) -> list[str]:
@@ -261,7 +275,10 @@ def _print_summary(config, result) -> None:
     if not result.is_driver:
         return
     if not result.finished:
-        print(f"stopped after step {result.steps_done} (checkpoint {result.checkpoint})")
+        if result.checkpoint is None:  # a signal in the warm start: nothing saved (the trainer's line says why)
+            print("stopped in the warm start, before any checkpoint; the same command starts the run again")
+        else:
+            print(f"stopped after step {result.steps_done} (checkpoint {result.checkpoint})")
         return
     print(f"done: {result.steps_done} RL steps, output in {config.output_dir}")
     if result.warm_start_accuracy is not None and result.final_accuracy is not None:
