@@ -56,7 +56,7 @@ from megatron_rl.train.stop_signals import StopSignals
 from megatron_rl.train.teacher import TeacherFailed, build_teacher, teacher_heldout
 from megatron_rl.train.update import LossSettings, run_updates, store_step_logprobs
 from megatron_rl.train.update_guard import UpdateGuard
-from megatron_rl.train.warm_start import warm_start
+from megatron_rl.train.warm_start import WarmStartStopped, warm_start
 
 
 @dataclass
@@ -160,7 +160,14 @@ class Trainer:
             try:
                 if self.resumed is None:
                     if config.warm_start.steps:
-                        warm_start(self.policy, self.tokenizer, self.train_set, config, self.runtime, self.log)
+                        try:
+                            warm_start(self.policy, self.tokenizer, self.train_set, config, self.runtime, self.log,
+                                       stop=functools.partial(self.stop_signals.requested, self.runtime))
+                        except WarmStartStopped as stopped:  # on every rank at the same step
+                            self.log.message(f"{stopped}; nothing of it is saved (no checkpoint resumes a part of a "
+                                             "warm start): the same command starts the run again from the beginning")
+                            clean = True
+                            return self._result(0, finished=False, checkpoint=None)
                     self.sync_weights()
                     self.log.step(0, {**self.evaluate(), **self.evals.run(0, self.generation, self.scorer),
                                       **self._teacher_heldout(),

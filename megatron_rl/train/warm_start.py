@@ -10,11 +10,24 @@ One function, two callers: `megatron-rl train` runs it before RL when `warm_star
 (inside the trainer, so the RL run continues with the warm start's optimizer state), and
 `megatron-rl sft` (megatron_rl/train/sft.py) runs it alone and writes a checkpoint that `train`
 starts from (`checkpoint.init_from=DIR warm_start.steps=0`).
+
+A stop signal (SIGTERM, SIGUSR1: train/stop_signals.py) ends `train`'s warm start after the step
+in flight (`stop`, asked after every step): a part of a warm start is not a state any checkpoint
+resumes exactly, and a warm start may take minutes (tiny_reasoning's 1000 steps) where SLURM kills
+a job some 30 s after its SIGTERM. The same command then starts the run again from the beginning.
 """
 
 from __future__ import annotations
 
 from megatron_rl.errors import ConfigError  # this module imports no torch at the top (sft's checks)
+
+
+class WarmStartStopped(Exception):
+    """A stop signal ended the warm start after its step `step` of `total`; nothing of it is saved."""
+
+    def __init__(self, signal_name: str, step: int, total: int):
+        super().__init__(f"stopped by {signal_name} in the warm start, after its step {step} of {total}")
+        self.signal_name, self.step, self.total = signal_name, step, total
 
 
 def target_of(record):
@@ -35,9 +48,12 @@ def check_targets(dataset, where: str = "data") -> None:
             )
 
 
-def warm_start(policy, tokenizer, dataset, config, runtime, log, on_step=None, label: str = "warm start") -> list[float]:
+def warm_start(policy, tokenizer, dataset, config, runtime, log, on_step=None, label: str = "warm start",
+               stop=None) -> list[float]:
     """`warm_start.steps` optimizer steps; returns the step losses. `on_step(step, result)` is
-    called after each step (result: the policy's StepResult); `log.message` prints progress."""
+    called after each step (result: the policy's StepResult); `log.message` prints progress.
+    `stop()`: collective, the stop signal any rank received (None: none); asked after each step,
+    a signal raises WarmStartStopped on every rank at the same step."""
     from megatron_rl.algorithms import compute_step_normalizer
     from megatron_rl.data import PromptSampler, encode_prompt
 
@@ -85,6 +101,8 @@ def warm_start(policy, tokenizer, dataset, config, runtime, log, on_step=None, l
             on_step(step, result)
         if step == 1 or step % max(1, settings.steps // 10) == 0 or step == settings.steps:
             log.message(f"{label} {step}/{settings.steps}  loss {result.loss:.4f}")
+        if stop is not None and step < settings.steps and (received := stop()):
+            raise WarmStartStopped(received, step, settings.steps)
     return losses
 
 
