@@ -5,7 +5,7 @@ a node count that does not fit the layout is refused before anything is written;
 failing sbatch gives a clear message (fake sbatch scripts, because a real rejection needs a
 cluster configured to reject).
 
-Against a real SLURM (slurmctld + three slurmd on this host, see conftest.py; skipped with the
+Against a real SLURM (slurmctld + four slurmd on this host, see conftest.py; skipped with the
 reason where it cannot start): the tiny default, shortened, runs to completion through
 `megatron-rl launch slurm` on two nodes; the disaggregated template (one training node, two
 rollout nodes running a vLLM server each) trains with every weight push reaching both servers
@@ -14,7 +14,9 @@ pre-imported Python, tests/_support/zygote.py). One job, in fresh processes all 
 signalled by SLURM, is interrupted twice: requeued mid-run (`scontrol requeue`: SIGTERM to every
 process of the job, wandb's helper included, as at preemption) it writes its stop checkpoint and
 resumes from it; then the preemption warning (USR1 to the batch script) makes the trainer
-checkpoint and the job requeue itself, resume and finish.
+checkpoint and the job requeue itself, resume and finish. The other two jobs run beside it, each
+submitted once one of its interrupted runs has stopped: its processes exiting and SLURM's hold of
+a requeued job left a core idle for ~12 s each time.
 """
 
 from __future__ import annotations
@@ -38,10 +40,12 @@ SHORT = ["rl.prompts_per_step=8", "rl.group_size=4", "rl.max_response_tokens=6",
          "data.num_heldout=16", "rl.eval_every=0", "checkpoint.every_steps=2", "logging.wandb_mode=disabled"]
 
 
-# The interrupted run: long enough that each interruption lands mid-run, though the test sees a
-# checkpoint only once it is published (a background save finishes a step or two later) and
-# polls once a second (a step takes ~0.2 s here).
-LONG = 24
+# The interrupted run: long enough that each interruption lands mid-run. Measured (a step takes
+# 0.3-1.2 s here; the test polls 4 times a second): the requeue seen after step 1 stops the first
+# run after step 2 or 3, the warning seen after the resumed run's first step stops it one or two
+# steps later (after step 5), so the last run still has 7 steps to go when it resumes; a warning
+# that came too late fails at once, naming LONG. Each step more costs its time in the last run.
+LONG = 12
 
 
 def cli(*args: str, env: dict | None = None, timeout: float = 120, children: bool = False) -> subprocess.CompletedProcess:
@@ -191,21 +195,27 @@ def free_port_block(count: int) -> int:
 
 
 def wait_until(predicate, timeout: float, what: str, cluster, log: Path, job_id: str):
+    """`predicate()`'s first true value, polled 4 times a second (a poll is one `scontrol` or a file
+    read, a few ms): the requeue, the warning and the next job wait for the test to notice, 0.125 s
+    on average instead of 0.5 s at one poll a second."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(1.0)
+        time.sleep(0.25)
     state = cluster.job_state(job_id)
     tail = log.read_text(errors="replace")[-4000:] if log.exists() else "(no log)"
     subprocess.run(["scancel", job_id], env=cluster.env, capture_output=True)
     pytest.fail(f"timed out waiting for {what}; job {job_id} state {state}\n{tail}\n{cluster.logs()}")
 
 
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
 def finished(cluster, job_id: str, out: Path) -> bool:
     state = cluster.job_state(job_id)
-    return state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", None)
+    return state in ENDED or state is None
 
 
 def steps_logged(out: Path) -> list[int]:
@@ -219,31 +229,64 @@ def checkpointed(out: Path) -> bool:
     return (out / "checkpoints" / "latest").is_file()
 
 
-def test_job_completes_on_two_nodes(slurm_cluster, tmp_path):
-    out = tmp_path / "two-nodes"
-    job_id, log = submit(slurm_cluster, out, 2, "rl.steps=3", children=True)
-    wait_until(lambda: finished(slurm_cluster, job_id, out), 240, "the job to end", slurm_cluster, log, job_id)
-    text = log.read_text(errors="replace")
-    assert slurm_cluster.job_state(job_id) == "COMPLETED", text[-4000:]
-    assert "2 node(s), rendezvous 127.0.0.1:" in text and "node 1 (" in text
-    assert sorted(steps_logged(out)) == [0, 1, 2, 3]
-    assert json.loads((out / "run_state.json").read_text()) == {"step": 3, "finished": True}
-    assert checkpointed(out)
-    assert (out / "config.yaml").is_file() and "training finished (exit 0)" in text
+def submit_two_node_job(cluster, out: Path) -> tuple[str, Path, Path]:
+    job_id, log = submit(cluster, out, 2, "rl.steps=3", children=True)
+    return job_id, log, out
+
+
+def submit_disaggregated_job(cluster, out: Path) -> tuple[str, Path, Path]:
+    # The servers listen on MASTER_PORT + 1 and + 2. The port the job derives from its id can be one
+    # the suite's other servers were given by the OS (the job then refuses, naming the port):
+    # here the job takes a block that is free now, through the documented override.
+    job_id, log = submit(cluster, out, 1, *DISAGGREGATED, extra=("--rollout-nodes", "2"), children=True,
+                         env={"MEGATRON_RL_MASTER_PORT": str(free_port_block(3))})
+    return job_id, log, out
 
 
 @pytest.fixture(scope="module")
-def interrupted_job(slurm_cluster, tmp_path_factory):
+def submitted_early():
+    """The other jobs, by name, as (job id, log, output directory) or the error submitting them:
+    `interrupted_job` submits each while its own job only waits on SLURM (~12 s after each
+    interruption: the stopped run's processes exiting, then SLURM's hold of a requeued job), so
+    that it runs on the core that job leaves idle. A test whose job is not there submits it."""
+    return {}
+
+
+def take_job(submitted_early: dict, name: str, submit_job):
+    job = submitted_early.pop(name, None)
+    if isinstance(job, BaseException):
+        raise job
+    return job or submit_job()
+
+
+@pytest.fixture(scope="module")
+def interrupted_job(slurm_cluster, submitted_early, tmp_path_factory):
     """One job interrupted twice, as SLURM interrupts jobs (one job instead of one per interruption:
     each start imports torch and trains the warm start again): `scontrol requeue` after its first
     RL step, then, once the requeued run has resumed and taken a step, the preemption warning (USR1
-    to the batch script). Returns the job id, its output directory and its whole log."""
+    to the batch script). Returns the job id, its output directory and its whole log.
+
+    Once each interrupted run has written its stop checkpoint (never while it writes it: that must
+    fit in KillWait), it submits one of the other jobs (`submitted_early`). It runs on the last
+    node, so that those get the first ones."""
     out = tmp_path_factory.mktemp("interrupted") / "requeue"
     # No warm start and no HF export: what the test asserts is the interruptions and the resumes.
     job_id, log = submit(slurm_cluster, out, 1, f"rl.steps={LONG}", "logging.wandb_mode=offline", "warm_start.steps=0",
-                         "checkpoint.export_hf=false")
+                         "checkpoint.export_hf=false", extra=(f"--sbatch-arg=--nodelist={slurm_cluster.nodes[-1]}",))
+
+    def logged(*lines: str):
+        return lambda: log.exists() and any(line in log.read_text(errors="replace") for line in lines)
+
+    def submit_early(name: str, submit_job) -> None:
+        try:
+            submitted_early[name] = submit_job(slurm_cluster, tmp_path_factory.mktemp(name) / name)
+        except Exception as exc:  # its test reports it, not this job's
+            submitted_early[name] = exc
+
     wait_until(lambda: max(steps_logged(out), default=0) >= 1, 240, "the first RL step", slurm_cluster, log, job_id)
     slurm_cluster.run("scontrol", "requeue", job_id)
+    wait_until(logged("stopped by SIGTERM", "restart 1:"), 120, "the requeued run to stop", slurm_cluster, log, job_id)
+    submit_early("two-nodes", submit_two_node_job)
 
     def stepped_after_restart() -> bool:
         text = log.read_text(errors="replace") if log.exists() else ""
@@ -254,9 +297,20 @@ def interrupted_job(slurm_cluster, tmp_path_factory):
     wait_until(stepped_after_restart, 300, "the requeued run's first step", slurm_cluster, log, job_id)
     # What SLURM does --signal-lead-seconds before the time limit: USR1 to the batch script.
     slurm_cluster.run("scancel", "--batch", "--signal=USR1", job_id)
-    wait_until(lambda: slurm_cluster.job_field(job_id, "Restarts") not in (None, "0", "1")
-               and finished(slurm_cluster, job_id, out), 300, "the job to end after the warning", slurm_cluster,
-               log, job_id)
+    wait_until(logged("requeueing job", "restart 2:", "training finished"), 120, "the warned run to stop",
+               slurm_cluster, log, job_id)
+    submit_early("disaggregated", submit_disaggregated_job)
+
+    def ended_after_a_second_requeue() -> bool:
+        fields = slurm_cluster.job_fields(job_id)
+        ended = fields.get("JobState") in ENDED
+        if ended and fields.get("Restarts") in ("0", "1"):
+            pytest.fail(f"job {job_id} ended without requeueing itself after the warning (the last run finished "
+                        f"before the warning reached it? raise LONG={LONG}):\n"
+                        f"{log.read_text(errors='replace')[-4000:]}")
+        return ended or not fields
+
+    wait_until(ended_after_a_second_requeue, 300, "the job to end after the warning", slurm_cluster, log, job_id)
     return job_id, out, log.read_text(errors="replace")
 
 
@@ -304,6 +358,19 @@ def test_preemption_warning_checkpoints_and_requeues(slurm_cluster, interrupted_
     assert sorted(steps_logged(out)) == list(range(LONG + 1))
 
 
+def test_job_completes_on_two_nodes(slurm_cluster, submitted_early, tmp_path):
+    job_id, log, out = take_job(submitted_early, "two-nodes",
+                                lambda: submit_two_node_job(slurm_cluster, tmp_path / "two-nodes"))
+    wait_until(lambda: finished(slurm_cluster, job_id, out), 240, "the job to end", slurm_cluster, log, job_id)
+    text = log.read_text(errors="replace")
+    assert slurm_cluster.job_state(job_id) == "COMPLETED", text[-4000:]
+    assert "2 node(s), rendezvous 127.0.0.1:" in text and "node 1 (" in text
+    assert sorted(steps_logged(out)) == [0, 1, 2, 3]
+    assert json.loads((out / "run_state.json").read_text()) == {"step": 3, "finished": True}
+    assert checkpointed(out)
+    assert (out / "config.yaml").is_file() and "training finished (exit 0)" in text
+
+
 # The disaggregated job, as short as it gets: no warm start (the weights need not be good, only
 # identical on both sides), GRPO (no group is dropped, so every step trains on both servers'
 # samples) with an entropy bonus (a gradient even where all rewards are equal, so every update
@@ -318,16 +385,12 @@ def server_requests(log: Path) -> dict[str, int]:
     return dict(Counter(re.findall(r'"POST (/[\w/]+)', log.read_text(errors="replace"))))
 
 
-def test_disaggregated_job_pushes_every_step_to_both_servers(slurm_cluster, tmp_path):
+def test_disaggregated_job_pushes_every_step_to_both_servers(slurm_cluster, submitted_early, tmp_path):
     """One training node and two rollout nodes of `slurm/train_disaggregated.sbatch.tmpl`: the
     servers start from the config, the trainer finds them from the URLs the job passes it, and
     the collective transport (gloo here) delivers every push to both of them."""
-    out = tmp_path / "disaggregated"
-    # The servers listen on MASTER_PORT + 1 and + 2. The port the job derives from its id can be one
-    # the suite's other servers were given by the OS (the job then refuses, naming the port):
-    # here the job takes a block that is free now, through the documented override.
-    job_id, log = submit(slurm_cluster, out, 1, *DISAGGREGATED, extra=("--rollout-nodes", "2"), children=True,
-                         env={"MEGATRON_RL_MASTER_PORT": str(free_port_block(3))})
+    job_id, log, out = take_job(submitted_early, "disaggregated",
+                                lambda: submit_disaggregated_job(slurm_cluster, tmp_path / "disaggregated"))
     wait_until(lambda: finished(slurm_cluster, job_id, out), 300, "the job to end", slurm_cluster, log, job_id)
     text = log.read_text(errors="replace")
     assert slurm_cluster.job_state(job_id) == "COMPLETED", text[-4000:]
