@@ -80,6 +80,13 @@ class SlurmOptions:
             raise ConfigError("--rollout-nodes and --gpus-per-node must be >= 0, --procs-per-node >= 1")
         if self.signal_lead_seconds < 1:
             raise ConfigError("--signal-lead-seconds must be >= 1")
+        if self.gpus_per_node and self.nproc_per_node > self.gpus_per_node:
+            # each trainer rank takes a GPU of its own: NCCL refuses two ranks on one, on the cluster
+            raise ConfigError(f"--procs-per-node {self.nproc_per_node} is more than --gpus-per-node "
+                              f"{self.gpus_per_node}: each trainer process needs a GPU of its own")
+        if self.container_mounts and not self.container_image:
+            raise ConfigError("--container-mounts mounts into the --container-image, which is not given: pass "
+                              "--container-image too, or drop --container-mounts")
 
 
 @dataclasses.dataclass

@@ -33,3 +33,17 @@ def test_launch_slurm_names_a_missing_prompt_file_before_writing_or_submitting(t
     missing.touch()  # there now: the dry run renders the job
     assert cli.main(argv + ["--dry-run"]) == 0
     assert "#SBATCH --nodes=1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--gpus-per-node", "1", "--procs-per-node", "2"],
+     "--procs-per-node 2 is more than --gpus-per-node 1: each trainer process needs a GPU of its own"),
+    (["--container-mounts", "/data:/data"],
+     "--container-mounts mounts into the --container-image, which is not given"),
+])
+def test_launch_slurm_refuses_options_the_job_could_not_honour(tmp_path, capsys, options, message):
+    """Both rendered a job script: two ranks on one GPU (NCCL fails on the nodes, after the queue),
+    mounts silently left out of the script."""
+    assert cli.main(["launch", "slurm", "--nodes", "1", "--output-dir", str(tmp_path / "run"), "--dry-run",
+                     *options]) == 2
+    assert message in capsys.readouterr().err
