@@ -80,6 +80,12 @@ class SlurmOptions:
             raise ConfigError("--rollout-nodes and --gpus-per-node must be >= 0, --procs-per-node >= 1")
         if self.signal_lead_seconds < 1:
             raise ConfigError("--signal-lead-seconds must be >= 1")
+        limit = time_limit_seconds(self.time) if self.time is not None else None
+        if limit is not None and limit <= self.signal_lead_seconds:
+            # USR1 at the start: every start would checkpoint and requeue at once, without end
+            raise ConfigError(f"--time {self.time} ({limit} s) leaves no time before the preemption warning "
+                              f"--signal-lead-seconds {self.signal_lead_seconds}: give a longer --time or a "
+                              "shorter lead")
         if self.gpus_per_node and self.nproc_per_node > self.gpus_per_node:
             # each trainer rank takes a GPU of its own: NCCL refuses two ranks on one, on the cluster
             raise ConfigError(f"--procs-per-node {self.nproc_per_node} is more than --gpus-per-node "
@@ -87,6 +93,26 @@ class SlurmOptions:
         if self.container_mounts and not self.container_image:
             raise ConfigError("--container-mounts mounts into the --container-image, which is not given: pass "
                               "--container-image too, or drop --container-mounts")
+
+
+def time_limit_seconds(text: str) -> int | None:
+    """sbatch --time in seconds (None: UNLIMITED / INFINITE), in SLURM's forms: MINUTES, MM:SS,
+    HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS. Anything else is refused here, before anything is written
+    (sbatch would refuse it only at submission, `4h` among them)."""
+    if text.strip().lower() in ("unlimited", "infinite"):
+        return None
+    with_days = re.fullmatch(r"(\d+)-(\d+)(?::(\d+))?(?::(\d+))?", text)  # D-HH[:MM[:SS]]
+    if with_days:
+        days, hours, minutes, seconds = (int(part or 0) for part in with_days.groups())
+        return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+    plain = re.fullmatch(r"(\d+)(?::(\d+))?(?::(\d+))?", text)  # MINUTES, MM:SS, HH:MM:SS
+    if not plain:
+        raise ConfigError(f"--time {text!r} is not a SLURM time limit: give MINUTES, MM:SS, HH:MM:SS, D-HH, "
+                          "D-HH:MM or D-HH:MM:SS (e.g. 04:00:00 or 1-12:00:00)")
+    numbers = [int(part) for part in plain.groups() if part is not None]
+    if len(numbers) == 3:
+        return (numbers[0] * 60 + numbers[1]) * 60 + numbers[2]
+    return numbers[0] * 60 + (numbers[1] if len(numbers) == 2 else 0)
 
 
 @dataclasses.dataclass

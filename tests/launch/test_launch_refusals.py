@@ -47,3 +47,26 @@ def test_launch_slurm_refuses_options_the_job_could_not_honour(tmp_path, capsys,
     assert cli.main(["launch", "slurm", "--nodes", "1", "--output-dir", str(tmp_path / "run"), "--dry-run",
                      *options]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, seconds", [("90", 5400), ("10:30", 630), ("04:00:00", 14400), ("1-00", 86400),
+                                           ("2-12:30", 217800), ("1-12:00:00", 129600), ("UNLIMITED", None)])
+def test_slurm_time_limits_in_every_form_sbatch_takes(text, seconds):
+    from megatron_rl.launch.slurm import time_limit_seconds
+
+    assert time_limit_seconds(text) == seconds
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--time", "4h"], "--time '4h' is not a SLURM time limit: give MINUTES, MM:SS, HH:MM:SS"),
+    (["--time", "00:02:00"], "--time 00:02:00 (120 s) leaves no time before the preemption warning "
+                             "--signal-lead-seconds 120"),
+])
+def test_launch_slurm_refuses_a_time_limit_before_writing(tmp_path, capsys, monkeypatch, options, message):
+    """'4h' was written into the script for sbatch to refuse; a limit within the warning's lead made
+    every start of the job checkpoint and requeue itself at once, without end."""
+    monkeypatch.setenv("PATH", str(tmp_path / "no-sbatch"))
+    out = tmp_path / "run"
+    assert cli.main(["launch", "slurm", "--nodes", "1", "--output-dir", str(out), *options]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
