@@ -14,8 +14,11 @@ or changed file is refused by name, and nothing of that part is unpacked. A part
 first and moved into the site only when every member of the part passed: a manifest file name
 other than a plain name, a member that is not a plain file or folder (a link), whose name is
 absolute or climbs out with `..`, or that takes its archive past the unpacked size its manifest
-declares (an xz bomb) refuses the part by name. Standard library only (and its sibling kit.py):
-it runs under the GPU machine's bare Python.
+declares (an xz bomb) refuses the part by name, as does a part of more than MAX_MEMBERS members
+(empty files cost no bytes but an inode each: a part of millions of them would fill the disk's
+inodes). A manifest whose keys are missing or of the wrong kind (`files` not a list, a part not
+among its `parts`) is refused naming the manifest and the key. Standard library only (and its
+sibling kit.py): it runs under the GPU machine's bare Python.
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kit import sha256  # noqa: E402  (a sibling script, not a package)
 
 USAGE = {"receive": "receive PART_DIR RECEIVED", "status": "status RECEIVED", "verify": "verify PART_DIR"}
+# Members (files and folders) one part may unpack, all its archives together: about 15 times the
+# largest part pack.sh writes (vLLM 0.x's set: 21128 members in three parts, at most 3368 in one
+# archive), so a real part always fits and an archive of empty files cannot use up the inodes.
+MAX_MEMBERS = 50_000
+AGAIN = "run scripts/gpu_kit/pack.sh again"
 
 
 def read_manifest(part: Path) -> dict:
@@ -43,18 +51,43 @@ def read_manifest(part: Path) -> dict:
         raise SystemExit(f"{path}: missing; {part} is not a vLLM part as scripts/gpu_kit/pack.sh writes it") from None
     except ValueError as error:
         raise SystemExit(f"{path}: not valid JSON ({error}); carry the part again") from None
-    if not {"set", "part", "parts", "files"} <= set(manifest):
-        raise SystemExit(f"{path}: not a vLLM part's manifest (no set/part/parts/files); run pack.sh again")
-    for entry in manifest["files"]:
+    if not isinstance(manifest, dict) or not {"set", "part", "parts", "files"} <= set(manifest):
+        raise SystemExit(f"{path}: not a vLLM part's manifest (no set/part/parts/files); {AGAIN}")
+    check_keys(manifest, path)
+    return manifest
+
+
+def check_keys(manifest: dict, path: Path) -> None:
+    """Every key receiving reads, of the kind pack.sh writes: SystemExit naming `path` and the key."""
+    def refuse(key: str, wanted: str, value) -> None:
+        raise SystemExit(f"{path}: {key} must be {wanted}, not {json.dumps(value)[:60]}; refused ({AGAIN})")
+
+    for key in ("set", "part"):
+        if not isinstance(manifest[key], str) or not manifest[key]:
+            refuse(key, "a non-empty string", manifest[key])
+    parts = manifest["parts"]
+    if not isinstance(parts, list) or not parts or not all(isinstance(name, str) and name for name in parts):
+        refuse("parts", "a non-empty list of the set's part names", parts)
+    if manifest["part"] not in parts:
+        refuse("part", f"one of its parts ({', '.join(parts)})", manifest["part"])
+    if not isinstance(manifest["files"], list) or not manifest["files"]:
+        refuse("files", "a non-empty list of the part's archives", manifest["files"])
+    for index, entry in enumerate(manifest["files"]):
+        if not isinstance(entry, dict):
+            refuse(f"files[{index}]", "an object (file, bytes, sha256, unpacked_bytes)", entry)
         name = entry.get("file")
         # A path of the manifest's own would name files outside the part (part / "../..").
         if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
-            raise SystemExit(f"{path}: file {name!r} is not a plain file name in the part's folder; refused "
-                             "(run scripts/gpu_kit/pack.sh again)")
-        if not isinstance(entry.get("unpacked_bytes"), int):
-            raise SystemExit(f"{path}: {name} has no unpacked_bytes (a manifest of an older pack.sh); "
-                             "run scripts/gpu_kit/pack.sh again")
-    return manifest
+            raise SystemExit(f"{path}: file {name!r} is not a plain file name in the part's folder; refused ({AGAIN})")
+        if "unpacked_bytes" not in entry:
+            raise SystemExit(f"{path}: {name} has no unpacked_bytes (a manifest of an older pack.sh); {AGAIN}")
+        for key in ("bytes", "unpacked_bytes"):
+            value = entry.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                refuse(f"files[{index}].{key}", "an integer >= 0", value)
+        digest = entry.get("sha256")
+        if not isinstance(digest, str) or len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):
+            refuse(f"files[{index}].sha256", "64 lowercase hex digits", digest)
 
 
 def verify_part(part: Path) -> list[str]:
@@ -73,10 +106,15 @@ def verify_part(part: Path) -> list[str]:
 
 
 def load_state(received: Path) -> dict:
+    """What received.json says has arrived; {} (start afresh) when it is missing or not as written."""
     try:
-        return json.loads((received / "received.json").read_text())
+        state = json.loads((received / "received.json").read_text())
     except (OSError, ValueError):
         return {}
+    if not (isinstance(state, dict) and isinstance(state.get("set"), str) and isinstance(state.get("parts"), list)
+            and isinstance(state.get("received"), list) and set(state["received"]) <= set(state["parts"])):
+        return {}
+    return state
 
 
 def missing_parts(state: dict) -> list[str]:
@@ -108,8 +146,10 @@ def receive(part: Path, received: Path) -> dict:
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
     try:
+        members = 0
         for entry in manifest["files"]:
-            unpack_archive(part / entry["file"], scratch, entry["unpacked_bytes"], f"{manifest['part']}/{entry['file']}")
+            members += unpack_archive(part / entry["file"], scratch, entry["unpacked_bytes"],
+                                      f"{manifest['part']}/{entry['file']}", MAX_MEMBERS - members)
         move_into(scratch, site)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -119,14 +159,19 @@ def receive(part: Path, received: Path) -> dict:
     return state
 
 
-def unpack_archive(archive: Path, into: Path, declared: int, where: str) -> None:
+def unpack_archive(archive: Path, into: Path, declared: int, where: str, members_left: int = MAX_MEMBERS) -> int:
     """Unpack one tar.xz into `into`, member by member (one pass over the stream), refusing a
-    member that is not a plain file or folder, leaves `into`, or passes the declared size."""
-    total = 0
+    member that is not a plain file or folder, leaves `into`, passes the declared size, or is
+    one more than `members_left`. Returns the members unpacked."""
+    total = count = 0
     with tarfile.open(archive, "r|xz") as tar:
         for member in tar:
             name = PurePosixPath(member.name)
-            if not (member.isfile() or member.isdir()):
+            count += 1
+            if count > members_left:
+                problem = (f"takes the part past the {MAX_MEMBERS} members it may hold, its archives together "
+                           "(empty files count too: each is an inode)")
+            elif not (member.isfile() or member.isdir()):
                 problem = "is a link or special file; the parts hold only files and folders"
             elif name.is_absolute() or ".." in name.parts:
                 problem = "is an absolute path or climbs out with '..'"
@@ -139,6 +184,7 @@ def unpack_archive(archive: Path, into: Path, declared: int, where: str) -> None
                 continue
             raise SystemExit(f"{where}: member {member.name!r} {problem}: refused, nothing of the part "
                              "unpacked (run scripts/gpu_kit/pack.sh again and carry the part again)")
+    return count
 
 
 def move_into(scratch: Path, site: Path) -> None:

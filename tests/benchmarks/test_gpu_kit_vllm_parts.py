@@ -200,6 +200,55 @@ def test_a_part_whose_archive_would_write_outside_the_site_or_past_its_declared_
     assert vllm_receive.main(["status"]) == 2 and "status RECEIVED" in capsys.readouterr().err
 
 
+
+MALFORMED = [
+    (lambda m: m.update(files={"evil.tar.xz": 1}), "files", "a non-empty list of the part's archives"),
+    (lambda m: m.update(part="part9"), "part", "one of its parts (part1)"),
+    (lambda m: m.update(parts="part1"), "parts", "a non-empty list of the set's part names"),
+    (lambda m: m.update(set=7), "set", "a non-empty string"),
+    (lambda m: m["files"].__setitem__(0, "evil.tar.xz"), "files[0]", "an object (file, bytes, sha256, unpacked_bytes)"),
+    (lambda m: m["files"][0].update(bytes="2"), "files[0].bytes", "an integer >= 0"),
+    (lambda m: m["files"][0].update(unpacked_bytes=None), "files[0].unpacked_bytes", "an integer >= 0"),
+    (lambda m: m["files"][0].update(sha256=["x"]), "files[0].sha256", "64 lowercase hex digits"),
+]
+
+
+@pytest.mark.parametrize("change, key, wanted", MALFORMED, ids=[key for _, key, _ in MALFORMED])
+def test_a_manifest_of_the_wrong_shape_is_refused_by_key_not_with_a_traceback(tmp_path, change, key, wanted):
+    """Before: `files` not a list, a part not among `parts` or a size as text ended in an
+    AttributeError, ValueError or TypeError traceback (or, `part` outside `parts`, a received.json
+    that named it and broke `status`)."""
+    part = crafted_part(tmp_path, file_member("vllm/ok.py", b"ok"), b"ok")
+    manifest = json.loads((part / "manifest.json").read_text())
+    change(manifest)
+    (part / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SystemExit) as refused:
+        vllm_receive.receive(part, tmp_path / "received")
+    assert str(refused.value).startswith(f"{part / 'manifest.json'}: {key} must be {wanted}, not "), str(refused.value)
+    assert not (tmp_path / "received" / "site").exists()
+
+
+def test_a_part_of_more_members_than_a_part_may_hold_is_refused_empty_files_counted(tmp_path, monkeypatch):
+    """Empty files cost no declared bytes but an inode each: before, a part of millions of them
+    passed the size check. MAX_MEMBERS is lowered to 5 here; the part's archives count together."""
+    monkeypatch.setattr(vllm_receive, "MAX_MEMBERS", 5)
+    chunks = tmp_path / "chunks"
+    chunks.mkdir()
+    for chunk, count in (("a.tar.xz", 3), ("b.tar.xz", 3)):
+        with lzma.open(chunks / chunk, "wb") as xz, tarfile.open(fileobj=xz, mode="w") as tar:
+            for n in range(count):
+                tar.addfile(file_member(f"{chunk[0]}/empty{n}", b""))
+    vllm_pack.write_manifests(tmp_path / "packed", [["a.tar.xz", "b.tar.xz"]], chunks,
+                              {"a.tar.xz": 0, "b.tar.xz": 0}, {})
+    with pytest.raises(SystemExit) as refused:
+        vllm_receive.receive(tmp_path / "packed" / "part1", tmp_path / "received")
+    assert str(refused.value).startswith("part1/b.tar.xz: member 'b/empty2' takes the part past the 5 members it may "
+                                         "hold, its archives together (empty files count too"), str(refused.value)
+    assert [p for p in (tmp_path / "received").rglob("*") if not p.is_dir()] == []
+    monkeypatch.setattr(vllm_receive, "MAX_MEMBERS", 6)  # exactly as many: received
+    vllm_receive.receive(tmp_path / "packed" / "part1", tmp_path / "received")
+    assert len(list((tmp_path / "received" / "site").rglob("empty*"))) == 6
+
 def file_member(name: str, data: bytes) -> tarfile.TarInfo:
     member = tarfile.TarInfo(name)
     member.size = len(data)
