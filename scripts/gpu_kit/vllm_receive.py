@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kit import sha256  # noqa: E402  (a sibling script, not a package)
 
 USAGE = {"receive": "receive PART_DIR RECEIVED", "status": "status RECEIVED", "verify": "verify PART_DIR"}
-# Members (files and folders) one part may unpack, all its archives together: about 15 times the
-# largest part pack.sh writes (vLLM 0.x's set: 21128 members in three parts, at most 3368 in one
-# archive), so a real part always fits and an archive of empty files cannot use up the inodes.
+# Members (files and folders) one part may unpack, all its archives together: 5 times the largest
+# part pack.sh writes (the packed vLLM set: 21128 members in three parts, 9975 in the largest), so
+# a real part fits and an archive of empty files cannot use up the disk's inodes.
 MAX_MEMBERS = 50_000
 AGAIN = "run scripts/gpu_kit/pack.sh again"
 
