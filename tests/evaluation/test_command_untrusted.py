@@ -107,3 +107,26 @@ def test_a_checkpoints_recorded_rewards_run_no_code_of_its_own(no_engine, capsys
         config = checkpoint_config(identify(str(run), "A"), to_dict(load_config(None, overrides)), overrides,
                                    str(tmp_path / "out"))
         assert [term.name for term in config.rewards.terms] == [f"{reward}:score"]
+
+
+@pytest.mark.parametrize("rewards, named", [
+    ('{"terms": [{"name": "code_tests", "params": {"memory_mb": 1000000}}]}',
+     "runs code_tests with memory_mb=1e+06 (rewards.terms[0].params), above the 4096 eval takes from a checkpoint; "
+     "if you mean it, name the reward yourself: rewards.terms='[{name: code_tests, params: {memory_mb: 1e+06}}]'"),
+    ('{"terms": [{"name": "math"}, {"name": "code_tests", "params": {"wall_seconds": 86400}}]}',
+     "runs code_tests with wall_seconds=86400 (rewards.terms[1].params), above the 60 eval takes"),
+    ('{"timeout_s": 1000000}', "sets rewards.timeout_s=1e+06, above the 600 eval takes from a checkpoint; if you "
+                               "mean it, set it yourself: rewards.timeout_s=1e+06"),
+    ('{"num_workers": 10000}', "sets rewards.num_workers=10000, above the 64 eval takes from a checkpoint"),
+], ids=["memory_mb", "wall_seconds", "timeout_s", "num_workers"])
+def test_a_checkpoints_recorded_scoring_limits_are_bounded_unless_the_command_sets_them(no_engine, capsys, prompts,
+                                                                                        tmp_path, rewards, named):
+    """A stranger's run config chose how much of this machine scoring takes: each sandboxed
+    program's memory and time, the scorer's timeout and worker processes. Before, eval took any
+    value. The same value given on the command line is the user's and is taken."""
+    run = stand_in_run(tmp_path, '{"step": 1, "config": {"rewards": %s}}' % rewards)
+    err = refused(capsys, "--ckpt", str(run), "--set", f"a={prompts}", "--out", str(tmp_path / "out"))
+    assert f"--ckpt {run}: the config recorded in {run}/checkpoints/step_000001/trainer_state.json {named}" in err, err
+    yours = ["rewards.timeout_s=1000000", "rewards.num_workers=10000", "rewards.terms=[{name: math}]"]
+    config = checkpoint_config(identify(str(run), "A"), to_dict(load_config(None, yours)), yours, str(tmp_path / "o"))
+    assert (config.rewards.timeout_s, config.rewards.num_workers) == (1000000, 10000)
