@@ -84,12 +84,14 @@ def forked_python() -> str:
 
 class _Zygote:
     """This pytest worker's pre-imported server (tests/_support/zygote.py), started on first use and
-    stopped when the worker exits (the server also leaves when its parent is gone)."""
+    stopped when the worker exits (SIGTERM: the server kills everything below it, then leaves); the
+    server also stops when the worker is gone, however it ended. `preload` (module names) and `env`
+    replace the server's imports and environment (tests of the server itself)."""
 
     SCRIPT = Path(__file__).with_name("zygote.py")
 
-    def __init__(self):
-        self.process, self.path = None, ""
+    def __init__(self, preload: tuple[str, ...] | None = None, env: dict[str, str] | None = None):
+        self.process, self.path, self.preload, self.env = None, "", preload, env
 
     def socket(self) -> str:
         """The server's socket path; the server is started if it is not running."""
@@ -104,13 +106,27 @@ class _Zygote:
         import tempfile
 
         folder = tempfile.mkdtemp(prefix="zygote-")
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)  # runs after the kill below (last in, first out)
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)  # runs after the stop below (last in, first out)
         self.path = os.path.join(folder, "socket")
         zygote.write_shim(self.path)
         self.log = open(os.path.join(folder, "server.log"), "wb")
-        self.process = subprocess.Popen([sys.executable, str(self.SCRIPT), "serve", self.path], env=child_env(),
-                                        stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        atexit.register(self.process.kill)
+        preload = [] if self.preload is None else ["--preload", *self.preload]
+        self.process = subprocess.Popen([sys.executable, str(self.SCRIPT), "serve", self.path, str(os.getpid()),
+                                         *preload], env=self.env or child_env(), stdout=self.log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        atexit.register(self.stop, self.process)
+
+    @staticmethod
+    def stop(process) -> None:
+        """SIGTERM, then SIGKILL after 10 s. Not SIGKILL at once: the runs still going (a vLLM server
+        a killed run had started) were left behind, the server gone before it could kill them."""
+        import subprocess
+
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 _zygote = _Zygote()

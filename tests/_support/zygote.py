@@ -10,8 +10,18 @@ the process it stands for. It passes its argv, environment, working directory an
 (the file descriptors themselves) to the server, which forks; the fork becomes what `python ARGV...`
 would be there (sys.argv, sys.path with that PYTHONPATH, environment, cwd, streams, `__main__`) and
 runs it, in a session of its own. The client forwards SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2
-to it and exits with its exit status (or dies of its signal); a client that dies takes the fork's
-session with it (SIGKILL), so a killed test leaves nothing behind.
+to it and exits with its exit status (or dies of its signal); a client that dies takes the fork with
+it (SIGKILL), and everything below the fork, so a killed test leaves nothing behind.
+
+Nothing the server starts outlives its owner (the pytest worker: `serve SOCKET OWNER_PID`), however
+the owner ends (process_tree.py does the killing): the server is the child subreaper of all it
+forks, so what a dead process leaves (a vLLM server a run started in a session of its own, the
+client standing for it) stays below the server instead of going to init; a run whose client dies
+goes with its whole tree; once the owner is gone (polled, between the imports too: an owner killed
+while its server imported had left the server idle for good) or asks with SIGTERM (its exit), the
+server kills everything below it and leaves; should the server itself be killed, its forks die with
+it (PR_SET_PDEATHSIG). Left behind before: the forks of vLLM servers (0.5-1.6 GB each) that
+interrupted runs had started, once the owner's exit had killed the server with SIGKILL.
 
 `run --children SOCKET ARGV...` (and `ranks --children`): the run's own Python children are forked
 from the server too (its sys.executable is SHIM below): a conversion tool's torchrun and its ranks,
@@ -30,7 +40,8 @@ memory starts with pages shared with the server (a peak read from VmHWM is anoth
 import-time warnings are not printed again; the hash seed is the server's. A `sitecustomize.py` in a
 directory of the run's PYTHONPATH runs in the fork, as `site` runs it at a fresh start, but after
 the server's imports: a hook that waits for a module's import must also act on a module imported
-already (tests/tools/pause_hook/sitecustomize.py does).
+already (tests/tools/pause_hook/sitecustomize.py does). A process orphaned below a run goes to the
+server, not to init.
 """
 
 from __future__ import annotations
@@ -259,14 +270,21 @@ def _run_sitecustomize(directories: list[str]) -> None:
             return
 
 
-def _become(request: dict, fds: list[int], server_pythonpath: set[str], shim: str, imported_env: dict) -> None:
+def _become(request: dict, fds: list[int], server_pythonpath: set[str], shim: str, imported_env: dict,
+            server: int) -> None:
     """In the fork: turn into `python ARGV...` and run it; never returns."""
     import runpy
     import threading
     import traceback
 
-    code = 0
+    import process_tree  # imported by the server (beside this script)
+
+    code, died_of = 0, 0
     try:
+        # A server killed outright (not through its SIGTERM) takes its forks along.
+        process_tree.prctl(process_tree.PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != server:  # it died before that line
+            os._exit(1)
         os.setsid()
         # Each descriptor to its number in the client, moved out of the way first so that one
         # received under another's number is not overwritten before it is placed.
@@ -281,8 +299,11 @@ def _become(request: dict, fds: list[int], server_pythonpath: set[str], shim: st
             os.dup2(fd, target)  # inheritable, as in the client
         for fd in moved:
             os.close(fd)
+        # As a fresh interpreter has them: SIGINT raises KeyboardInterrupt (so a run's finally blocks
+        # and exit functions run on Ctrl-C; SIG_DFL had killed it at once, leaving what it had started).
+        fresh = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN}
         for signum in (*FORWARDED, signal.SIGCHLD, signal.SIGPIPE):
-            signal.signal(signum, signal.SIG_DFL if signum != signal.SIGPIPE else signal.SIG_IGN)
+            signal.signal(signum, fresh.get(signum, signal.SIG_DFL))
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -293,9 +314,8 @@ def _become(request: dict, fds: list[int], server_pythonpath: set[str], shim: st
         argv = request["argv"]
         pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         base = [p for p in sys.path[1:] if p not in server_pythonpath]
-        import torch
-
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        if "torch" in sys.modules:  # preloaded: its thread count was read from the server's environment
+            sys.modules["torch"].set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         if os.environ.get("PYTHONUNBUFFERED"):  # the streams were made by the server, buffered
             sys.stdout.reconfigure(write_through=True)
             sys.stderr.reconfigure(write_through=True)
@@ -322,11 +342,9 @@ def _become(request: dict, fds: list[int], server_pythonpath: set[str], shim: st
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if not isinstance(exc.code, int) and exc.code is not None:
             print(exc.code, file=sys.stderr)
-    except KeyboardInterrupt:  # the interpreter prints it, then dies of SIGINT
+    except KeyboardInterrupt:  # the interpreter prints it, exits as below (atexit too), then dies of SIGINT
         traceback.print_exc()
-        sys.stderr.flush()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
+        died_of = signal.SIGINT
     except BaseException:  # what the interpreter would print, and its exit status
         traceback.print_exc()
         code = 1
@@ -338,33 +356,47 @@ def _become(request: dict, fds: list[int], server_pythonpath: set[str], shim: st
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
+        if died_of:
+            signal.signal(died_of, signal.SIG_DFL)
+            os.kill(os.getpid(), died_of)
         os._exit(code)
 
 
-def serve(path: str) -> None:
+def serve(path: str, owner: int, preload: list[str] | None = None) -> None:
+    """Imports (`preload`: these modules instead of PRELOAD and PRELOAD_IF_INSTALLED), then forks a
+    run per request until `owner` is gone or sends SIGTERM; then kills every process below it."""
     import importlib
     import warnings
+
+    import process_tree  # beside this script: its directory is sys.path[0]
 
     pythonpath = {p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}  # a run's own replaces it
     before = dict(os.environ)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name in PRELOAD:
+        for name in PRELOAD if preload is None else preload:
+            if os.getppid() != owner:  # killed while its server imported: nobody will connect
+                return
             importlib.import_module(name)
-        for name in PRELOAD_IF_INSTALLED:
+        for name in PRELOAD_IF_INSTALLED if preload is None else ():
+            if os.getppid() != owner:
+                return
             try:
                 importlib.import_module(name)
             except ImportError:
                 break
     imported_env = {name: value for name, value in os.environ.items() if before.get(name) != value}
     shim = shim_path(path)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda _s, _f: stopping.append(True))  # the owner's exit (processes.py)
+    process_tree.prctl(process_tree.PR_SET_CHILD_SUBREAPER, 1)  # orphans below the server stay below it, not under init
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
     os.rename(path + ".tmp", path)  # clients connect only once the imports are done
     listener.listen(64)
-    parent = os.getppid()
+    server = os.getpid()
     running: dict[int, socket.socket | None] = {}  # child pid -> its client's connection (None: client gone)
-    while os.getppid() == parent:
+    while os.getppid() == owner and not stopping:
         readable, _, _ = select.select([listener, *(c for c in running.values() if c)], [], [], 0.2)
         for conn in readable:
             if conn is listener:
@@ -379,20 +411,17 @@ def serve(path: str) -> None:
                         if other is not None:
                             other.close()
                     accepted.close()
-                    _become(json.loads(message), fds, pythonpath, shim, imported_env)
+                    _become(json.loads(message), fds, pythonpath, shim, imported_env, server)
                 for fd in fds:
                     os.close(fd)
                 accepted.sendall(json.dumps({"pid": pid}).encode() + b"\n")
                 running[pid] = accepted
-            elif not conn.recv(1, socket.MSG_PEEK):  # the client died: so does its run
+            elif not conn.recv(1, socket.MSG_PEEK):  # the client died: so does its run, and what it started
                 pid = next(p for p, c in running.items() if c is conn)
-                _kill_session(pid)
+                process_tree.kill_tree(pid)
                 running[pid] = None
                 conn.close()
-        while running:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
-                break
+        for pid, status in process_tree.reaped():  # its forks, and the orphans it adopted
             conn = running.pop(pid, None)
             if conn is not None:
                 result = {"exit": os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1,
@@ -402,15 +431,7 @@ def serve(path: str) -> None:
                 except OSError:
                     pass
                 conn.close()
-    for pid in running:
-        _kill_session(pid)
-
-
-def _kill_session(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    process_tree.kill_everything_below(server)
 
 
 if __name__ == "__main__":
@@ -421,4 +442,6 @@ if __name__ == "__main__":
         sys.exit(client(rest[0], rest[1:], forked_children))
     if mode == "ranks":
         sys.exit(ranks(rest[0], int(rest[1]), int(rest[2]), rest[3:], forked_children))
-    serve(rest[0])
+    # serve SOCKET [OWNER_PID (the parent)] [--preload MODULE...]
+    owner, options = (int(rest[1]), rest[2:]) if rest[1:2] and rest[1].isdigit() else (os.getppid(), rest[1:])
+    serve(rest[0], owner, options[1:] if options[:1] == ["--preload"] else None)

@@ -74,6 +74,15 @@ def test_signals_reach_the_run_and_its_status_comes_back():
     dies = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
     assert subprocess.run(python_command("-c", dies, preloaded=True), env=child_env(), timeout=60).returncode == -9
 
+    # Ctrl-C: the interpreter runs the exit functions (vLLM's shared memory is released by one),
+    # then dies of SIGINT.
+    interrupted = ("import atexit, os, signal\natexit.register(print, 'exit functions ran', flush=True)\n"
+                   "os.kill(os.getpid(), signal.SIGINT)\nimport time; time.sleep(60)")
+    for preloaded in (False, True):
+        result = subprocess.run(python_command("-c", interrupted, preloaded=preloaded), env=child_env(),
+                                capture_output=True, text=True, timeout=60)
+        assert (result.returncode, result.stdout) == (-2, "exit functions ran\n"), (preloaded, result.stderr)
+
 
 def test_a_killed_client_takes_the_run_and_its_children_with_it():
     spawn = ("import subprocess, sys, time\n"
