@@ -283,9 +283,13 @@ class ChatFormat:
         kwargs = dict(self.template_kwargs)
         if tools:
             kwargs["tools"] = tools
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt, **kwargs)
+        from megatron_rl.data.chat_template import TemplateLimit, render_chat_template
+
+        try:  # apply_chat_template's text, rendered with bounds on size and time (data/chat_template.py)
+            text = render_chat_template(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                                        **kwargs)
+        except TemplateLimit:
+            raise
         except Exception as exc:  # jinja errors, raise_exception() in templates
             roles = [m.get("role") for m in messages]
             raise ValueError(f"chat format {self.family!r}: the chat template failed on roles {roles}: "

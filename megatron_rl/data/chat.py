@@ -53,7 +53,10 @@ def render_prompt(tokenizer, prompt: str | Sequence[Mapping[str, str]], *, promp
             f"data.prompt_format='chat' but the tokenizer {name!r} has no chat template; "
             "use prompt_format='raw' or a tokenizer that ships one"
         )
-    return tokenizer.apply_chat_template(to_messages(prompt, system_prompt), tokenize=False, add_generation_prompt=True)
+    from megatron_rl.data.chat_template import render_chat_template
+
+    # apply_chat_template's text, rendered with bounds on size and time: the template is the model's code
+    return render_chat_template(tokenizer, to_messages(prompt, system_prompt), add_generation_prompt=True)
 
 
 def encode_prompt(tokenizer, prompt: str | Sequence[Mapping[str, str]], *, prompt_format: str = "raw",

@@ -578,3 +578,20 @@ def test_the_checks_fail_on_broken_adapters():
         check_tool_conversation(broken, family)
         with pytest.raises(AssertionError, match=f"{family}: the prompt after a cut turn"):
             check_cut_turn(broken, family)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_bounded_renderer_writes_what_transformers_writes_for_every_family(family):
+    """ChatFormat renders through data/chat_template.py (bounds on size and work); for each
+    family's published template, the whole tool conversation and its prompt, with and without the
+    generation prompt, are the text apply_chat_template writes."""
+    from megatron_rl.data.chat_template import render_chat_template
+
+    conversation = [*PROMPT]
+    for turn in tool_conversation(family):
+        conversation += [turn.message, *turn.observation]
+    for messages in (PROMPT, conversation):
+        for generation in (True, False):
+            ours = render_chat_template(tokenizer_for(family), messages, add_generation_prompt=generation,
+                                        tools=TOOLS, **TEMPLATE_KWARGS.get(family, {}))
+            assert ours == render(family, messages, generation_prompt=generation), (family, len(messages), generation)
