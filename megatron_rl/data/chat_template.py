@@ -59,7 +59,7 @@ class _Budget:
         if self.steps > MAX_STEPS:
             raise TemplateLimit(f"the chat template took more than {MAX_STEPS} steps (loop iterations and calls) to "
                                 "render one conversation: refused, as a template that would not end")
-        if self.steps % 256 == 0 and time.monotonic() - self.started > MAX_SECONDS:
+        if time.monotonic() - self.started > MAX_SECONDS:
             raise TemplateLimit(f"the chat template took more than {MAX_SECONDS:g} s to render one conversation: "
                                 "refused, as a template that would not end")
 
@@ -91,6 +91,8 @@ def weight(value: Any, limit: int = MAX_TEXT) -> int:
             stack.extend(item)
         else:
             total += 1
+    if visited >= 1024:  # walking a large value is work too: a step per 1024 items
+        _charge(visited >> 10)
     return total
 
 
@@ -269,16 +271,14 @@ def _environment():
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    def bounded_range(*args):
-        return range(*args)  # its size is the loop's: each iteration is a step
-
     environment = BoundedSandbox()
     environment.filters["tojson"] = tojson
     environment.filters = {name: _checked_filter(name, function) for name, function in environment.filters.items()}
     environment.filters["megatron_rl_counted"] = counted
     environment.filters["megatron_rl_sized"] = pass_context(lambda context, value: sized(value))
     environment.globals.pop("lipsum", None)  # lipsum(n=10**9) writes that many paragraphs
-    environment.globals.update(raise_exception=raise_exception, range=bounded_range,
+    # range stays jinja's sandbox's (at most 100000 items, as transformers renders it): `range(N)|list`
+    environment.globals.update(raise_exception=raise_exception,
                                strftime_now=lambda format: datetime.now().strftime(format))
     return environment
 
