@@ -303,5 +303,9 @@ def render_chat_template(tokenizer, messages: list[dict], *, add_generation_prom
         variables = {**tokenizer.special_tokens_map, **kwargs}
         return compiled.render(messages=messages, tools=tools, documents=None,
                                add_generation_prompt=add_generation_prompt, **variables)
+    except TemplateLimit as exc:
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise TemplateLimit(f"{exc} (the chat template of the tokenizer {name!r}: fix it in the model's "
+                            "tokenizer_config.json or chat_template.jinja)") from None
     finally:
         _BUDGET.reset(token)

@@ -47,6 +47,7 @@ def test_a_hostile_template_is_refused_by_its_bound_within_a_second(monkeypatch,
     with pytest.raises(ConfigError, match="the chat template ") as refused:  # the prompt check's path
         render_prompt(tokenizer, "1+1=", prompt_format="chat", system_prompt="be brief")
     assert isinstance(refused.value, TemplateLimit) and named in str(refused.value), str(refused.value)
+    assert str(refused.value).endswith("fix it in the model's tokenizer_config.json or chat_template.jinja)")
     assert time.perf_counter() - tick < 1.0
 
 
