@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         report_dir = work / "eval"
         walls["eval"] = cli("eval", "--ckpt", str(warm), "--ckpt", str(run), "--label", "warm_start",
                             "--label", "trained", "--set=heldout=heldout", f"--set=add99={harder}",
-                            "--n", str(args.n), "--k", args.k, "--out", str(report_dir))
+                            "--n", str(args.n), "--k", args.k, "--out", str(report_dir), "--overwrite")
         report = json.loads((report_dir / "eval.json").read_text())
         png = out.with_name(out.stem + "_pass_at_k.png")
         out.parent.mkdir(parents=True, exist_ok=True)
