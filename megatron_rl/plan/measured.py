@@ -61,10 +61,11 @@ def step_settings(config, layers: str | None = None, grouped_gemm: bool | None =
     (layer_spec auto: Transformer Engine; grouped GEMM: on with it)."""
     m = config.model
     te = m.layer_spec != "local" if layers is None else layers == "Transformer Engine"
+    if grouped_gemm is None:
+        grouped_gemm = te if m.moe_grouped_gemm is None else m.moe_grouped_gemm
     values = {"precision": m.precision, "fp8_recipe": m.fp8_recipe, "fp8_param": m.fp8_param,
               "recompute": m.recompute, "layers": "transformer_engine" if te else "local",
-              "moe_grouped_gemm": (te if m.moe_grouped_gemm is None else m.moe_grouped_gemm)
-              if grouped_gemm is None else grouped_gemm,
+              "moe_grouped_gemm": grouped_gemm,
               "moe_token_dispatcher": m.moe_token_dispatcher, "moe_permute_fusion": m.moe_permute_fusion,
               **{name: getattr(m, name) for name in LEVERS_OFF}, "lora": m.lora is not None}
     return {name: values[name] for name in SETTINGS}

@@ -181,7 +181,7 @@ def measured_lines(config, arch, plan: Plan) -> list[str]:
     timed = sum(1 for layout in plan.layouts if layout.step is not None)
     lines = [f"Measured step times: {selection.table.path} ({selection.gpu}: {selection.gpu_from}), "
              f"{len(selection.of_model)} measurement(s) of this model's layer; {timed} of {plan.considered} layouts "
-             "have one and are reordered by it among their own places.",
+             "have one; those that fit are reordered by it among their own places.",
              "measured = training time per RL step: rl.updates_per_rollout x (m + pp - 1) micro-batch slots of the "
              "slowest stage (its layers x the measured layer time per token + the head on the last stage, x "
              "micro_batch_tokens), m = micro-batches per DP rank per update,",

@@ -91,7 +91,7 @@ def test_the_table_says_which_rule_ranked_each_layout(setup):
     assert rows["ep2"].endswith("yes  measured: 20.5 s from synthetic_step_times.jsonl line 2")  # 2 x 2048 x 5e-3
     assert rows["ep1"].endswith("yes  measured: 53.2 s from synthetic_step_times.jsonl line 1")
     assert rows["ep4"].endswith("yes  heuristic")
-    assert "2 of 3 layouts have one and are reordered by it among their own places" in text
+    assert "2 of 3 layouts have one; those that fit are reordered by it among their own places" in text
     assert "  line 1: synthetic EP1" in text and "over 32,768 tokens per step (rl.prompts_per_step" in text
     assert "then the layouts with a measured step time reordered among their own places by it" in text
     as_json = report.as_json(config, arch, plan, None, None)
