@@ -8,7 +8,8 @@
 #   bash scripts/gpu_kit/run.sh --perf --dry-run RESULTS_DIR # the sweep's pipeline on CPU; installs nothing
 #
 # --perf runs benchmarks/moe_perf.py instead of gpu_verify.py once TE's extension is built (it waits
-# for it), within the same budget: RESULTS_DIR/moe_perf.jsonl (a line per case) and moe_perf.md.
+# for it), within the same budget: RESULTS_DIR/moe_perf.jsonl (a line per case), moe_perf.md and
+# step_times.jsonl (the measured cases as `megatron-rl plan --measured`'s table).
 #
 # On the GPU machine (Python 3.12, torch 2.11.0+cu130, nvcc 13, no network) it installs the packed
 # kit without network into a scratch folder ($GPU_KIT_WORK, default a new folder under /tmp), in two
