@@ -59,7 +59,7 @@ def check_row_groups(path, metadata, max_row_bytes: int) -> None:
     first = 0
     for group in range(metadata.num_row_groups):
         rows, size = metadata.row_group(group).num_rows, metadata.row_group(group).total_byte_size
-        if size > rows * max_row_bytes:
+        if rows and size > rows * max_row_bytes:  # an empty group (a writer's empty chunk) holds no row
             raise ConfigError(f"{path} rows {first} to {first + rows - 1}: {size} bytes uncompressed, more than "
                               f"data.max_line_bytes={max_row_bytes} bytes a row (refused before decompressing them); "
                               "if a prompt row really is that large, raise data.max_line_bytes; otherwise fix the file")

@@ -62,3 +62,16 @@ def test_the_datasets_loader_bounds_a_parquet_files_rows_and_a_saved_datasets_ro
     with pytest.raises(ConfigError, match=r"saved row index 70: longer than data\.max_line_bytes=1048576 bytes"):
         load_hf_prompts(saved, max_line_bytes=BOUND)
     assert len(load_hf_prompts(saved, max_line_bytes=BOUND + 100)) == 100
+
+
+def test_an_empty_row_group_is_read_as_no_rows(tmp_path):
+    """A writer's empty last chunk (ParquetWriter.write_table of no rows) leaves a row group of 0
+    rows whose footer still records a few bytes: nothing in it to bound. It was refused as rows 1
+    to 0 over the bound (read_table had read such a file)."""
+    table = pa.table({"prompt": ["1+1="], "answer": ["2"]})
+    with pq.ParquetWriter(tmp_path / "chunked.parquet", table.schema) as writer:
+        writer.write_table(table)
+        writer.write_table(table.slice(0, 0))
+    assert pq.ParquetFile(tmp_path / "chunked.parquet").metadata.row_group(1).num_rows == 0
+    records = load_prompts(tmp_path / "chunked.parquet", max_line_bytes=BOUND)
+    assert [(r.prompt, r.answer) for r in records] == [("1+1=", "2")]
