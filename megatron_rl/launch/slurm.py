@@ -96,23 +96,24 @@ class SlurmOptions:
 
 
 def time_limit_seconds(text: str) -> int | None:
-    """sbatch --time in seconds (None: UNLIMITED / INFINITE), in SLURM's forms: MINUTES, MM:SS,
-    HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS. Anything else is refused here, before anything is written
-    (sbatch would refuse it only at submission, `4h` among them)."""
+    """sbatch --time in seconds (None: UNLIMITED / INFINITE, and a limit of zero, which sbatch
+    takes as no limit), in SLURM's forms: MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
+    Anything else is refused here, before anything is written (sbatch would refuse it only at
+    submission, `4h` among them)."""
     if text.strip().lower() in ("unlimited", "infinite"):
         return None
     with_days = re.fullmatch(r"(\d+)-(\d+)(?::(\d+))?(?::(\d+))?", text)  # D-HH[:MM[:SS]]
     if with_days:
         days, hours, minutes, seconds = (int(part or 0) for part in with_days.groups())
-        return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+        return ((days * 24 + hours) * 60 + minutes) * 60 + seconds or None
     plain = re.fullmatch(r"(\d+)(?::(\d+))?(?::(\d+))?", text)  # MINUTES, MM:SS, HH:MM:SS
     if not plain:
         raise ConfigError(f"--time {text!r} is not a SLURM time limit: give MINUTES, MM:SS, HH:MM:SS, D-HH, "
                           "D-HH:MM or D-HH:MM:SS (e.g. 04:00:00 or 1-12:00:00)")
     numbers = [int(part) for part in plain.groups() if part is not None]
     if len(numbers) == 3:
-        return (numbers[0] * 60 + numbers[1]) * 60 + numbers[2]
-    return numbers[0] * 60 + (numbers[1] if len(numbers) == 2 else 0)
+        return (numbers[0] * 60 + numbers[1]) * 60 + numbers[2] or None
+    return numbers[0] * 60 + (numbers[1] if len(numbers) == 2 else 0) or None
 
 
 @dataclasses.dataclass

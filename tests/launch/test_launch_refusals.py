@@ -50,8 +50,11 @@ def test_launch_slurm_refuses_options_the_job_could_not_honour(tmp_path, capsys,
 
 
 @pytest.mark.parametrize("text, seconds", [("90", 5400), ("10:30", 630), ("04:00:00", 14400), ("1-00", 86400),
-                                           ("2-12:30", 217800), ("1-12:00:00", 129600), ("UNLIMITED", None)])
+                                           ("2-12:30", 217800), ("1-12:00:00", 129600), ("UNLIMITED", None),
+                                           ("0", None), ("00:00:00", None), ("0-0", None)])
 def test_slurm_time_limits_in_every_form_sbatch_takes(text, seconds):
+    """A limit of zero, in any form, is sbatch's "no time limit" (as UNLIMITED): it was refused as
+    leaving no time before the preemption warning."""
     from megatron_rl.launch.slurm import time_limit_seconds
 
     assert time_limit_seconds(text) == seconds
