@@ -42,7 +42,8 @@ MAX_SECONDS = 10.0
 MAX_ITEMS = 1_000_000  # items of one value (a list of lists ...): a conversation's messages are hundreds
 MAX_INT_BITS = 1 << 16  # `**` results: a 65536-bit integer is already far beyond any template's arithmetic
 _BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("chat_template_budget", default=None)
-_FORMAT_WIDTH = re.compile(r"%[-+ #0]*(\*|\d+)?(?:\.(\*|\d+))?")
+# A `%` conversion's width and precision, after its mapping key if any (`%(name)9s`: keyed by a dict)
+_FORMAT_WIDTH = re.compile(r"%(?:\([^)]*\))?[-+ #0]*(\*|\d+)?(?:\.(\*|\d+))?")
 _BRACE_WIDTH = re.compile(r"\{[^{}]*:[^{}]*(\{|\d{8,})")
 
 

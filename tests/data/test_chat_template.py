@@ -23,6 +23,8 @@ HOSTILE = {
     "centered": ("{{ 'x'|center(10**10) }}", "would build a center result of more than"),
     "ljust": ("{{ 'x'.ljust(10**10) }}", "would build a str.ljust result of more than"),
     "percent width": ("{{ '%1000000000s' % 'x' }}", "would build a formatted string of more than"),
+    "keyed percent width": ("{{ '%(a)100000000s' % {'a': 'x'} }}", "would build a formatted string of more than"),
+    "keyed percent precision": ("{{ '%(a).100000000f'|format(a=1.5) }}", "would build a formatted string of more"),
     "format width": ("{{ '{:>{}}'.format('x', 10**9) }}", "formats with a width of 8 digits or one taken from"),
     "replace": ("{{ ('ab' * 1000)|replace('', 'y' * 100000) }}", "would build a replace result of more than"),
     "power": ("{{ 2 ** (10 ** 9) }}", "computes 2 ** 1000000000, an integer of more than 65536 bits"),
