@@ -28,6 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from operator import attrgetter
+
+import numpy as np
 
 from megatron_rl.plan.meta_model import ParamEntry
 
@@ -69,8 +72,11 @@ def _pad(value: int, divisor: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class _Buffer:
     itemsize: int
-    # (start, end) of every parameter in buffer order, and the bucket boundaries
-    spans: tuple[tuple[int, int], ...]
+    # Every parameter's first element and element count, in buffer order (int64 arrays: a 256-GPU
+    # DeepSeek-V3 search lays out thousands of stages of thousands of parameters, which element by
+    # element in Python took most of its time), and the bucket boundaries.
+    starts: np.ndarray
+    numels: np.ndarray
     buckets: tuple[tuple[int, int], ...]
 
     @property
@@ -78,97 +84,128 @@ class _Buffer:
         return self.buckets[-1][1] if self.buckets else 0
 
 
-def _layout(params: list[ParamEntry], dp: int, distributed_optimizer: bool) -> _Buffer:
-    """One _ParamAndGradBuffer's element layout (overlap_grad_reduce off: no size-based buckets)."""
+@dataclasses.dataclass(frozen=True)
+class _Columns:
+    """A stage's parameters as arrays, in model order: read once per stage with C-level passes
+    (map over attrgetter), not attribute by attribute in Python."""
+
+    numel: np.ndarray
+    itemsize: np.ndarray
+    expert: np.ndarray
+    shared_embedding: np.ndarray
+    frozen: np.ndarray
+
+    @classmethod
+    def of(cls, params: list[ParamEntry]) -> "_Columns":
+        def column(name: str, dtype) -> np.ndarray:
+            return np.fromiter(map(attrgetter(name), params), dtype=dtype, count=len(params))
+
+        return cls(column("numel", np.int64), column("itemsize", np.int64), column("expert", bool),
+                   column("shared_embedding", bool), column("frozen", bool))
+
+
+def _layout(numels: np.ndarray, shared_embedding: np.ndarray, itemsize: int, dp: int,
+            distributed_optimizer: bool) -> _Buffer:
+    """One _ParamAndGradBuffer's element layout (overlap_grad_reduce off: no size-based buckets).
+    In buffer order (the parameters reversed) each parameter starts where the previous one ends,
+    padded to 64 elements with the distributed optimizer; a tied embedding at pp > 1 (at most one
+    per stage and buffer) closes the bucket before it and gets one of its own. Between those, a
+    run of parameters is laid out at once: from a start padded to 64, each next start is the
+    previous one plus its size padded to 64. `numels`, `shared_embedding`: the buffer's parameters
+    in model order."""
     divisor = math.lcm(dp, 128)
-    spans, buckets = [], []
+    numels = numels[::-1]
+    count = len(numels)
+    starts = np.empty_like(numels)
+    own = np.flatnonzero(shared_embedding[::-1]).tolist() if distributed_optimizer else []
+    buckets = []
     start = bucket_start = 0
     open_bucket = False
-    for param in reversed(params):
-        if distributed_optimizer:
-            start = _pad(start, 64)
-        own_bucket = param.shared_embedding and distributed_optimizer
-        if own_bucket and open_bucket:
+    run_start = 0
+    for run_end in [*own, count]:
+        if run_start < run_end:  # ordinary parameters run_start .. run_end - 1
+            run = numels[run_start:run_end]
+            first = _pad(start, 64) if distributed_optimizer else start
+            steps = -(-run // 64) * 64 if distributed_optimizer else run
+            starts[run_start] = first
+            np.cumsum(steps[:-1], out=starts[run_start + 1:run_end])
+            starts[run_start + 1:run_end] += first
+            start = int(starts[run_end - 1] + run[-1])
+            open_bucket = True
+        if run_end == count:
+            break
+        start = _pad(start, 64)  # a parameter with a bucket of its own
+        if open_bucket:
             end = _pad(start, divisor)
             buckets.append((bucket_start, end))
             start = bucket_start = end
-        spans.append((start, start + param.numel))
-        open_bucket = True
-        start += param.numel
-        if own_bucket:
-            end = _pad(start, divisor)
-            buckets.append((bucket_start, end))
-            start = bucket_start = end
-            open_bucket = False
+        starts[run_end] = start
+        start = _pad(start + int(numels[run_end]), divisor)
+        buckets.append((bucket_start, start))
+        bucket_start = start
+        open_bucket = False
+        run_start = run_end + 1
     if open_bucket:
         end = _pad(start, divisor) if distributed_optimizer else start
         buckets.append((bucket_start, end))
-    itemsize = params[0].itemsize if params else 0
-    return _Buffer(itemsize, tuple(spans), tuple(buckets))
+    return _Buffer(itemsize, starts, numels, tuple(buckets))
 
 
-def _owned_per_rank(buffer: _Buffer, dp: int) -> list[int]:
+def _owned_per_rank(buffer: _Buffer, dp: int) -> np.ndarray:
     """Parameter elements inside each DP rank's slice of the buffer's buckets (padding excluded):
-    a slice's size minus the padding gaps that fall in it, so O(parameters + dp)."""
-    owned = [0] * dp
-    spans = iter(buffer.spans)
-    span = next(spans, None)
+    the parameter elements below the slice's end minus those below its start, each a binary search
+    over the parameters' starts, so O(parameters + dp log parameters)."""
+    before = np.zeros(len(buffer.numels) + 1, dtype=np.int64)  # elements of the parameters before each
+    np.cumsum(buffer.numels, out=before[1:])
+    owned = np.zeros(dp, dtype=np.int64)
     for bucket_start, bucket_end in buffer.buckets:
         size = (bucket_end - bucket_start) // dp
-        owned = [o + size for o in owned]
-        cursor = bucket_start
-        gaps = []
-        while span is not None and span[1] <= bucket_end:
-            gaps.append((cursor, span[0]))
-            cursor = span[1]
-            span = next(spans, None)
-        gaps.append((cursor, bucket_end))
-        for lo, hi in gaps:
-            while lo < hi:  # a gap can straddle slice boundaries
-                rank = (lo - bucket_start) // size
-                top = min(hi, bucket_start + (rank + 1) * size)
-                owned[rank] -= top - lo
-                lo = top
+        bounds = bucket_start + size * np.arange(dp + 1, dtype=np.int64)
+        last = np.searchsorted(buffer.starts, bounds, side="right") - 1  # the last parameter starting at or below
+        index = np.maximum(last, 0)
+        below = before[index] + np.clip(bounds - buffer.starts[index], 0, buffer.numels[index])
+        owned += np.diff(np.where(last >= 0, below, 0))
     return owned
 
 
-def buffer_groups(params: list[ParamEntry]) -> dict[tuple[bool, int], list[ParamEntry]]:
-    """DDP's buffers: (expert-parallel, param itemsize) -> parameters in model order."""
-    groups: dict[tuple[bool, int], list[ParamEntry]] = {}
-    for param in params:
-        groups.setdefault((param.expert, param.itemsize), []).append(param)
-    return groups
-
-
-def _part_states(params: list[ParamEntry], size: int, distributed_optimizer: bool) -> list[RankState]:
-    """Per DP rank (of `size`), the bytes of the buffers holding `params` (one kind: dense or expert)."""
-    states = [ZERO] * size
-    for (_, itemsize), group in buffer_groups(params).items():
-        buffer = _layout(group, size, distributed_optimizer)
-        if distributed_optimizer:
-            param_bytes, owned = buffer.numel * itemsize, _owned_per_rank(buffer, size)
-        else:
-            param_bytes, owned = sum(p.numel for p in group) * itemsize, [sum(p.numel for p in group)] * size
+def _part_states(columns: _Columns, expert: bool, size: int, distributed_optimizer: bool) -> np.ndarray:
+    """Per DP rank (of `size`), the bytes (params, grads, main_params, moments: one row per rank) of
+    the buffers holding the trained parameters of one kind (dense or `expert`): one buffer per
+    param itemsize, its parameters in model order."""
+    kind = ~columns.frozen & (columns.expert == expert)
+    states = np.zeros((size, 4), dtype=np.int64)
+    for itemsize in np.unique(columns.itemsize[kind]).tolist():
+        member = kind & (columns.itemsize == itemsize)
+        buffer = _layout(columns.numel[member], columns.shared_embedding[member], itemsize, size,
+                         distributed_optimizer)
+        owned = _owned_per_rank(buffer, size) if distributed_optimizer else buffer.numel
         main = MAIN_ITEMSIZE if itemsize < MAIN_ITEMSIZE else 0
-        states = [state + RankState(param_bytes, buffer.numel * GRAD_ITEMSIZE, n * main, n * MAIN_ITEMSIZE * MOMENTS)
-                  for state, n in zip(states, owned)]
+        states[:, 0] += buffer.numel * itemsize
+        states[:, 1] += buffer.numel * GRAD_ITEMSIZE
+        states[:, 2] += owned * main
+        states[:, 3] += owned * MAIN_ITEMSIZE * MOMENTS
     return states
 
 
 @dataclasses.dataclass(frozen=True)
 class StageStates:
-    """A pipeline stage's bytes per dense-DP rank and per expert-DP rank; a rank holds one of each."""
+    """A pipeline stage's bytes per dense-DP rank and per expert-DP rank; a rank holds one of each.
+    `dense`, `expert`: one row per DP rank of (params, grads, main_params, moments), int64 (a
+    512-GPU search has thousands of stages of up to 512 ranks: RankState objects for every one of
+    them took most of its time)."""
 
-    dense: list[RankState]
-    expert: list[RankState]
+    dense: np.ndarray
+    expert: np.ndarray
 
     def rank(self, dp_rank: int, expert_dp_rank: int) -> RankState:
-        return self.dense[dp_rank] + self.expert[expert_dp_rank]
+        return RankState(*(self.dense[dp_rank] + self.expert[expert_dp_rank]).tolist())
 
     def worst(self) -> RankState:
         """The largest dense share plus the largest expert share: the DP slices differ only in
-        where the padding falls, so this bounds every rank (exact when one rank holds both)."""
-        return max(self.dense, key=lambda s: s.total) + max(self.expert, key=lambda s: s.total)
+        where the padding falls, so this bounds every rank (exact when one rank holds both).
+        (The first of equal ones, as max() picks.)"""
+        dense, expert = (rows[int(np.argmax(rows.sum(axis=1)))] for rows in (self.dense, self.expert))
+        return RankState(*(dense + expert).tolist())
 
 
 def stage_states(params: list[ParamEntry], *, dp: int, expert_dp: int, distributed_optimizer: bool) -> StageStates:
@@ -176,14 +213,10 @@ def stage_states(params: list[ParamEntry], *, dp: int, expert_dp: int, distribut
     group (`dp`, with context parallelism) and the expert-data-parallel group (`expert_dp`).
     Frozen parameters (the base under model.lora) are in no DDP buffer: each rank holds them
     whole, as parameters only."""
-    trained = [p for p in params if not p.frozen]
-    dense = [p for p in trained if not p.expert]
-    expert = [p for p in trained if p.expert]
-
-    frozen = {False: 0, True: 0}
-    for p in params:
-        if p.frozen:
-            frozen[p.expert] += p.numel * p.itemsize
-    dense_frozen, expert_frozen = RankState(frozen[False], 0, 0, 0), RankState(frozen[True], 0, 0, 0)
-    return StageStates([s + dense_frozen for s in _part_states(dense, dp, distributed_optimizer)],
-                       [s + expert_frozen for s in _part_states(expert, expert_dp, distributed_optimizer)])
+    columns = _Columns.of(params)
+    held = columns.numel * columns.itemsize
+    dense, expert = (_part_states(columns, kind, size, distributed_optimizer)
+                     for kind, size in ((False, dp), (True, expert_dp)))
+    dense[:, 0] += int(held[columns.frozen & ~columns.expert].sum())
+    expert[:, 0] += int(held[columns.frozen & columns.expert].sum())
+    return StageStates(dense, expert)
