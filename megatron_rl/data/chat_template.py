@@ -220,6 +220,10 @@ def _environment():
                     raise TemplateLimit(f"the chat template computes {left} ** {right}, an integer of more than "
                                         f"{MAX_INT_BITS} bits: refused")
             elif operator == "*":
+                if isinstance(left, int) and isinstance(right, int) and \
+                        abs(left).bit_length() + abs(right).bit_length() > MAX_INT_BITS:  # squared again and again
+                    raise TemplateLimit(f"the chat template multiplies two integers into one of more than "
+                                        f"{MAX_INT_BITS} bits: refused")
                 sequence, times = (left, right) if isinstance(right, int) else (right, left)
                 if isinstance(times, int) and isinstance(sequence, (str, bytes, list, tuple)):
                     _within(weight(sequence) * max(times, 0), "a repeated sequence")

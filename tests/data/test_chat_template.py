@@ -28,6 +28,8 @@ HOSTILE = {
     "format width": ("{{ '{:>{}}'.format('x', 10**9) }}", "formats with a width of 8 digits or one taken from"),
     "replace": ("{{ ('ab' * 1000)|replace('', 'y' * 100000) }}", "would build a replace result of more than"),
     "power": ("{{ 2 ** (10 ** 9) }}", "computes 2 ** 1000000000, an integer of more than 65536 bits"),
+    "squaring": ("{% set ns = namespace(n=3**20000) %}{% for i in range(40) %}{% set ns.n = ns.n * ns.n %}{% endfor %}",
+                 "multiplies two integers into one of more than 65536 bits"),
     "doubling": ("{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
                  "would build a value of more than 67108864 characters"),
     "shared lists": ("{% set ns = namespace(l=[1]) %}{% for i in range(60) %}{% set ns.l = [ns.l, ns.l] %}"
