@@ -7,15 +7,15 @@
   the original HF tensors;
 - neither conversion's memory grows with the model: converting a model of ~400 MB of weights needs
   less than a quarter of that more than converting a tiny one (peak anonymous memory, read from
-  /proc while the tool runs). Building the model, as the conversions did before, costs all of it.
+  /proc while the tool runs; the four runs forked from one fresh process after their imports,
+  conversion_memory_worker.py). Building the model, as the conversions did before, costs all of it.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +30,7 @@ from test_bridge import family_configs, make_hf_model, read_checkpoint  # noqa: 
 pytestmark = pytest.mark.multiprocess
 
 WORKER = Path(__file__).with_name("streamed_worker.py")
+MEMORY_WORKER = Path(__file__).with_name("conversion_memory_worker.py")
 ENV = child_env()
 
 
@@ -70,41 +71,27 @@ def test_streamed_save_is_the_live_save_and_loads_at_another_layout(tmp_path):
 # ---- memory ---------------------------------------------------------------------------------------
 
 
-def peak_anon_bytes(command: list[str]) -> int:
-    """Run `command`; the largest RssAnon (allocated memory, not mapped files) of its process seen
-    every 10 ms."""
-    process = subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak = [0]
-
-    def poll():
-        status = Path(f"/proc/{process.pid}/status")
-        while process.poll() is None:
-            try:
-                line = next(x for x in status.read_text().splitlines() if x.startswith("RssAnon:"))
-                peak[0] = max(peak[0], int(line.split()[1]) * 1024)
-            except (OSError, StopIteration):
-                pass
-            time.sleep(0.01)
-
-    watcher = threading.Thread(target=poll)
-    watcher.start()
-    _, stderr = process.communicate(timeout=600)
-    watcher.join()
-    assert process.returncode == 0, stderr[-4000:]
-    return peak[0]
-
-
-def conversions_peak(hf: Path, work: Path) -> tuple[int, int]:
-    """Peak anonymous memory of hf-to-megatron and of megatron-to-hf (16 MiB buckets) on `hf`."""
+def conversions_peaks(models: list[tuple[Path, Path]]) -> list[tuple[int, int]]:
+    """Per (HF directory, work directory): the peak anonymous memory of hf-to-megatron and of
+    megatron-to-hf (16 MiB buckets) on it, each run forked from one fresh process after the
+    conversions' imports (conversion_memory_worker.py); the round trip returns the HF tensors."""
     tools = REPO / "tools"
-    there = peak_anon_bytes([sys.executable, str(tools / "convert_hf_to_megatron.py"), "--hf-dir", str(hf),
-                             "--out", str(work / "mcore")])
-    back = peak_anon_bytes([sys.executable, str(tools / "convert_megatron_to_hf.py"), "--ckpt", str(work / "mcore"),
-                            "--out", str(work / "back"), "--bucket-mb", "16"])
-    original, returned = read_checkpoint(hf), read_checkpoint(work / "back")
-    assert sorted(original) == sorted(returned)
-    assert all(torch.equal(original[name], returned[name]) for name in original)
-    return there, back
+    commands = []
+    for hf, work in models:
+        commands += ["--", str(tools / "convert_hf_to_megatron.py"), "--hf-dir", str(hf), "--out", str(work / "mcore"),
+                     "--", str(tools / "convert_megatron_to_hf.py"), "--ckpt", str(work / "mcore"),
+                     "--out", str(work / "back"), "--bucket-mb", "16"]
+    out = models[0][1] / "peaks.json"
+    # A fresh process, not the pre-imported server: the forks' resident memory starts with their parent's.
+    result = subprocess.run(python_command(MEMORY_WORKER, out, *commands[1:]), env=ENV, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    peaks = json.loads(out.read_text())
+    for hf, work in models:
+        original, returned = read_checkpoint(hf), read_checkpoint(work / "back")
+        assert sorted(original) == sorted(returned)
+        assert all(torch.equal(original[name], returned[name]) for name in original)
+    return [(peaks[2 * i], peaks[2 * i + 1]) for i in range(len(models))]
 
 
 def test_conversions_memory_does_not_grow_with_the_model(tmp_path):
@@ -118,8 +105,8 @@ def test_conversions_memory_does_not_grow_with_the_model(tmp_path):
     assert weights > 380e6
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    small_there, small_back = conversions_peak(tiny, tmp_path / "a")
-    large_there, large_back = conversions_peak(large, tmp_path / "b")
+    (small_there, small_back), (large_there, large_back) = conversions_peaks([(tiny, tmp_path / "a"),
+                                                                             (large, tmp_path / "b")])
     grown = {"hf-to-megatron": large_there - small_there, "megatron-to-hf": large_back - small_back}
     # A conversion that built the model would grow by all of `weights`; the streamed ones hold one
     # tensor (hf-to-megatron) or one 16 MiB bucket (megatron-to-hf) of weights at a time.
