@@ -170,6 +170,11 @@ def _checked_filter(name: str, function):
         elif name == "tojson":
             indent = kwargs.get("indent", params[1] if len(params) > 1 else None)
             _within(size * (1 + (indent if isinstance(indent, int) else len(str(indent or "")))), "a tojson result")
+        elif name == "join" and value is not None:  # the separator once per item: read here, as a list
+            items = list(value)
+            separator = kwargs.get("d", params[0] if params else "")
+            _within(weight(items) + len(str(separator)) * len(items), "a join result")
+            args = (*args[:offset], items, *args[offset + 1:])
         return sized(function(*args, **kwargs), f"a {name} result")
 
     return checked

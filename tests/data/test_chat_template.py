@@ -55,6 +55,26 @@ def test_a_hostile_template_is_refused_by_its_bound_within_a_second(monkeypatch,
     assert time.perf_counter() - tick < 1.0
 
 
+@pytest.mark.parametrize("template", ["{% set s = 'x' * 1000000 %}{{ range(100)|map('string')|join(s) }}",
+                                      "{% set s = 'x' * 1000000 %}{{ ('abc' * 40)|join(s) }}",
+                                      "{{ '%(a)100000000s' % {'a': 'x'} }}"])
+def test_a_multiplying_filter_or_format_is_refused_before_its_result_is_built(template):
+    """The join filter's separator times its items and a keyed `%` width are checked before they
+    run: traced, the render allocates a small part of the 100 MB result it refuses (before, the
+    result was built whole and refused after; a 60 MB separator over 100000 items was 6 TB)."""
+    import tracemalloc
+
+    tokenizer = build_char_tokenizer(chat_template=template)
+    tracemalloc.start()
+    try:
+        with pytest.raises(TemplateLimit, match="would build a (join result|formatted string) of more than"):
+            render_chat_template(tokenizer, MESSAGES, add_generation_prompt=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 20 << 20, f"{peak / 2**20:.0f} MiB allocated while refusing"
+
+
 def test_the_projects_template_renders_as_transformers_renders_it():
     """The tiny ChatML template with a system prompt, tools and without: the same text as
     apply_chat_template (the families' published templates: tests/agents/test_chat_format.py)."""
