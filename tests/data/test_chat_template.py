@@ -84,3 +84,37 @@ def test_the_projects_template_renders_as_transformers_renders_it():
         for generation in (True, False):
             assert render_chat_template(tokenizer, MESSAGES, add_generation_prompt=generation, **extra) == \
                 tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=generation, **extra)
+
+
+def test_a_long_agent_conversation_costs_work_in_proportion_to_its_turns(monkeypatch):
+    """Qwen3's published template asks `messages|length` once per message: the filter's input was
+    measured (every message walked) at each call, so the work grew with the square of the turns
+    (256 tool rounds: 4.2 s, 60 times transformers' 0.07 s; 512 refused at the 10 s bound). The
+    work of 256 rounds is about twice that of 128 (steps: loop iterations, calls and walked items),
+    and the text is transformers'."""
+    from pathlib import Path
+
+    template = (Path(__file__).parents[1] / "agents" / "chat_templates" / "qwen3.jinja").read_text()
+    tokenizer = build_char_tokenizer(chat_template=template)
+    budgets = []
+
+    class Recorded(chat_template._Budget):
+        def __init__(self):
+            super().__init__()
+            budgets.append(self)
+
+    monkeypatch.setattr(chat_template, "_Budget", Recorded)
+
+    def steps(rounds: int) -> int:
+        messages = [{"role": "system", "content": "s"}]
+        for i in range(rounds):
+            call = {"type": "function", "function": {"name": "calc", "arguments": {"a": i}}}
+            messages += [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                         {"role": "tool", "content": f"r{i}"}, {"role": "assistant", "content": f"a{i}"}]
+        text = render_chat_template(tokenizer, messages, add_generation_prompt=True)
+        assert text == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return budgets[-1].steps
+
+    steps(1)  # compiled (its own budget)
+    small, large = steps(128), steps(256)
+    assert large < 2.5 * small, (small, large)
