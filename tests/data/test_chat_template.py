@@ -109,7 +109,8 @@ def test_a_long_agent_conversation_costs_work_in_proportion_to_its_turns(monkeyp
         messages = [{"role": "system", "content": "s"}]
         for i in range(rounds):
             call = {"type": "function", "function": {"name": "calc", "arguments": {"a": i}}}
-            messages += [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            messages += [{"role": "user", "content": f"q{i}"},
+                         {"role": "assistant", "content": "", "tool_calls": [call]},
                          {"role": "tool", "content": f"r{i}"}, {"role": "assistant", "content": f"a{i}"}]
         text = render_chat_template(tokenizer, messages, add_generation_prompt=True)
         assert text == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
