@@ -43,9 +43,11 @@ SHORT = ["rl.prompts_per_step=8", "rl.group_size=4", "rl.max_response_tokens=6",
 # The interrupted run: long enough that each interruption lands mid-run. Measured (a step takes
 # 0.3-1.2 s here; the test polls 4 times a second): the requeue seen after step 1 stops the first
 # run after step 2 or 3, the warning seen after the resumed run's first step stops it one or two
-# steps later (after step 5), so the last run still has 7 steps to go when it resumes; a warning
-# that came too late fails at once, naming LONG. Each step more costs its time in the last run.
-LONG = 12
+# steps later (after step 5); a warning that came too late fails at once, naming LONG. The warning
+# travels through the test's poll, two scancel calls and the batch script's trap (0.5-2.5 s), so the
+# resumed run keeps about 15 steps ahead of it: at 0.2-0.3 s a step on a fast, idle machine that is
+# 3-4.5 s (at LONG = 12 it was 1.6-2.4 s). Each step more costs its time in the last run.
+LONG = 18
 
 
 def cli(*args: str, env: dict | None = None, timeout: float = 120, children: bool = False) -> subprocess.CompletedProcess:
