@@ -17,7 +17,8 @@ system prompt, fields), rewards and rl (the response budget) sections, recorded 
 anything else with --config's (default: the built-in tiny default's). The command's key=value
 overrides go over either, and the engine's sections (rollout, parallel, device) are always the
 command's own. model.hf_config is the checkpoint's own description (its hf_config/ or config.json)
-unless the overrides name one.
+unless the overrides name one. What eval takes from a recorded rewards section is checked where a
+set is scored with it (evaluation/recorded_rewards.py).
 """
 
 from __future__ import annotations
@@ -36,14 +37,6 @@ ACCEPTED = ("a run directory (RUN: its latest checkpoint), a training checkpoint
 # The sections a run's checkpoint brings with it: what the weights are and how the run asked and scored.
 RUN_SECTIONS = ("model", "data", "rewards", "rl")
 TRAINER_STATE = "trainer_state.json"  # checkpoint/store.py's STATE (that module imports torch)
-# The most eval takes from a checkpoint's recorded rewards section and code_tests params without
-# the user's word: several times what the project's own recipes and sets use (rewards.timeout_s
-# 10, num_workers up to 32; code_tests wall 5-10 s, CPU 2-10 s, 512-1024 MB; HumanEval's cache
-# 4096), so a run of ours passes and a stranger's `memory_mb: 1000000` or `num_workers: 10000`
-# does not reach this machine. The command's own rewards.KEY (or rewards.terms) override is taken
-# as it is.
-RECORDED_REWARDS_BOUNDS = {"timeout_s": 600, "batch_timeout_s": 3600, "startup_timeout_s": 600, "num_workers": 64}
-RECORDED_CODE_TESTS_BOUNDS = {"wall_seconds": 60, "cpu_seconds": 60, "memory_mb": 4096, "cache_entries": 65536}
 EXPORT = "megatron_rl_export.json"  # in a run's hf_model/: how the run prompted the model, its step
 
 
@@ -207,57 +200,7 @@ def checkpoint_config(source: CheckpointSource, base: dict, overrides: list[str]
         config = load_config_dict(raw, overrides, origin)
     except ConfigError as exc:
         raise ConfigError(f"--ckpt {source.path}: {exc}") from None
-    if source.run_config is not None:
-        _check_recorded_limits(source, config.rewards, overrides)
-    if source.run_config is not None and not any(item.split("=", 1)[0].strip().startswith("rewards.terms")
-                                                 for item in overrides):
-        _check_recorded_rewards(source, config.rewards)
     return config
-
-
-def _check_recorded_limits(source: CheckpointSource, rewards, overrides: list[str]) -> None:
-    """The limits a checkpoint's recorded config sets for scoring on this machine (rewards.timeout_s,
-    num_workers, ...; code_tests' wall_seconds, cpu_seconds, memory_mb, cache_entries) are within
-    RECORDED_*_BOUNDS unless the command's overrides set them. Before, a stranger's run config
-    chose them: `memory_mb: 1000000` let each sandboxed program take what this machine has."""
-    named = {item.split("=", 1)[0].strip() for item in overrides}
-    where = f"--ckpt {source.path}: the config recorded in {source.resolved / TRAINER_STATE}"
-    recorded = source.run_config.get("rewards") or {}
-    for key, bound in RECORDED_REWARDS_BOUNDS.items():
-        value = getattr(rewards, key)
-        if key in recorded and f"rewards.{key}" not in named and value is not None and value > bound:
-            raise ConfigError(f"{where} sets rewards.{key}={value:g}, above the {bound} eval takes from a checkpoint; "
-                              f"if you mean it, set it yourself: rewards.{key}={value:g}")
-    if any(key.startswith("rewards.terms") for key in named) or "terms" not in recorded:
-        return
-    for index, term in enumerate(rewards.terms):
-        for key, bound in RECORDED_CODE_TESTS_BOUNDS.items() if term.name == "code_tests" else ():
-            value = term.params.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > bound:
-                raise ConfigError(f"{where} runs code_tests with {key}={value:g} (rewards.terms[{index}].params), "
-                                  f"above the {bound} eval takes from a checkpoint; if you mean it, name the reward "
-                                  f"yourself: rewards.terms='[{{name: code_tests, params: {{{key}: {value:g}}}}}]'")
-
-
-def _check_recorded_rewards(source: CheckpointSource, rewards) -> None:
-    """A checkpoint is untrusted, and so is the run config it records: its rewards may name only
-    built-in functions, and code_tests only in the namespace sandbox. Before, a recorded
-    `rewards.terms: [{name: some/file.py:fn}]` was imported and run by eval on the checkpoint's
-    say, and `params: {isolation: none}` ran the model's programs on this machine. The command's
-    own rewards.terms override is the user's word and is taken as it is."""
-    from megatron_rl.rewards.registry import BUILTIN_REWARDS
-
-    where = f"--ckpt {source.path}: the config recorded in {source.resolved / TRAINER_STATE}"
-    for index, term in enumerate(rewards.terms):
-        yours = f"rewards.terms='[{{name: \"{term.name}\"}}]'"
-        if term.name not in BUILTIN_REWARDS:
-            raise ConfigError(f"{where} names the reward {term.name!r} (rewards.terms[{index}]), code that eval does "
-                              f"not run on a checkpoint's say; if you trust it, name the reward yourself: {yours}")
-        isolation = term.params.get("isolation", "namespaces")
-        if term.name == "code_tests" and isolation != "namespaces":
-            raise ConfigError(f"{where} runs code_tests with isolation={isolation!r} (rewards.terms[{index}].params), "
-                              "which would run the model's programs outside the sandbox; eval takes that only from "
-                              f"you: {yours} with its params, or set.NAME.reward_params.isolation=none")
 
 
 def check_same_model(sources: list[CheckpointSource], configs: list) -> None:

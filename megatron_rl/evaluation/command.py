@@ -27,6 +27,7 @@ from pathlib import Path
 from megatron_rl.errors import ConfigError
 from megatron_rl.evaluation.checkpoints import CheckpointSource, check_same_model, checkpoint_config, identify
 from megatron_rl.config.evaluation import HELDOUT, MAX_SAMPLES
+from megatron_rl.evaluation.recorded_rewards import check_recorded_rewards
 from megatron_rl.evaluation.set_rewards import set_rewards
 from megatron_rl.evaluation.sets import (LoadedSet, SamplingDefaults, SetNaming, SetSpec, check_prompt_lengths,
                                          is_set_option, load_set, parse_sets)
@@ -67,6 +68,10 @@ def add_parser(commands) -> None:
                                                          "an earlier report is refused unless --overwrite")
     sub.add_argument("--overwrite", action="store_true",
                      help="replace the report an earlier evaluation wrote into --out")
+    sub.add_argument("--trust-recorded-rewards", action="store_true",
+                     help="score with each --ckpt's run's recorded rewards as they are (its reward functions, "
+                          "params, weights and limits), which a set without its own reward uses; without it, "
+                          "eval refuses recorded rewards that run code of their own or exceed its scoring bounds")
     sub.add_argument("--config", help="YAML recipe for a checkpoint no run wrote, and for the engine "
                                       "(default: the built-in tiny default)")
     sub.add_argument("overrides", nargs="*", metavar="key=value",
@@ -142,7 +147,8 @@ def prepare(args) -> EvalPlan:
     sources = [identify(path, label) for path, label in zip(args.ckpt, labels)]
     configs = [checkpoint_config(source, base, overrides, str(out)) for source in sources]
     check_same_model(sources, configs)
-    sets = [_eval_set(_load_set(spec, sources, configs), sources, configs) for spec in specs]
+    recorded = RecordedRewards(overrides, trusted=args.trust_recorded_rewards)
+    sets = [_eval_set(_load_set(spec, sources, configs), sources, configs, recorded) for spec in specs]
     record = {"checkpoints": [dataclasses.asdict(s) | {"resolved": str(s.resolved)} for s in sources],
               "sets": [dataclasses.asdict(s.loaded.spec) | {"prompts_read": len(s.loaded.records),
                                                             "max_tokens": s.max_tokens,
@@ -276,16 +282,32 @@ def _load_set(spec: SetSpec, sources: list[CheckpointSource], configs: list) -> 
     return loaded
 
 
-def _eval_set(loaded: LoadedSet, sources: list[CheckpointSource], configs: list) -> EvalSet:
+@dataclass(frozen=True)
+class RecordedRewards:
+    """What the command says about the checkpoints' recorded rewards: its key=value overrides (a
+    rewards.KEY of the user's is taken as it is) and --trust-recorded-rewards."""
+
+    overrides: list[str]
+    trusted: bool
+
+
+def _eval_set(loaded: LoadedSet, sources: list[CheckpointSource], configs: list, recorded: RecordedRewards) -> EvalSet:
     """The set's reward (its own, its format's, else the checkpoints' run's, which must agree),
-    resolved now, and its token budget."""
+    what it takes from a checkpoint's recorded rewards checked before anything of them is
+    resolved, resolved now, and its token budget."""
     spec = loaded.spec
-    if spec.reward is None and loaded.rewards is None:
+    runs = spec.reward is None and loaded.rewards is None  # scored with the run's terms
+    if runs:
         for source, config in zip(sources[1:], configs[1:]):
             if config.rewards != configs[0].rewards:
                 raise ConfigError(f"set {spec.name!r}: --ckpt {sources[0].path} and --ckpt {source.path} come with "
                                   "different rewards (their runs' rewards.terms): name the set's with "
                                   f"set.{spec.name}.reward=NAME so that both are scored alike")
+    # A HumanEval-format set without a reward of its own takes nothing of the run's rewards; an own reward its limits.
+    if spec.reward is not None or loaded.rewards is None:
+        for source, config in zip(sources, configs) if runs else [(sources[0], configs[0])]:
+            check_recorded_rewards(source, config.rewards, recorded.overrides, spec.name, terms_used=runs,
+                                   trusted=recorded.trusted)
     rewards = set_rewards(loaded, configs[0].rewards, SetNaming.command(spec.name))
     return EvalSet(loaded, rewards, spec.max_tokens or configs[0].rl.max_response_tokens)
 

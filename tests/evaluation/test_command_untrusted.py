@@ -7,14 +7,13 @@ Before, each of these passed `prepare`: a `config` of the wrong kind failed with
 traceback, and a NaN step, a NaN or infinite threshold, a NaN reward param or a negative seed
 ran the whole evaluation and failed only when eval.json (strict JSON) or the bootstrap's
 generator met them, the evaluation lost; --n 10**8 reached the engine. Each case runs the CLI in
-this process with the engine stage replaced by one that fails the test if reached."""
+this process with the engine stage replaced by one that fails the test if reached. What eval
+takes from a run's recorded rewards: test_recorded_rewards.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from megatron_rl.config import load_config, to_dict
-from megatron_rl.evaluation.checkpoints import checkpoint_config, identify
 from stand_ins import refused, stand_in_hf, stand_in_run
 
 
@@ -77,56 +76,3 @@ def test_a_sets_files_text_option_of_another_type_is_refused_by_name(no_engine, 
     sets.write_text("a: " + options.replace("PROMPTS", str(prompts)) + "\n")
     err = refused(capsys, "--ckpt", str(hf_dir), "--sets", str(sets), "--out", str(tmp_path / "out"))
     assert named in err, err
-
-
-@pytest.mark.parametrize("terms, named", [
-    ('[{"name": "REWARD:score"}]', "names the reward 'REWARD:score' (rewards.terms[0]), code that eval does not run "
-                                   "on a checkpoint's say; if you trust it, name the reward yourself: "
-                                   "rewards.terms='[{name: \"REWARD:score\"}]'"),
-    ('[{"name": "math"}, {"name": "code_tests", "params": {"isolation": "none"}}]',
-     "runs code_tests with isolation='none' (rewards.terms[1].params), which would run the model's programs outside "
-     "the sandbox"),
-])
-def test_a_checkpoints_recorded_rewards_run_no_code_of_its_own(no_engine, capsys, prompts, tmp_path, terms, named):
-    """A stranger's run config (trainer_state.json) naming a reward file, or code_tests without the
-    sandbox: before, eval imported the file (its top level ran: here it would write `ran`) and
-    would have run the model's programs on this machine. The user's own override is taken."""
-    ran = tmp_path / "ran"
-    reward = tmp_path / "recorded_reward.py"
-    reward.write_text(f"open({str(ran)!r}, 'w').write('the checkpoint chose this code')\n\n"
-                      "def score(prompt, response, answer, **metadata):\n    return 1.0\n")
-    terms = terms.replace("REWARD", str(reward))
-    run = stand_in_run(tmp_path, '{"step": 1, "config": {"rewards": {"terms": %s}}}' % terms)
-    argv = ["--ckpt", str(run), "--set", f"a={prompts}", "--out", str(tmp_path / "out")]
-    err = refused(capsys, *argv)
-    assert f"--ckpt {run}: the config recorded in {run}/checkpoints/step_000001/trainer_state.json " in err, err
-    assert named.replace("REWARD", str(reward)) in err, err
-    assert not ran.exists()
-    if "isolation" not in terms:  # named by the user, the same reward is theirs: the config is made
-        overrides = [f'rewards.terms=[{{name: "{reward}:score"}}]']
-        config = checkpoint_config(identify(str(run), "A"), to_dict(load_config(None, overrides)), overrides,
-                                   str(tmp_path / "out"))
-        assert [term.name for term in config.rewards.terms] == [f"{reward}:score"]
-
-
-@pytest.mark.parametrize("rewards, named", [
-    ('{"terms": [{"name": "code_tests", "params": {"memory_mb": 1000000}}]}',
-     "runs code_tests with memory_mb=1e+06 (rewards.terms[0].params), above the 4096 eval takes from a checkpoint; "
-     "if you mean it, name the reward yourself: rewards.terms='[{name: code_tests, params: {memory_mb: 1e+06}}]'"),
-    ('{"terms": [{"name": "math"}, {"name": "code_tests", "params": {"wall_seconds": 86400}}]}',
-     "runs code_tests with wall_seconds=86400 (rewards.terms[1].params), above the 60 eval takes"),
-    ('{"timeout_s": 1000000}', "sets rewards.timeout_s=1e+06, above the 600 eval takes from a checkpoint; if you "
-                               "mean it, set it yourself: rewards.timeout_s=1e+06"),
-    ('{"num_workers": 10000}', "sets rewards.num_workers=10000, above the 64 eval takes from a checkpoint"),
-], ids=["memory_mb", "wall_seconds", "timeout_s", "num_workers"])
-def test_a_checkpoints_recorded_scoring_limits_are_bounded_unless_the_command_sets_them(no_engine, capsys, prompts,
-                                                                                        tmp_path, rewards, named):
-    """A stranger's run config chose how much of this machine scoring takes: each sandboxed
-    program's memory and time, the scorer's timeout and worker processes. Before, eval took any
-    value. The same value given on the command line is the user's and is taken."""
-    run = stand_in_run(tmp_path, '{"step": 1, "config": {"rewards": %s}}' % rewards)
-    err = refused(capsys, "--ckpt", str(run), "--set", f"a={prompts}", "--out", str(tmp_path / "out"))
-    assert f"--ckpt {run}: the config recorded in {run}/checkpoints/step_000001/trainer_state.json {named}" in err, err
-    yours = ["rewards.timeout_s=1000000", "rewards.num_workers=10000", "rewards.terms=[{name: math}]"]
-    config = checkpoint_config(identify(str(run), "A"), to_dict(load_config(None, yours)), yours, str(tmp_path / "o"))
-    assert (config.rewards.timeout_s, config.rewards.num_workers) == (1000000, 10000)
