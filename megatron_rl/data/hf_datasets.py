@@ -143,8 +143,10 @@ def _file_rows(path: Path, key: str, fields: list[tuple[str, str]], keep_columns
         raise _empty(str(path), key, split_hint=False)
     datasets = _import_datasets(path)
     if builder == "parquet":  # the footer's sizes first: load_dataset decompresses the whole file into its cache
-        import pyarrow.parquet as pq
-
+        try:  # datasets requires pyarrow; guarded as parquet_rows' import is (the GPU kit carries neither)
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ConfigError(f"{path}: reading Parquet needs pyarrow; install it with `pip install pyarrow`") from None
         try:
             metadata = pq.ParquetFile(path).metadata
         except Exception as exc:  # pyarrow raises its own error types for corrupt or foreign files
