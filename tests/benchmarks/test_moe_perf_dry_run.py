@@ -3,13 +3,12 @@ list, a process per case, moe_perf.jsonl line by line, moe_perf.md with the goal
 with the code the GPU runs (benchmarks/moe_perf.py, moe_perf_gemm.py, moe_slice.py). Its figures
 are the CPU's; the arithmetic behind them is checked against figures computed here by hand."""
 
-import importlib.util
 import json
 import subprocess
-import sys
 
 import pytest
 
+from _support.benchmark_scripts import load_benchmark
 from _support.processes import REPO, child_env, forked_python
 
 pytestmark = pytest.mark.subprocess  # runs the kit's script, the sweep and its case processes
@@ -18,12 +17,7 @@ RUN = REPO / "scripts" / "gpu_kit" / "run.sh"
 PEAK = 0.5  # TFLOP/s: a stated peak, so the MFU arithmetic runs on a CPU
 
 
-def load(name):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+load = load_benchmark
 
 
 def sweep(out, *extra):

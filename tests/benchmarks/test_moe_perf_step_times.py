@@ -6,13 +6,11 @@ rows in the sweep's format (Sweep.record's keys) with made-up figures on a GPU n
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
 
 import pytest
 
-from _support.processes import REPO
+from _support.benchmark_scripts import load_benchmark
 from megatron_rl.config import load_config
 from megatron_rl.model.hf_config import load_hf_config, parse_hf_config
 from megatron_rl.plan import measured, step_time
@@ -21,12 +19,7 @@ GPU = "synthetic test GPU"
 TOKENS = 4096  # per step: two micro-batches of 2048
 
 
-def load(name):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+load = load_benchmark
 
 
 def synthetic_row(case: str, ep: int, levers: list[str], sets: list[str], decoder_s: float, **extra) -> dict:

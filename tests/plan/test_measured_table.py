@@ -5,12 +5,12 @@ and each figure is re-derived here from those runs' JSON."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 
 import pytest
 
+from _support.benchmark_scripts import load_benchmark
 from _support.processes import REPO
 from megatron_rl import cli
 from megatron_rl.config import load_config
@@ -117,10 +117,7 @@ def test_the_command_refuses_a_bad_table_before_planning(tmp_path, capsys, monke
 
 
 def test_the_h200_table_is_its_converters_output_and_each_figure_its_runs(tmp_path):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("step_times_fp8_moe", REPO / "benchmarks" / "step_times_fp8_moe.py")
-    converter = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(converter)
+    converter = load_benchmark("step_times_fp8_moe")
     runs = [REPO / "benchmarks" / "results" / name for name in H200_RUNS]
     measured.write_table(tmp_path / "again.jsonl", [e for path in runs for e in converter.entries(path)])
     assert (tmp_path / "again.jsonl").read_text() == H200_TABLE.read_text()  # not stale, nothing by hand
